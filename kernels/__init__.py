@@ -1,0 +1,14 @@
+"""Attention primitives: Triton kernels and their PyTorch twins behind one API.
+
+Layout (B, H, N, D) throughout; see each function's docstring. ``backend="auto"`` runs Triton on
+CUDA when it imports and supports the case, else the PyTorch twin (any torch device).
+"""
+
+from .api import (attention_dense, block_sparse_attention, group_kv_mass, group_queries, pooled_block_scores,
+                  token_sparse_attention, topk_per_row)
+from .backend import BACKENDS, triton_available
+
+__all__ = [
+    "BACKENDS", "attention_dense", "block_sparse_attention", "group_kv_mass", "group_queries",
+    "pooled_block_scores", "token_sparse_attention", "topk_per_row", "triton_available",
+]

@@ -1,0 +1,62 @@
+"""Backend choice for the attention primitives: Triton on CUDA when it can run, else PyTorch.
+
+Triton is imported lazily, once; when it is missing the PyTorch twins run and the log says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """True when ``import triton`` works (imported once, logged once when it does not)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        log.info("sparse attention: Triton unavailable (%s); using the PyTorch backend", exc)
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1): kernels then accept CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_device_ok(t: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    return t.is_cuda or (interpreting() and t.device.type == "cpu")
+
+
+def choose(backend: str, t: torch.Tensor, why_not: str | None, name: str) -> str:
+    """Pick ``"triton"`` or ``"torch"`` for primitive ``name`` on tensor ``t``.
+
+    backend: "auto" | "triton" | "torch". why_not: None when the Triton kernel supports this case,
+    else the reason it does not (dtype, head dim, block size). An explicit "triton" that cannot run
+    raises ValueError with the reason; "auto" falls back to the PyTorch twin.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    reason = why_not
+    # "auto" takes Triton only on CUDA; an explicit "triton" also runs CPU tensors under TRITON_INTERPRET=1
+    if reason is None and not (t.is_cuda if backend == "auto" else triton_device_ok(t)):
+        reason = f"tensors are on {t.device}, the Triton kernels need CUDA"
+    if reason is None and not triton_available():
+        reason = "Triton is not installed or failed to import"
+    if reason is None:
+        return "triton"
+    if backend == "triton":
+        raise ValueError(f"{name}: backend='triton' cannot run: {reason}")
+    return "torch"

@@ -1,0 +1,91 @@
+"""Query grouping: principal-direction divisive partitioning with median splits (seed 003)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._torch_softmax import CHUNK_ELEMS
+
+POWER_ITERS = 8
+
+
+def _split_plan(n_pad: int, c: int) -> list[list[tuple[int, int]]]:
+    """Segments (start, length) per level; every length is a multiple of c; the last level is all c."""
+    levels = []
+    segs = [(0, n_pad)]
+    while any(length > c for _, length in segs):
+        levels.append(segs)
+        nxt = []
+        for start, length in segs:
+            if length <= c:
+                nxt.append((start, length))
+                continue
+            left = c * ((length // c) // 2)
+            nxt += [(start, left), (start + left, length - left)]
+        segs = nxt
+    return levels
+
+
+def _principal_order(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Order of the points of each segment along its leading principal direction.
+
+    x: (S, L, D) fp32 points; real: bool (S, L), False for padding slots (which sort last).
+    Returns (S, L) int64, a stable argsort of the projections.
+    """
+    w = real.unsqueeze(-1).float()
+    cnt = w.sum(1, keepdim=True).clamp(min=1.0)
+    xc = (x - (x * w).sum(1, keepdim=True) / cnt) * w
+    # deterministic start: the point farthest from the mean
+    far = (xc * xc).sum(-1).argmax(1)
+    vec = xc[torch.arange(x.shape[0], device=x.device), far]
+    for _ in range(POWER_ITERS):
+        vec = torch.einsum("sld,sl->sd", xc, torch.einsum("sld,sd->sl", xc, vec))
+        vec = vec / vec.norm(dim=-1, keepdim=True).clamp(min=1e-30)
+    proj = torch.einsum("sld,sd->sl", xc, vec)
+    proj = proj.masked_fill(~real, float("inf"))
+    return torch.argsort(proj, dim=1, stable=True)
+
+
+def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Partition each head's queries into groups of exactly ``group_size`` similar queries.
+
+    Recursively projects every group on its leading principal direction (power iteration) and
+    splits the sorted queries at a multiple of ``group_size`` next to the median, until each group
+    holds ``group_size`` queries. Batched over B*H; deterministic; only the last group is padded.
+    q: (B, H, N, D) any float dtype. Returns int32 (B, H, ceil(N/group_size), group_size): query
+    indices per group, -1 padding the last group.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
+        raise ValueError("q must be a floating tensor of layout (B, H, N, D)")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    b, h, n, d = q.shape
+    c = group_size
+    g = math.ceil(n / c)
+    n_pad = g * c
+    dev = q.device
+    perm_all = torch.empty((b * h, n_pad), dtype=torch.int64, device=dev)
+    qf = q.reshape(b * h, n, d)
+    plan = _split_plan(n_pad, c)
+    step = max(1, CHUNK_ELEMS // max(1, n_pad * d * 2))
+    for h0 in range(0, b * h, step):
+        x = qf[h0:h0 + step].float()
+        nh = x.shape[0]
+        perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
+        for segs in plan:
+            by_len: dict[int, list[int]] = {}
+            for start, length in segs:
+                if length > c:
+                    by_len.setdefault(length, []).append(start)
+            for length, starts in by_len.items():
+                pos = (torch.tensor(starts, device=dev).view(-1, 1) + torch.arange(length, device=dev)).view(-1)
+                ids = perm[:, pos].view(nh, len(starts), length)
+                real = ids < n
+                pts = torch.gather(x, 1, ids.clamp(max=n - 1).view(nh, -1, 1).expand(-1, -1, d))
+                order = _principal_order(pts.view(nh * len(starts), length, d), real.view(-1, length))
+                perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(nh, -1)
+        perm_all[h0:h0 + nh] = perm
+    perm_all = torch.where(perm_all < n, perm_all, torch.full_like(perm_all, -1))
+    return perm_all.view(b, h, g, c).to(torch.int32)

@@ -1,0 +1,88 @@
+"""Token-sparse (gathered-KV) attention for groups of queries, PyTorch twin of the Triton kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (check_counts, check_index, check_key_padding_mask, check_qkv, check_scale,
+                      check_sorted_unique_in_range)
+from ._gather import flat_rows, gather_rows, head_offsets
+from ._torch_softmax import attend, rows_per_chunk
+
+
+def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: torch.device) -> tuple[int, int]:
+    """q_groups: int (B, H, G, C), entries in [-1, Nq), each query at most once per head. Returns (G, C)."""
+    if not isinstance(q_groups, torch.Tensor) or q_groups.dim() != 4:
+        raise ValueError("q_groups must be an int32 tensor of shape (B, H, G, C)")
+    g, c = q_groups.shape[2], q_groups.shape[3]
+    check_index("q_groups", q_groups, (b, h, g, c), device)
+    if q_groups.numel() == 0:
+        return g, c
+    if int(q_groups.min()) < -1 or int(q_groups.max()) >= nq:
+        raise ValueError(f"q_groups entries must lie in [-1, {nq}) (-1 pads a group)")
+    flat = q_groups.reshape(b * h, g * c).long()
+    seen = torch.zeros((b * h, nq + 1), dtype=torch.int32, device=device)
+    seen.scatter_add_(1, torch.where(flat < 0, nq, flat), torch.ones_like(flat, dtype=torch.int32))
+    if bool((seen[:, :nq] > 1).any()):
+        raise ValueError("q_groups lists a query more than once in the same head")
+    return g, c
+
+
+def check_token_lists(q, k, q_groups, kv_tokens, kv_counts) -> tuple[int, int, int]:
+    """Validate groups and their KV token lists; returns (G, C, max_k)."""
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    g, c = check_query_groups(q_groups, b, h, nq, q.device)
+    if not isinstance(kv_tokens, torch.Tensor) or kv_tokens.dim() != 4:
+        raise ValueError("kv_tokens must be an int32 tensor of shape (B, H, G, max_k)")
+    max_k = kv_tokens.shape[3]
+    check_index("kv_tokens", kv_tokens, (b, h, g, max_k), q.device)
+    check_index("kv_counts", kv_counts, (b, h, g), q.device)
+    check_counts("kv_counts", kv_counts, max_k)
+    check_sorted_unique_in_range("kv_tokens", kv_tokens, kv_counts, nk)
+    return g, c, max_k
+
+
+def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
+                           kv_tokens: torch.Tensor, kv_counts: torch.Tensor, *, scale: float | None = None,
+                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False):
+    """Each group of C queries attends its own sorted list of KV tokens; the rest count as -inf.
+
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
+    q_groups: int32 (B, H, G, C) query indices per group (-1 pads); kv_tokens: int32 (B, H, G, max_k)
+    strictly increasing KV token ids within the first ``kv_counts`` entries; kv_counts: int32 (B, H, G).
+    key_padding_mask: bool (B, Nk), True = attend. Output is written at each query's own position:
+    out (B, H, Nq, D) in q's dtype (+ lse (B, H, Nq) fp32). Queries in no group, or with nothing to
+    attend, get out 0 and lse -inf.
+    """
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts)
+    dev = q.device
+    out = torch.zeros((b * h * nq + 1, d), dtype=torch.float32, device=dev)  # last row: sink for pads
+    lse = torch.full((b * h * nq + 1,), float("-inf"), dtype=torch.float32, device=dev)
+    if max_k > 0 and g > 0:
+        qoff = head_offsets(b, h, nq, dev)
+        koff = head_offsets(b, h, nk, dev)
+        qidx = q_groups.reshape(b * h, g * c).long()
+        qdst = torch.where(qidx < 0, b * h * nq, qidx + qoff).view(b * h * g, c)
+        qsrc = (qidx.clamp(min=0) + qoff).view(b * h * g, c)
+        tok = kv_tokens.reshape(b * h, g * max_k).long()
+        valid = (torch.arange(max_k, device=dev).view(1, -1) < kv_counts.reshape(-1, 1))
+        if mask is not None:
+            batch = (torch.arange(b * h, device=dev) // h).view(-1, 1)
+            valid &= mask[batch, tok.clamp(0, nk - 1)].view(b * h * g, max_k)
+        tok = (tok.clamp(0, nk - 1) + koff).view(b * h * g, max_k)
+        qr, kr, vr = flat_rows(q), flat_rows(k), flat_rows(v)
+        step = rows_per_chunk(c * max_k * 2 + max_k * d * 2, b * h * g)
+        for g0 in range(0, b * h * g, step):
+            sl = slice(g0, g0 + step)
+            o, row_lse = attend(gather_rows(qr, qsrc[sl]), gather_rows(kr, tok[sl]), gather_rows(vr, tok[sl]),
+                          valid[sl], scale)
+            dst = qdst[sl].reshape(-1)
+            out.index_copy_(0, dst, o.reshape(-1, d))
+            lse.index_copy_(0, dst, row_lse.reshape(-1))
+    out_t = out[:-1].view(b, h, nq, d).to(q.dtype)
+    lse_t = lse[:-1].view(b, h, nq)
+    return (out_t, lse_t) if return_lse else out_t

@@ -1,0 +1,8 @@
+"""Node registry: every node class of the pack, keyed by its permanent node id."""
+
+from __future__ import annotations
+
+NODE_CLASSES: list = []
+
+NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in NODE_CLASSES}
+NODE_DISPLAY_NAME_MAPPINGS = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in NODE_CLASSES}

@@ -1,0 +1,57 @@
+"""Test harness: import the pack as a package by name, and the `gpu` / `comfyui` markers.
+
+The repository root is mapped to the package ``comfyui_sparse_attention`` (as ComfyUI imports it
+from ``custom_nodes/<folder>``): tests never import ``nodes`` or ``kernels`` as top-level modules,
+because ComfyUI owns a top-level ``nodes``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "comfyui_sparse_attention"
+
+
+def _import_pack():
+    if PACKAGE in sys.modules:
+        return sys.modules[PACKAGE]
+    spec = importlib.util.spec_from_file_location(PACKAGE, ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_import_pack()
+
+
+def comfyui_path() -> Path | None:
+    """The ComfyUI source tree named by COMFYUI_PATH, or None."""
+    p = os.environ.get("COMFYUI_PATH")
+    if p and (Path(p) / "comfy").is_dir():
+        return Path(p)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+    require = os.environ.get("SPARSE_ATTN_REQUIRE_COMFYUI") == "1"
+    no_comfy = pytest.mark.skip(
+        reason="!!! COMFYUI_PATH is not set to a ComfyUI source tree: ComfyUI integration tests SKIPPED !!!")
+    have_comfy = comfyui_path() is not None
+    if require and not have_comfy and any("comfyui" in it.keywords for it in items):
+        raise pytest.UsageError("SPARSE_ATTN_REQUIRE_COMFYUI=1 but COMFYUI_PATH does not point at a ComfyUI tree")
+    for it in items:
+        if "gpu" in it.keywords and not torch.cuda.is_available():
+            it.add_marker(no_cuda)
+        if "comfyui" in it.keywords and not have_comfy:
+            it.add_marker(no_comfy)

