@@ -1,7 +1,10 @@
 """Public attention primitives with backend dispatch (``backend="auto"|"triton"|"torch"``).
 
-Each function has the signature and semantics of its PyTorch twin (``*_torch.py``); the docstrings
-there state layouts, shapes and dtypes.
+Each function has the signature and semantics of its PyTorch twin (``*_torch.py``), whose docstring
+states layouts, shapes and dtypes. ``auto`` runs the Triton kernel (``*_triton.py``) when the tensors
+are on CUDA, Triton imports and the case is supported; otherwise the twin. ``triton`` raises
+``ValueError`` with the reason when the kernel cannot run. Triton modules are imported only here,
+lazily, so importing the pack never needs Triton.
 """
 
 from __future__ import annotations
@@ -9,12 +12,35 @@ from __future__ import annotations
 import torch
 
 from . import block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
+from ._checks import FLOAT_DTYPES
 from .backend import choose
+
+_HEAD_DIMS = (64, 80, 96, 128)
+
+
+def _why_not(q, group: int | None = None) -> str | None:
+    """Reason the Triton kernels cannot take this case (dtype, head dim, group size), or None."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return "q is not a (B, H, N, D) tensor"
+    if q.dtype not in FLOAT_DTYPES:
+        return f"dtype {q.dtype} is not supported"
+    if q.shape[-1] not in _HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of {_HEAD_DIMS}"
+    if group is not None and (group < 16 or group > 128 or group & (group - 1)):
+        return f"query group size {group} is not a power of two in [16, 128]"
+    return None
+
+
+def _group_size(q_groups) -> int | None:
+    return q_groups.shape[-1] if isinstance(q_groups, torch.Tensor) and q_groups.dim() == 4 else None
 
 
 def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=False, backend="auto"):
     """Dense attention. q: (B,H,Nq,D), k/v: (B,H,Nk,D) -> out (B,H,Nq,D) [+ lse (B,H,Nq) fp32]."""
-    choose(backend, q, "no Triton kernel is built yet", "attention_dense")
+    if choose(backend, q, _why_not(q), "attention_dense") == "triton":
+        from . import dense_triton
+        return dense_triton.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
+                                            return_lse=return_lse)
     return dense_torch.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
                                        return_lse=return_lse)
 
@@ -22,7 +48,11 @@ def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=Fa
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
                            key_padding_mask=None, return_lse=False, backend="auto"):
     """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb)."""
-    choose(backend, q, "no Triton kernel is built yet", "block_sparse_attention")
+    if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
+        from . import block_sparse_triton
+        return block_sparse_triton.block_sparse_attention(
+            q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
+            key_padding_mask=key_padding_mask, return_lse=return_lse)
     return block_sparse_torch.block_sparse_attention(
         q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
         key_padding_mask=key_padding_mask, return_lse=return_lse)
@@ -31,28 +61,41 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
 def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, key_padding_mask=None,
                            return_lse=False, backend="auto"):
     """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k)."""
-    choose(backend, q, "no Triton kernel is built yet", "token_sparse_attention")
+    if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
+        from . import token_sparse_triton
+        return token_sparse_triton.token_sparse_attention(
+            q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
+            return_lse=return_lse)
     return token_sparse_torch.token_sparse_attention(
         q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
         return_lse=return_lse)
 
 
 def group_queries(q, group_size, *, backend="auto"):
-    """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads."""
-    choose(backend, q, "grouping runs on PyTorch operations only", "group_queries")
+    """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads.
+
+    Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are: there
+    is no separate Triton kernel, so every backend runs the same code on q's device.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     return grouping_torch.group_queries(q, group_size)
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):
-    """Softmax of mean-pooled Q vs mean-pooled K -> fp32 (B,H,nqb,nkb)."""
-    choose(backend, q, "pooled scores run on PyTorch operations only", "pooled_block_scores")
+    """Softmax of mean-pooled Q vs mean-pooled K -> fp32 (B,H,nqb,nkb) (PyTorch ops on any device)."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     return selection_torch.pooled_block_scores(q, k, block_q=block_q, block_k=block_k, scale=scale)
 
 
 def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, scale=None,
                   key_padding_mask=None, backend="auto"):
     """Exact per-group KV attention mass -> fp32 (B,H,G,Nk) or (B,H,G,nkb)."""
-    choose(backend, q, "no Triton kernel is built yet", "group_kv_mass")
+    if choose(backend, q, _why_not(q, _group_size(q_groups)), "group_kv_mass") == "triton":
+        from . import mass_triton
+        return mass_triton.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
+                                         scale=scale, key_padding_mask=key_padding_mask)
     return selection_torch.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
                                          scale=scale, key_padding_mask=key_padding_mask)
 

@@ -1,0 +1,114 @@
+"""Block-sparse flash-attention forward in Triton over CSR-like block lists.
+
+The sparse index is laid over the flash tile loop (seed 000 §4.1): each program owns one query block
+and walks only its active KV blocks, with an online softmax, so skipped blocks count as -inf. Programs
+are issued heaviest row first (longest block list), so long dense rows (text, sinks) start early
+instead of forming the grid's tail. Twin of ``block_sparse_torch.block_sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_key_padding_mask, check_qkv, check_scale
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
+                             online_softmax_step, seq_bucket, store_rows)
+from .block_sparse_torch import check_block_lists
+
+_CONFIGS = configs(
+    [dict(BLOCK_N=64, num_warps=4, num_stages=3),
+     dict(BLOCK_N=64, num_warps=4, num_stages=2),
+     dict(BLOCK_N=128, num_warps=4, num_stages=3)],
+    interpret_pick=dict(BLOCK_N=64))
+
+
+def _prune(configs_, named_args, **kwargs):
+    bk = kwargs.get("BLOCK_K", named_args.get("BLOCK_K"))
+    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+    kept = [c for c in configs_ if c.kwargs["BLOCK_N"] <= bk and not (bm == 64 and c.num_warps == 8)]
+    return kept or [configs_[0]]
+
+
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "HAS_KPM"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
+             H, N_Q, N_KV, NQB, MAX_K, qk_scale, N_BUCKET,
+             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
+    pid_bh = row // NQB
+    qb = row % NQB
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = offs_m < N_Q
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    idx_base = KV_IDX + row.to(tl.int64) * MAX_K
+    count = tl.load(KV_CNT + row)
+    MULT: tl.constexpr = BLOCK_K // BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for it in range(0, count * MULT):
+        blk = tl.load(idx_base + it // MULT)
+        offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_KV
+        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
+        s2 = tl.dot(q, tl.trans(k)) * qk_scale
+        if not EVEN_N:
+            s2 = tl.where(n_ok[None, :], s2, float("-inf"))
+        if HAS_KPM:
+            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
+            s2 = tl.where(keep[None, :] != 0, s2, float("-inf"))
+        v = load_rows(v_base, offs_n, svn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+    out, lse = finish(acc, m_i, l_i)
+    store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+    if WRITE_LSE:
+        tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
+
+
+def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
+    """int32 (B*H*nqb,) row order, longest block list first (stable, so equal rows keep head locality)."""
+    flat = kv_counts.reshape(-1)
+    if bool((flat == flat[0]).all()):
+        return torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+    return torch.argsort(flat, descending=True, stable=True).to(torch.int32)
+
+
+def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
+                           key_padding_mask=None, return_lse=False, validate=True):
+    """Block-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
+
+    q: (B,H,Nq,D); k, v: (B,H,Nk,D); kv_indices int32 (B,H,ceil(Nq/block_q),max_k) sorted per row;
+    kv_counts int32 (B,H,ceil(Nq/block_q)). Returns out (B,H,Nq,D) [+ lse (B,H,Nq) fp32].
+    ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
+    """
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    if validate:
+        n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k)
+    else:
+        n_qblk, max_k = kv_indices.shape[2], kv_indices.shape[3]
+    q, k, v = last_dim_contiguous(q, k, v)
+    idx = kv_indices.to(torch.int32).contiguous()
+    cnt = kv_counts.to(torch.int32).contiguous()
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
+    order = heavy_first_order(cnt)
+    _bsa_fwd[(b * h * n_qblk,)](
+        q, k, v, out, lse, kpm, idx, cnt, order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], s_kpm, h, nq, nk, n_qblk, max_k, scale * LOG2E, seq_bucket(nk),
+        HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse,
+        BLOCK_M=block_q, BLOCK_K=block_k)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,83 @@
+"""Dense flash-attention forward in Triton, optionally returning the row LSE (pass 1 of exact selection).
+
+Twin of ``dense_torch.attention_dense`` (same signature and semantics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_key_padding_mask, check_qkv, check_scale
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
+                             online_softmax_step, seq_bucket, store_rows)
+
+_CONFIGS = configs(
+    # research/triton_kernels.md §0.5: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
+    [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+     dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+     dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
+    interpret_pick=dict(BLOCK_M=64, BLOCK_N=64))
+
+
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "HAS_KPM"])
+@triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _dense_fwd(Q, K, V, Out, LSE, KPM,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
+               H, N_Q, N_KV, qk_scale, N_BUCKET,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_ok = offs_m < N_Q
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for start_n in range(0, N_KV, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_KV
+        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
+        s2 = tl.dot(q, tl.trans(k)) * qk_scale
+        if not EVEN_N:
+            s2 = tl.where(n_ok[None, :], s2, float("-inf"))
+        if HAS_KPM:
+            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
+            s2 = tl.where(keep[None, :] != 0, s2, float("-inf"))
+        v = load_rows(v_base, offs_n, svn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+    out, lse = finish(acc, m_i, l_i)
+    store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+    if WRITE_LSE:
+        tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
+
+
+def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                    key_padding_mask: torch.Tensor | None = None, return_lse: bool = False):
+    """Dense attention on the Triton kernel. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
+
+    Returns out (B,H,Nq,D) in q's dtype [+ lse (B,H,Nq) fp32, natural log, -inf for empty rows].
+    """
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    q, k, v = last_dim_contiguous(q, k, v)
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
+
+    def grid(meta):
+        return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
+
+    _dense_fwd[grid](q, k, v, out, lse, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                     *out.stride()[:3], s_kpm, h, nq, nk, scale * LOG2E, seq_bucket(nk),
+                     HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,109 @@
+"""Pass 2 of exact selection in Triton: per query group, the attention mass of every KV token or block.
+
+mass[b,h,g,j] = sum_{i in group g} exp(scale * q_i . k_j - lse_i), with the row LSE from pass 1. One
+program per (group, head) streams all KV tiles; scores never reach memory, only the (G, N) or (G, nkb)
+fp32 result. Twin of ``selection_torch.group_kv_mass``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_block_size, check_key_padding_mask, check_qkv, check_scale
+from ._triton_common import LOG2E, configs, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows, seq_bucket
+from .token_sparse_torch import check_query_groups
+
+_CONFIGS = configs(
+    [dict(BLOCK_N=64, num_warps=4, num_stages=3),
+     dict(BLOCK_N=128, num_warps=8, num_stages=3),
+     dict(BLOCK_N=128, num_warps=4, num_stages=3)],
+    interpret_pick=dict(BLOCK_N=64))
+
+
+def _prune(configs_, named_args, **kwargs):
+    bk = kwargs.get("BLOCK_K", named_args.get("BLOCK_K"))
+    if bk:  # block granularity: one tile per KV block
+        kept = [c for c in configs_ if c.kwargs["BLOCK_N"] == bk]
+        return kept or [triton.Config({"BLOCK_N": bk}, num_warps=4, num_stages=3)]
+    return configs_
+
+
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "GROUP", "BLOCK_K", "HAS_KPM"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _mass_fwd(Q, K, LSE, QG, KPM, OUT,
+              sqb, sqh, sqn, skb, skh, skn, s_kpm,
+              H, N_Q, N_KV, G, N_OUT, qk_scale, N_BUCKET,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    gid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    row = pid_bh.to(tl.int64) * G + gid
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    qi = tl.load(QG + row * GROUP + tl.arange(0, GROUP))
+    q_ok = qi >= 0
+    qi = tl.where(q_ok, qi, 0)
+    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * N_Q + qi, mask=q_ok, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows contribute nothing
+    k_base = K + b * skb + h * skh
+    out_base = OUT + row * N_OUT
+    for start_n in range(0, N_KV, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_KV
+        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
+        s2 = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.exp2(s2 - lse2[:, None])
+        ok = n_ok
+        if HAS_KPM:
+            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
+            ok = ok & (keep != 0)
+        p = tl.where(ok[None, :], p, 0.0)
+        colsum = tl.sum(p, 0)
+        if BLOCK_K == 0:
+            tl.store(out_base + offs_n, colsum, mask=n_ok)
+        else:
+            tl.store(out_base + start_n // BLOCK_N, tl.sum(colsum, 0))
+
+
+def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, scale=None, key_padding_mask=None,
+                  validate=True):
+    """Exact group KV mass on the Triton kernel; arguments as in the PyTorch twin.
+
+    q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C).
+    Returns fp32 (B,H,G,Nk) ("token") or (B,H,G,ceil(Nk/block_k)) ("block").
+    """
+    b, h, nq, nk, d = check_qkv(q, k, k)
+    scale = check_scale(scale, d)
+    if granularity not in ("token", "block"):
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    if granularity == "block":
+        check_block_size("block_k", block_k)
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
+        raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
+    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    if validate:
+        g, c = check_query_groups(q_groups, b, h, nq, q.device)
+    else:
+        g, c = q_groups.shape[2], q_groups.shape[3]
+    from .token_sparse_triton import unsupported_group
+    why = unsupported_group(c)
+    if why:
+        raise ValueError(f"q_groups: {why}")
+    q, k = last_dim_contiguous(q, k)
+    n_out = math.ceil(nk / block_k) if granularity == "block" else nk
+    out = torch.empty((b, h, g, n_out), dtype=torch.float32, device=q.device)
+    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
+    if g > 0:
+        _mass_fwd[(g, b * h)](
+            q, k, lse.float().contiguous(), q_groups.to(torch.int32).contiguous(), kpm, out,
+            *q.stride()[:3], *k.stride()[:3], s_kpm, h, nq, nk, g, n_out, scale * LOG2E, seq_bucket(nk),
+            HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, GROUP=c,
+            BLOCK_K=block_k if granularity == "block" else 0)
+    return out

@@ -1,0 +1,107 @@
+"""Token-sparse (gathered-KV) attention forward in Triton.
+
+One program holds a tile of C grouped queries (gathered by index) and walks its own sorted KV token
+list in chunks of BLOCK_N, gathering K/V rows by index inside the loop: gathered K/V never exist in
+memory. Outputs are written back at the queries' original positions. Twin of
+``token_sparse_torch.token_sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_key_padding_mask, check_qkv, check_scale
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
+                             online_softmax_step, seq_bucket, store_rows)
+from .token_sparse_torch import check_token_lists
+
+_CONFIGS = configs(
+    [dict(BLOCK_N=64, num_warps=4, num_stages=3),
+     dict(BLOCK_N=64, num_warps=4, num_stages=2),
+     dict(BLOCK_N=128, num_warps=4, num_stages=3)],
+    interpret_pick=dict(BLOCK_N=32))
+
+
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "HAS_KPM"])
+@triton.jit
+def _token_fwd(Q, K, V, Out, LSE, KPM, QG, TOK, CNT,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
+               H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    gid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    row = pid_bh.to(tl.int64) * G + gid
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    qi = tl.load(QG + row * GROUP + tl.arange(0, GROUP))
+    q_ok = qi >= 0
+    qi = tl.where(q_ok, qi, 0)
+    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    tok_base = TOK + row * MAX_K
+    count = tl.load(CNT + row)
+    m_i = tl.full([GROUP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, D_PAD], tl.float32)
+    for start in range(0, count, BLOCK_N):
+        slot = start + tl.arange(0, BLOCK_N)
+        t_ok = slot < count
+        tok = tl.load(tok_base + slot, mask=t_ok, other=0)
+        k = load_rows(k_base, tok, skn, t_ok, d, HEAD_DIM, D_PAD, True)
+        s2 = tl.dot(q, tl.trans(k)) * qk_scale
+        ok = t_ok
+        if HAS_KPM:
+            keep = tl.load(KPM + b * s_kpm + tok, mask=t_ok, other=0)
+            ok = ok & (keep != 0)
+        s2 = tl.where(ok[None, :], s2, float("-inf"))
+        v = load_rows(v_base, tok, svn, t_ok, d, HEAD_DIM, D_PAD, True)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+    out, lse = finish(acc, m_i, l_i)
+    store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+    if WRITE_LSE:
+        tl.store(LSE + pid_bh.to(tl.int64) * N_Q + qi, lse, mask=q_ok)
+
+
+def unsupported_group(c: int) -> str | None:
+    """The query tile is the group: C must be a power of two in [16, 128]."""
+    if c < 16 or c > 128 or (c & (c - 1)):
+        return f"query group size {c} is not a power of two in [16, 128]"
+    return None
+
+
+def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, key_padding_mask=None,
+                           return_lse=False, validate=True):
+    """Token-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
+
+    q: (B,H,Nq,D); k, v: (B,H,Nk,D); q_groups int32 (B,H,G,C) (-1 pads); kv_tokens int32
+    (B,H,G,max_k) sorted; kv_counts int32 (B,H,G). Returns out (B,H,Nq,D) [+ lse (B,H,Nq) fp32];
+    queries in no group get 0 / -inf. ``validate=False`` skips the index checks for trusted lists.
+    """
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    if validate:
+        g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts)
+    else:
+        g, c, max_k = q_groups.shape[2], q_groups.shape[3], kv_tokens.shape[3]
+    why = unsupported_group(c)
+    if why:
+        raise ValueError(f"q_groups: {why}")
+    q, k, v = last_dim_contiguous(q, k, v)
+    qg = q_groups.to(torch.int32).contiguous()
+    tok = kv_tokens.to(torch.int32).contiguous()
+    cnt = kv_counts.to(torch.int32).contiguous()
+    out = torch.zeros((b, h, nq, d), dtype=q.dtype, device=q.device)  # queries in no group stay 0
+    lse = (torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device) if return_lse else out)
+    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
+    if g > 0:
+        _token_fwd[(g, b * h)](
+            q, k, v, out, lse, kpm, qg, tok, cnt, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *out.stride()[:3], s_kpm, h, nq, nk, g, max(1, max_k), scale * LOG2E, seq_bucket(max(1, max_k)),
+            HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse, GROUP=c)
+    return (out, lse) if return_lse else out
