@@ -17,16 +17,17 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, s2, v):
-    """Fold one tile of base-2 scores ``s2`` [M, N] (-inf = skipped) and values ``v`` [N, D] into the state.
+def online_softmax_step(acc, m_i, l_i, qk, qk_scale, v):
+    """Fold one tile of raw scores ``qk`` [M, N] (-inf = skipped) and values ``v`` [N, D] into the state.
 
-    acc: [M, D] fp32; m_i, l_i: [M] fp32 running max (base 2) and sum. Rows whose scores are all -inf
-    so far keep m = -inf and l = 0 (no NaN: the max used for exponentiation is guarded).
+    Scores become base-2 logits ``qk * qk_scale`` (qk_scale = scale * log2 e > 0) inside one FMA with the
+    max subtraction. acc: [M, D] fp32; m_i, l_i: [M] fp32 running max (base 2) and sum. Rows whose
+    scores are all -inf so far keep m = -inf and l = 0 (no NaN: the max used for exp2 is guarded).
     """
-    m_new = tl.maximum(m_i, tl.max(s2, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s2 - m_use[:, None])
+    p = tl.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
@@ -108,3 +109,22 @@ def store_rows(base, rows, stride, valid, d, x, HEAD_DIM: tl.constexpr, D_PAD: t
 def last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
     """Kernels address rows by stride and assume unit stride along the head dim."""
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
+@triton.jit
+def kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, rows, rows_ok, skn, svn, qk_scale, d,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, MASKED: tl.constexpr):
+    """Attend one tile of KV rows ``rows`` [N] (contiguous or gathered). With MASKED, rows outside
+    ``rows_ok`` are skipped (-inf); without it every row is valid and loads carry no row mask."""
+    k = load_rows(k_base, rows, skn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        qk = tl.where(rows_ok[None, :], qk, float("-inf"))
+    if HAS_KPM:
+        if MASKED:
+            keep = tl.load(kpm_base + rows, mask=rows_ok, other=0)
+        else:
+            keep = tl.load(kpm_base + rows)
+        qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
+    v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
+    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v)

@@ -1,6 +1,8 @@
 """Public attention primitives with backend dispatch (``backend="auto"|"triton"|"torch"``).
 
-Each function has the signature and semantics of its PyTorch twin (``*_torch.py``), whose docstring
+``validate=False`` (sparse primitives) skips the value checks of index lists, which read tensors back
+from the GPU; the engine passes it for lists it built itself. Each function has the signature and
+semantics of its PyTorch twin (``*_torch.py``), whose docstring
 states layouts, shapes and dtypes. ``auto`` runs the Triton kernel (``*_triton.py``) when the tensors
 are on CUDA, Triton imports and the case is supported; otherwise the twin. ``triton`` raises
 ``ValueError`` with the reason when the kernel cannot run. Triton modules are imported only here,
@@ -36,9 +38,19 @@ def _group_size(q_groups) -> int | None:
 
 
 def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=False, backend="auto"):
-    """Dense attention. q: (B,H,Nq,D), k/v: (B,H,Nk,D) -> out (B,H,Nq,D) [+ lse (B,H,Nq) fp32]."""
+    """Dense attention. q: (B,H,Nq,D), k/v: (B,H,Nk,D) -> out (B,H,Nq,D) [+ lse (B,H,Nq) fp32].
+
+    ``auto`` on CUDA prefers cuDNN's fused attention (faster than our Triton kernel on Hopper, and it
+    returns the LSE too), then the Triton kernel; ``triton`` always runs the Triton kernel.
+    """
     if choose(backend, q, _why_not(q), "attention_dense") == "triton":
-        from . import dense_triton
+        from . import dense_cudnn, dense_triton
+        if backend == "auto" and dense_cudnn.supported(q, key_padding_mask):
+            from ._checks import check_qkv, check_scale
+            res = dense_cudnn.attention_dense(q, k, v, scale=check_scale(scale, check_qkv(q, k, v)[4]),
+                                              return_lse=return_lse)
+            if res is not None:
+                return res
         return dense_triton.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
                                             return_lse=return_lse)
     return dense_torch.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
@@ -46,29 +58,29 @@ def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=Fa
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
-                           key_padding_mask=None, return_lse=False, backend="auto"):
+                           key_padding_mask=None, return_lse=False, backend="auto", validate=True):
     """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb)."""
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
         return block_sparse_triton.block_sparse_attention(
             q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
-            key_padding_mask=key_padding_mask, return_lse=return_lse)
+            key_padding_mask=key_padding_mask, return_lse=return_lse, validate=validate)
     return block_sparse_torch.block_sparse_attention(
         q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
-        key_padding_mask=key_padding_mask, return_lse=return_lse)
+        key_padding_mask=key_padding_mask, return_lse=return_lse, validate=validate)
 
 
 def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, key_padding_mask=None,
-                           return_lse=False, backend="auto"):
+                           return_lse=False, backend="auto", validate=True):
     """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         return token_sparse_triton.token_sparse_attention(
             q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
-            return_lse=return_lse)
+            return_lse=return_lse, validate=validate)
     return token_sparse_torch.token_sparse_attention(
         q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
-        return_lse=return_lse)
+        return_lse=return_lse, validate=validate)
 
 
 def group_queries(q, group_size, *, backend="auto"):
@@ -90,14 +102,14 @@ def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):
 
 
 def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, scale=None,
-                  key_padding_mask=None, backend="auto"):
+                  key_padding_mask=None, backend="auto", validate=True):
     """Exact per-group KV attention mass -> fp32 (B,H,G,Nk) or (B,H,G,nkb)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "group_kv_mass") == "triton":
         from . import mass_triton
         return mass_triton.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
-                                         scale=scale, key_padding_mask=key_padding_mask)
+                                         scale=scale, key_padding_mask=key_padding_mask, validate=validate)
     return selection_torch.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
-                                         scale=scale, key_padding_mask=key_padding_mask)
+                                         scale=scale, key_padding_mask=key_padding_mask, validate=validate)
 
 
 def topk_per_row(scores: torch.Tensor, k=None, mass=None):

@@ -12,8 +12,12 @@ from ._gather import flat_rows, gather_rows, head_offsets
 from ._torch_softmax import attend, rows_per_chunk
 
 
-def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k):
-    """Validate block lists against q/k; returns (n_qblk, n_kblk, max_k)."""
+def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=True):
+    """Validate block lists against q/k; returns (n_qblk, n_kblk, max_k).
+
+    Shapes, dtypes and block sizes are always checked; ``validate`` adds the value checks (counts in
+    range, indices sorted and in range), which read the tensors back (a GPU synchronisation).
+    """
     b, h, nq, d = q.shape
     nk = k.shape[2]
     check_block_size("block_q", block_q)
@@ -24,14 +28,16 @@ def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k):
     max_k = kv_indices.shape[3]
     check_index("kv_indices", kv_indices, (b, h, n_qblk, max_k), q.device)
     check_index("kv_counts", kv_counts, (b, h, n_qblk), q.device)
-    check_counts("kv_counts", kv_counts, max_k)
-    check_sorted_unique_in_range("kv_indices", kv_indices, kv_counts, n_kblk)
+    if validate:
+        check_counts("kv_counts", kv_counts, max_k)
+        check_sorted_unique_in_range("kv_indices", kv_indices, kv_counts, n_kblk)
     return n_qblk, n_kblk, max_k
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False):
+                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False,
+                           validate: bool = True):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
@@ -39,12 +45,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     increasing within the first ``kv_counts`` entries (the rest is ignored); kv_counts: int32
     (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128. key_padding_mask: bool (B, Nk), True = attend.
     Returns out (B, H, Nq, D) in q's dtype (+ lse (B, H, Nq) fp32 with ``return_lse``). A query with
-    nothing to attend gets out 0 and lse -inf.
+    nothing to attend gets out 0 and lse -inf. ``validate=False`` skips the value checks of the lists
+    (for lists the engine built itself).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k)
+    n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     dev = q.device
     out = torch.zeros((b * h, n_qblk * block_q, d), dtype=torch.float32, device=dev)
     lse = torch.full((b * h, n_qblk * block_q), float("-inf"), dtype=torch.float32, device=dev)

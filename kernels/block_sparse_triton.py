@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
-                             online_softmax_step, seq_bucket, store_rows)
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
+                             seq_bucket, store_rows)
 from .block_sparse_torch import check_block_lists
 
 _CONFIGS = configs(
@@ -33,13 +33,13 @@ def _prune(configs_, named_args, **kwargs):
 
 @triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "HAS_KPM"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
+@triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
-             H, N_Q, N_KV, NQB, MAX_K, qk_scale, N_BUCKET,
+             H, N_Q, N_KV, NQB, N_KBLK, MAX_K, qk_scale, N_BUCKET,
              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
     pid_bh = row // NQB
     qb = row % NQB
@@ -57,19 +57,25 @@ def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for it in range(0, count * MULT):
+    kpm_base = KPM + b * s_kpm
+    # Lists are sorted, so only the last entry can be the ragged last KV block: its tiles are masked.
+    n_iter = count * MULT
+    n_full = n_iter
+    if not EVEN_K:
+        if count > 0:
+            last = tl.load(idx_base + count - 1)
+            if last == N_KBLK - 1:
+                n_full = n_iter - MULT
+    for it in range(0, n_full):
         blk = tl.load(idx_base + it // MULT)
         offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N_KV
-        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
-        s2 = tl.dot(q, tl.trans(k)) * qk_scale
-        if not EVEN_N:
-            s2 = tl.where(n_ok[None, :], s2, float("-inf"))
-        if HAS_KPM:
-            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
-            s2 = tl.where(keep[None, :] != 0, s2, float("-inf"))
-        v = load_rows(v_base, offs_n, svn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, False)
+    for it in range(n_full, n_iter):
+        blk = tl.load(idx_base + it // MULT)
+        offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, True)
     out, lse = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:
@@ -78,10 +84,7 @@ def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
 
 def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     """int32 (B*H*nqb,) row order, longest block list first (stable, so equal rows keep head locality)."""
-    flat = kv_counts.reshape(-1)
-    if bool((flat == flat[0]).all()):
-        return torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
-    return torch.argsort(flat, descending=True, stable=True).to(torch.int32)
+    return torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
@@ -95,10 +98,7 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    if validate:
-        n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k)
-    else:
-        n_qblk, max_k = kv_indices.shape[2], kv_indices.shape[3]
+    n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     q, k, v = last_dim_contiguous(q, k, v)
     idx = kv_indices.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
@@ -108,7 +108,7 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     order = heavy_first_order(cnt)
     _bsa_fwd[(b * h * n_qblk,)](
         q, k, v, out, lse, kpm, idx, cnt, order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], s_kpm, h, nq, nk, n_qblk, max_k, scale * LOG2E, seq_bucket(nk),
+        *out.stride()[:3], s_kpm, h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
         HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse,
         BLOCK_M=block_q, BLOCK_K=block_k)
     return (out, lse) if return_lse else out

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
-                             online_softmax_step, seq_bucket, store_rows)
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
+                             seq_bucket, store_rows)
 
 _CONFIGS = configs(
     # research/triton_kernels.md §0.5: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
@@ -42,18 +42,16 @@ def _dense_fwd(Q, K, V, Out, LSE, KPM,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for start_n in range(0, N_KV, BLOCK_N):
+    kpm_base = KPM + b * s_kpm
+    n_full = (N_KV // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):  # full tiles: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N_KV
-        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
-        s2 = tl.dot(q, tl.trans(k)) * qk_scale
-        if not EVEN_N:
-            s2 = tl.where(n_ok[None, :], s2, float("-inf"))
-        if HAS_KPM:
-            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
-            s2 = tl.where(keep[None, :] != 0, s2, float("-inf"))
-        v = load_rows(v_base, offs_n, svn, n_ok, d, HEAD_DIM, D_PAD, not EVEN_N)
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, False)
+    if not EVEN_N:  # the ragged last tile
+        offs_n = n_full + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, True)
     out, lse = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:

@@ -24,22 +24,22 @@ _CONFIGS = configs(
     interpret_pick=dict(BLOCK_N=64))
 
 
-def _prune(configs_, named_args, **kwargs):
-    bk = kwargs.get("BLOCK_K", named_args.get("BLOCK_K"))
-    if bk:  # block granularity: one tile per KV block
-        kept = [c for c in configs_ if c.kwargs["BLOCK_N"] == bk]
-        return kept or [triton.Config({"BLOCK_N": bk}, num_warps=4, num_stages=3)]
+def _tile_sums(configs_, named_args, **kwargs):
+    """Per-tile sums (block granularity) use 64-wide tiles, summed in pairs for 128-blocks."""
+    if kwargs.get("PER_TILE", named_args.get("PER_TILE")):
+        kept = [c for c in configs_ if c.kwargs["BLOCK_N"] == 64]
+        return kept or [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3)]
     return configs_
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "GROUP", "BLOCK_K", "HAS_KPM"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "GROUP", "PER_TILE", "HAS_KPM"],
+                 prune_configs_by={"early_config_prune": _tile_sums})
 @triton.jit
 def _mass_fwd(Q, K, LSE, QG, KPM, OUT,
               sqb, sqh, sqn, skb, skh, skn, s_kpm,
               H, N_Q, N_KV, G, N_OUT, qk_scale, N_BUCKET,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+              PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
     gid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     row = pid_bh.to(tl.int64) * G + gid
@@ -54,22 +54,39 @@ def _mass_fwd(Q, K, LSE, QG, KPM, OUT,
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows contribute nothing
     k_base = K + b * skb + h * skh
     out_base = OUT + row * N_OUT
-    for start_n in range(0, N_KV, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N_KV
-        k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
-        s2 = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.exp2(s2 - lse2[:, None])
-        ok = n_ok
-        if HAS_KPM:
-            keep = tl.load(KPM + b * s_kpm + offs_n, mask=n_ok, other=0)
-            ok = ok & (keep != 0)
-        p = tl.where(ok[None, :], p, 0.0)
-        colsum = tl.sum(p, 0)
-        if BLOCK_K == 0:
+    kpm_base = KPM + b * s_kpm
+    n_full = (N_KV // BLOCK_N) * BLOCK_N
+    for start_n in range(0, n_full, BLOCK_N):  # full tiles: no masks
+        _mass_tile(q, lse2, k_base, kpm_base, out_base, start_n, N_KV, skn, qk_scale, d,
+                   HEAD_DIM, D_PAD, HAS_KPM, PER_TILE, BLOCK_N, False)
+    if n_full < N_KV:
+        _mass_tile(q, lse2, k_base, kpm_base, out_base, n_full, N_KV, skn, qk_scale, d,
+                   HEAD_DIM, D_PAD, HAS_KPM, PER_TILE, BLOCK_N, True)
+
+
+@triton.jit
+def _mass_tile(q, lse2, k_base, kpm_base, out_base, start_n, N_KV, skn, qk_scale, d,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, PER_TILE: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Column sums of exp2(s2 - lse2) for one KV tile, stored per token, or one sum per tile (PER_TILE)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_KV
+    k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, MASKED)
+    s2 = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.exp2(s2 - lse2[:, None])
+    if MASKED:
+        p = tl.where(n_ok[None, :], p, 0.0)
+    if HAS_KPM:
+        keep = tl.load(kpm_base + offs_n, mask=n_ok, other=0)
+        p = tl.where(keep[None, :] != 0, p, 0.0)
+    colsum = tl.sum(p, 0)
+    if PER_TILE:
+        tl.store(out_base + start_n // BLOCK_N, tl.sum(colsum, 0))
+    else:
+        if MASKED:
             tl.store(out_base + offs_n, colsum, mask=n_ok)
         else:
-            tl.store(out_base + start_n // BLOCK_N, tl.sum(colsum, 0))
+            tl.store(out_base + offs_n, colsum)
 
 
 def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, scale=None, key_padding_mask=None,
@@ -88,22 +105,21 @@ def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, sca
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
         raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    if validate:
-        g, c = check_query_groups(q_groups, b, h, nq, q.device)
-    else:
-        g, c = q_groups.shape[2], q_groups.shape[3]
+    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
     from .token_sparse_triton import unsupported_group
     why = unsupported_group(c)
     if why:
         raise ValueError(f"q_groups: {why}")
     q, k = last_dim_contiguous(q, k)
-    n_out = math.ceil(nk / block_k) if granularity == "block" else nk
+    per_tile = granularity == "block"
+    n_out = math.ceil(nk / 64) if per_tile else nk
     out = torch.empty((b, h, g, n_out), dtype=torch.float32, device=q.device)
     kpm, s_kpm, has_kpm = kpm_arg(mask, q)
     if g > 0:
         _mass_fwd[(g, b * h)](
             q, k, lse.float().contiguous(), q_groups.to(torch.int32).contiguous(), kpm, out,
             *q.stride()[:3], *k.stride()[:3], s_kpm, h, nq, nk, g, n_out, scale * LOG2E, seq_bucket(nk),
-            HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, GROUP=c,
-            BLOCK_K=block_k if granularity == "block" else 0)
+            HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, GROUP=c, PER_TILE=per_tile)
+    if per_tile and block_k == 128:  # pairs of 64-token tiles -> 128-token blocks
+        out = torch.nn.functional.pad(out, (0, out.shape[-1] % 2)).view(b, h, g, -1, 2).sum(-1)
     return out

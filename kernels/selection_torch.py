@@ -41,7 +41,7 @@ def pooled_block_scores(q: torch.Tensor, k: torch.Tensor, *, block_q: int, block
 
 def group_kv_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_groups: torch.Tensor, *,
                   granularity: str = "token", block_k: int | None = None, scale: float | None = None,
-                  key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  key_padding_mask: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """Exact attention mass each KV token (or block) receives from each query group (pass 2).
 
     mass[b, h, g, j] = sum over queries i of group g of exp(scale * q_i . k_j - lse_i).
@@ -59,7 +59,7 @@ def group_kv_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_groups:
         check_block_size("block_k", block_k)
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
         raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
-    g, c = check_query_groups(q_groups, b, h, nq, q.device)
+    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
     if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
                                          or tuple(key_padding_mask.shape) != (b, nk)):
         raise ValueError(f"key_padding_mask must be a bool tensor of shape {(b, nk)}")

@@ -10,13 +10,17 @@ from ._gather import flat_rows, gather_rows, head_offsets
 from ._torch_softmax import attend, rows_per_chunk
 
 
-def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: torch.device) -> tuple[int, int]:
-    """q_groups: int (B, H, G, C), entries in [-1, Nq), each query at most once per head. Returns (G, C)."""
+def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: torch.device,
+                       validate: bool = True) -> tuple[int, int]:
+    """q_groups: int (B, H, G, C), entries in [-1, Nq), each query at most once per head. Returns (G, C).
+
+    ``validate=False`` checks only shape/dtype/device (no read-back of values).
+    """
     if not isinstance(q_groups, torch.Tensor) or q_groups.dim() != 4:
         raise ValueError("q_groups must be an int32 tensor of shape (B, H, G, C)")
     g, c = q_groups.shape[2], q_groups.shape[3]
     check_index("q_groups", q_groups, (b, h, g, c), device)
-    if q_groups.numel() == 0:
+    if q_groups.numel() == 0 or not validate:
         return g, c
     if int(q_groups.min()) < -1 or int(q_groups.max()) >= nq:
         raise ValueError(f"q_groups entries must lie in [-1, {nq}) (-1 pads a group)")
@@ -28,24 +32,26 @@ def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: 
     return g, c
 
 
-def check_token_lists(q, k, q_groups, kv_tokens, kv_counts) -> tuple[int, int, int]:
+def check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate=True) -> tuple[int, int, int]:
     """Validate groups and their KV token lists; returns (G, C, max_k)."""
     b, h, nq, _ = q.shape
     nk = k.shape[2]
-    g, c = check_query_groups(q_groups, b, h, nq, q.device)
+    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
     if not isinstance(kv_tokens, torch.Tensor) or kv_tokens.dim() != 4:
         raise ValueError("kv_tokens must be an int32 tensor of shape (B, H, G, max_k)")
     max_k = kv_tokens.shape[3]
     check_index("kv_tokens", kv_tokens, (b, h, g, max_k), q.device)
     check_index("kv_counts", kv_counts, (b, h, g), q.device)
-    check_counts("kv_counts", kv_counts, max_k)
-    check_sorted_unique_in_range("kv_tokens", kv_tokens, kv_counts, nk)
+    if validate:
+        check_counts("kv_counts", kv_counts, max_k)
+        check_sorted_unique_in_range("kv_tokens", kv_tokens, kv_counts, nk)
     return g, c, max_k
 
 
 def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                            kv_tokens: torch.Tensor, kv_counts: torch.Tensor, *, scale: float | None = None,
-                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False):
+                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False,
+                           validate: bool = True):
     """Each group of C queries attends its own sorted list of KV tokens; the rest count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
@@ -53,12 +59,12 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     strictly increasing KV token ids within the first ``kv_counts`` entries; kv_counts: int32 (B, H, G).
     key_padding_mask: bool (B, Nk), True = attend. Output is written at each query's own position:
     out (B, H, Nq, D) in q's dtype (+ lse (B, H, Nq) fp32). Queries in no group, or with nothing to
-    attend, get out 0 and lse -inf.
+    attend, get out 0 and lse -inf. ``validate=False`` skips the value checks (engine-built lists).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts)
+    g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
     dev = q.device
     out = torch.zeros((b * h * nq + 1, d), dtype=torch.float32, device=dev)  # last row: sink for pads
     lse = torch.full((b * h * nq + 1,), float("-inf"), dtype=torch.float32, device=dev)

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows,
-                             online_softmax_step, seq_bucket, store_rows)
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
+                             seq_bucket, store_rows)
 from .token_sparse_torch import check_token_lists
 
 _CONFIGS = configs(
@@ -48,19 +48,19 @@ def _token_fwd(Q, K, V, Out, LSE, KPM, QG, TOK, CNT,
     m_i = tl.full([GROUP], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, D_PAD], tl.float32)
-    for start in range(0, count, BLOCK_N):
+    kpm_base = KPM + b * s_kpm
+    n_full = (count // BLOCK_N) * BLOCK_N
+    for start in range(0, n_full, BLOCK_N):  # full chunks of the list: no masks
         slot = start + tl.arange(0, BLOCK_N)
+        tok = tl.load(tok_base + slot)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, tok, slot < count, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, False)
+    if n_full < count:  # the list's tail
+        slot = n_full + tl.arange(0, BLOCK_N)
         t_ok = slot < count
         tok = tl.load(tok_base + slot, mask=t_ok, other=0)
-        k = load_rows(k_base, tok, skn, t_ok, d, HEAD_DIM, D_PAD, True)
-        s2 = tl.dot(q, tl.trans(k)) * qk_scale
-        ok = t_ok
-        if HAS_KPM:
-            keep = tl.load(KPM + b * s_kpm + tok, mask=t_ok, other=0)
-            ok = ok & (keep != 0)
-        s2 = tl.where(ok[None, :], s2, float("-inf"))
-        v = load_rows(v_base, tok, svn, t_ok, d, HEAD_DIM, D_PAD, True)
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s2, v)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, tok, t_ok, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, True)
     out, lse = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:
@@ -85,10 +85,7 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    if validate:
-        g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts)
-    else:
-        g, c, max_k = q_groups.shape[2], q_groups.shape[3], kv_tokens.shape[3]
+    g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
     why = unsupported_group(c)
     if why:
         raise ValueError(f"q_groups: {why}")

@@ -1,0 +1,210 @@
+"""Kernel benchmark on one CUDA GPU: dense, block-sparse, token-sparse and exact selection (pass 1 + 2).
+
+Usage (one call on the H200, see docs/benchmarks.md):
+    python bench/kernels.py --out DIR [--shapes flux,wan13b,...] [--quick]
+Writes DIR/kernels.json (every measurement) and DIR/kernels.md (tables). Times are medians of
+``triton.testing.do_bench``; effective TF/s counts 4*B*H*Nq*Nk*D times the density actually kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench.kernels")
+
+
+def load_pack():
+    spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["comfyui_sparse_attention"] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module("comfyui_sparse_attention.kernels")
+
+
+SHAPES = {  # name: (heads, tokens, head_dim)
+    "flux": (24, 4608, 128), "wan13b": (12, 32760, 128), "wan14b": (40, 75600, 128), "hyv": (24, 118800, 128),
+    "flux-d64": (48, 4608, 64), "wan13b-d64": (24, 32760, 64), "wan14b-d64": (80, 75600, 64),
+    "hyv-d64": (48, 118800, 64),
+}
+DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+TOKEN_DENSITIES = (0.25, 0.15, 0.1)
+
+
+def bench(fn, rep_ms=60):
+    fn()
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+
+
+def block_lists(h, nqb, nkb, density, skewed, gen):
+    """Random distinct sorted KV blocks per query block. Skewed: 10 % of query blocks dense, the rest
+    sized so the overall density stays ``density`` (at least one block each)."""
+    scores = torch.rand(1, h, nqb, nkb, device="cuda", generator=gen)
+    count = max(1, round(density * nkb))
+    k = torch.full((1, h, nqb), count, device="cuda")
+    if skewed and density < 1.0:
+        dense_rows = torch.rand(1, h, nqb, device="cuda", generator=gen) < 0.1
+        rest = max(1, round((density - 0.1) / 0.9 * nkb)) if density > 0.1 else 1
+        k = torch.where(dense_rows, torch.full_like(k, nkb), torch.full_like(k, rest))
+    order = torch.argsort(scores, dim=-1, descending=True)
+    keep = torch.arange(nkb, device="cuda") < k.unsqueeze(-1)
+    chosen = torch.where(keep, order, torch.full_like(order, nkb))
+    idx = torch.sort(chosen, dim=-1).values
+    width = int(k.max())
+    idx = idx[..., :width]
+    idx = torch.where(idx == nkb, torch.full_like(idx, -1), idx).to(torch.int32)
+    return idx.contiguous(), k.to(torch.int32).contiguous()
+
+
+def kept_fraction(cnt, n, bq, bk):
+    """Exact fraction of (q, k) pairs computed, counting ragged last blocks."""
+    nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
+    q_rows = torch.full((nqb,), bq, device="cuda", dtype=torch.float64)
+    q_rows[-1] = n - (nqb - 1) * bq
+    # ragged last KV block: approximate each kept block as full (the last block is 1 of nkb)
+    frac = (cnt.double() * q_rows.view(1, 1, -1)).sum() * bk / (cnt.shape[1] * n * nkb * bk)
+    return float(frac)
+
+
+def flex_runner():
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except Exception as exc:  # older torch
+        log.warning("FlexAttention unavailable: %s", exc)
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, idx, cnt, bs):
+        nkb = math.ceil(k.shape[2] / bs)
+        full = torch.zeros((*idx.shape[:3], nkb), dtype=torch.int32, device="cuda")
+        full[..., :idx.shape[-1]] = idx.clamp(min=0)
+        bm = BlockMask.from_kv_blocks(cnt, full, BLOCK_SIZE=bs, seq_lengths=(q.shape[2], k.shape[2]))
+        return lambda: compiled(q, k, v, block_mask=bm)
+    return run
+
+
+def bench_shape(name, K, flex, densities, rows):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    h, n, d = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    flops = 4.0 * h * n * n * d
+
+    def rec(kind, ms, density=1.0, **extra):
+        r = dict(shape=name, heads=h, tokens=n, head_dim=d, kind=kind, ms=ms, density=density,
+                 eff_tflops=flops * density / ms / 1e9, **extra)
+        rows.append(r)
+        log.info("%-11s %-34s d=%.3f %9.3f ms %6.1f TF/s", name, kind, density, ms, r["eff_tflops"])
+        return r
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        cudnn_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v))
+    rec("cudnn_sdpa_dense", cudnn_ms)
+    rec("ours_dense", bench(lambda: K.attention_dense(q, k, v, backend="triton")))
+    rec("ours_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True, backend="triton")))
+    rec("auto_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True)))  # cuDNN + LSE
+    for bs in (128, 64):
+        nb = math.ceil(n / bs)
+        for skewed in (False, True):
+            for dens in densities:
+                if skewed and dens == 1.0:
+                    continue
+                idx, cnt = block_lists(h, nb, nb, dens, skewed, gen)
+                real = kept_fraction(cnt, n, bs, bs)
+                tag = f"bsa{bs}{'_skew' if skewed else ''}"
+
+                def fn(idx=idx, cnt=cnt, bs=bs):
+                    return K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="triton",
+                                            validate=False)
+                ms = bench(fn)
+                r = rec(tag, ms, real, target=dens)
+                r["speedup_vs_cudnn"] = cudnn_ms / ms
+                if flex is not None and bs == 128 and dens < 1.0:
+                    try:
+                        fms = bench(flex(q, k, v, idx, cnt, bs))
+                        fr = rec("flex" + tag[3:], fms, real, target=dens)
+                        fr["speedup_vs_cudnn"] = cudnn_ms / fms
+                        r["vs_flex"] = fms / ms
+                    except Exception as exc:  # compile failures are reported, not fatal
+                        log.warning("flex failed on %s: %s", name, str(exc)[:300])
+    perm = torch.randperm(n, device="cuda", generator=gen).to(torch.int32)
+    g = math.ceil(n / 128)
+    groups = torch.full((g * 128,), -1, dtype=torch.int32, device="cuda")
+    groups[:n] = perm
+    groups = groups.view(1, 1, g, 128).expand(1, h, g, 128).contiguous()
+    for dens in TOKEN_DENSITIES:
+        kk = int(dens * n)
+        toks, tcnt = K.topk_per_row(torch.rand(1, h, g, n, device="cuda", generator=gen), k=kk)
+        ms = bench(lambda: K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", validate=False))
+        r = rec("token128", ms, kk / n)
+        r["speedup_vs_cudnn"] = cudnn_ms / ms
+    _, lse = K.attention_dense(q, k, v, return_lse=True, backend="triton")
+    p2_tok = bench(lambda: K.group_kv_mass(q, k, lse, groups, granularity="token", backend="triton", validate=False))
+    p2_blk = bench(lambda: K.group_kv_mass(q, k, lse, groups, granularity="block", block_k=128, validate=False,
+                                           backend="triton"))
+    p1 = min(r["ms"] for r in rows if r["shape"] == name and r["kind"] in ("ours_dense_lse", "auto_dense_lse"))
+    rec("pass2_token_mass", p2_tok, pass1_plus_pass2_vs_cudnn=(p1 + p2_tok) / cudnn_ms)
+    rec("pass2_block_mass", p2_blk, pass1_plus_pass2_vs_cudnn=(p1 + p2_blk) / cudnn_ms)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="fewer densities (smoke run)")
+    ap.add_argument("--no-flex", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    K = load_pack()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flex = None if args.no_flex else flex_runner()
+    rows = []
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M"))
+    log.info("meta %s", meta)
+    densities = (1.0, 0.25, 0.1) if args.quick else DENSITIES
+    for name in args.shapes.split(","):
+        bench_shape(name, K, flex, densities, rows)
+        torch.cuda.empty_cache()
+        (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out_dir / "kernels.md").write_text(render(meta, rows))
+    log.info("done")
+
+
+def render(meta, rows):
+    lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, "
+             f"{meta['date']}. bf16, B=1. ms = median of do_bench; TF/s = effective (work kept).", ""]
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == name]
+        h, n, d = rs[0]["heads"], rs[0]["tokens"], rs[0]["head_dim"]
+        lines += [f"#### {name}: H={h}, N={n}, D={d}", "",
+                  "| kernel | target d | real d | ms | eff TF/s | × cuDNN dense | × d (ideal 1) | vs Flex |",
+                  "|---|---|---|---|---|---|---|---|"]
+        cud = [r for r in rs if r["kind"] == "cudnn_sdpa_dense"][0]["ms"]
+        for r in rs:
+            sp = cud / r["ms"]
+            extra = f"{r['vs_flex']:.2f}×" if "vs_flex" in r else ""
+            if "pass1_plus_pass2_vs_cudnn" in r:
+                extra = f"pass1+pass2 = {r['pass1_plus_pass2_vs_cudnn']:.2f}× cuDNN"
+            lines.append(f"| {r['kind']} | {r.get('target', '')} | {r['density']:.3f} | {r['ms']:.3f} | "
+                         f"{r['eff_tflops']:.0f} | {sp:.2f}× | {sp * r['density']:.2f} | {extra} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
