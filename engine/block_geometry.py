@@ -1,0 +1,65 @@
+"""Block-level geometry of a token layout: which blocks hold text, where image blocks sit in (F, H, W).
+
+Used by the block policies: text rows/columns stay dense (seed 000 §3) and local windows are measured
+between block centroids in the latent grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .context import TokenLayout
+
+
+def token_coords(n: int, layout: TokenLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coords float (N, 3) as (frame, row, col) for image tokens, is_text bool (N,)).
+
+    Tokens outside the grid span (text, extra tokens) are flagged ``is_text``; without a grid the image
+    tokens are laid on one row (1-D positions).
+    """
+    start, end = layout.image_span(n)
+    is_text = torch.ones(n, dtype=torch.bool, device=device)
+    is_text[start:end] = False
+    pos = torch.arange(end - start, device=device, dtype=torch.float32)
+    coords = torch.zeros((n, 3), dtype=torch.float32, device=device)
+    if layout.grid is not None and math.prod(layout.grid) == end - start:
+        f, h, w = layout.grid
+        coords[start:end, 0] = torch.div(pos, h * w, rounding_mode="floor")
+        coords[start:end, 1] = torch.div(pos, w, rounding_mode="floor") % h
+        coords[start:end, 2] = pos % w
+    else:
+        coords[start:end, 2] = pos
+    return coords, is_text
+
+
+def block_summary(n: int, block: int, layout: TokenLayout, device):
+    """Per block of ``block`` tokens: (centroid (nb, 3) of its image tokens, has_text bool (nb,))."""
+    coords, is_text = token_coords(n, layout, device)
+    nb = math.ceil(n / block)
+    pad = nb * block - n
+    img = (~is_text).float()
+    c = torch.nn.functional.pad(coords * img.unsqueeze(-1), (0, 0, 0, pad)).view(nb, block, 3).sum(1)
+    cnt = torch.nn.functional.pad(img, (0, pad)).view(nb, block).sum(1)
+    has_text = torch.nn.functional.pad(is_text.float(), (0, pad)).view(nb, block).sum(1) > 0
+    return c / cnt.clamp(min=1).unsqueeze(-1), has_text
+
+
+def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the ``counts`` highest-scoring columns, sorted ascending.
+
+    scores: float (..., L) (+inf marks forced entries); counts: int (...) in [0, L].
+    Returns (indices int32 (..., K) with -1 past each count, counts int32 (...)), K = max(counts).
+    """
+    length = scores.shape[-1]
+    counts = counts.clamp(0, length)
+    width = int(counts.max()) if counts.numel() else 0
+    if width == 0:
+        return (torch.full((*scores.shape[:-1], 0), -1, dtype=torch.int32, device=scores.device),
+                counts.to(torch.int32))
+    top = torch.topk(scores, width, dim=-1, sorted=True).indices
+    keep = torch.arange(width, device=scores.device) < counts.unsqueeze(-1)
+    idx = torch.sort(torch.where(keep, top, torch.full_like(top, length)), dim=-1).values
+    idx = torch.where(idx == length, torch.full_like(idx, -1), idx)
+    return idx.to(torch.int32), counts.to(torch.int32)

@@ -1,0 +1,245 @@
+"""The engine's configuration: one validated object built from keyword arguments, a dict or a YAML file.
+
+Every invalid value raises ``ValueError`` naming the field (and the file, for YAML presets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+METHODS = ("dense", "static", "block_topk", "mc_sparse", "hybrid")
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Densities:
+    """Fraction of keys kept per modality pair (query -> key). None means "use the global density".
+
+    Seed 000 §3: text rows and text columns stay dense by default (text->text, text->image,
+    image->text = 1.0); image->image (video/image/3D tokens among themselves) takes the global density.
+    """
+
+    text_to_text: float = 1.0
+    text_to_image: float = 1.0
+    image_to_text: float = 1.0
+    image_to_image: float | None = None
+
+
+@dataclass(frozen=True)
+class AnchorSchedule:
+    """Anchor steps: an explicit list of step indices, or every ``every`` steps after warm-up."""
+
+    steps: tuple[int, ...] = ()
+    every: int = 0
+
+    @staticmethod
+    def parse(value) -> "AnchorSchedule":
+        """Accepts "10,26", [10, 26], "every 5", "every:5", {"every": 5}, 5 (= every 5) or "" (none)."""
+        if isinstance(value, AnchorSchedule):
+            return value
+        if value is None or value == "" or value == []:
+            return AnchorSchedule()
+        if isinstance(value, dict):
+            return AnchorSchedule(steps=tuple(int(s) for s in value.get("steps", ())), every=int(value.get("every", 0)))
+        if isinstance(value, bool):
+            raise ValueError("anchor_steps: expected a list of steps or 'every N', got a boolean")
+        if isinstance(value, int):
+            return AnchorSchedule(every=value)
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text.startswith("every"):
+                num = text[5:].strip(" :=")
+                if not num.isdigit():
+                    raise ValueError(f"anchor_steps: cannot read {value!r} (expected 'every N')")
+                return AnchorSchedule(every=int(num))
+            parts = [p.strip() for p in text.replace(";", ",").split(",") if p.strip()]
+            if not all(p.isdigit() for p in parts):
+                raise ValueError(f"anchor_steps: cannot read {value!r} (expected e.g. '10,26' or 'every 5')")
+            return AnchorSchedule(steps=tuple(sorted(int(p) for p in parts)))
+        if isinstance(value, (list, tuple)):
+            try:
+                return AnchorSchedule(steps=tuple(sorted(int(s) for s in value)))
+            except (TypeError, ValueError):
+                raise ValueError(f"anchor_steps: expected integers, got {value!r}") from None
+        raise ValueError(f"anchor_steps: unsupported value {value!r}")
+
+    def is_anchor(self, step: int, warmup_steps: int) -> bool:
+        if step in self.steps:
+            return True
+        return self.every > 0 and step >= warmup_steps and (step - warmup_steps) % self.every == 0
+
+    def describe(self) -> str:
+        parts = [",".join(map(str, self.steps))] if self.steps else []
+        if self.every:
+            parts.append(f"every {self.every}")
+        return " + ".join(parts) or "first sparse step only"
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Everything the engine needs to decide and compute one attention call.
+
+    method: dense | static | block_topk | mc_sparse | hybrid.
+    density: fraction of query-key pairs kept among image tokens (0 < density <= 1).
+    block_q, block_k: 64 or 128 (block granularity of block masks).
+    group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
+    warmup_steps / warmup_layers / dense_layers: computed densely.
+    anchor_steps: when selection (and residual) are recomputed; see AnchorSchedule.
+    residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
+    select_every_step: block_topk re-selects at every step (cheap pooled scores) instead of reusing.
+    mass: block_topk keeps the smallest set of KV blocks reaching this share of pooled mass instead of a
+        fixed count (0 < mass <= 1), or None.
+    sink_blocks: static/hybrid keep the first ``sink_blocks`` image KV blocks for every query.
+    temporal_weight: static/hybrid distance weight of one frame relative to one token row/column.
+    cache_budget_mb: GPU memory for cached selections/residuals; offload: move other layers' entries to
+        CPU (pinned) memory and prefetch them; cpu_budget_mb: the CPU side's limit.
+    min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
+    """
+
+    method: str = "mc_sparse"
+    density: float = 0.15
+    densities: Densities = field(default_factory=Densities)
+    block_q: int = 128
+    block_k: int = 128
+    group_size: int = 128
+    warmup_steps: int = 0
+    warmup_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
+    anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
+    residual: bool = True
+    select_every_step: bool = False
+    mass: float | None = None
+    sink_blocks: int = 1
+    temporal_weight: float = 1.0
+    cache_budget_mb: float = 8192.0
+    offload: bool = True
+    cpu_budget_mb: float = 65536.0
+    min_tokens: int = 4096
+    backend: str = "auto"
+
+    def __post_init__(self):
+        # friendly forms: anchor_steps="10,26", dense_layers="0-2", densities={...}
+        object.__setattr__(self, "anchor_steps", AnchorSchedule.parse(self.anchor_steps))
+        if not isinstance(self.dense_layers, tuple) or any(not isinstance(x, int) for x in self.dense_layers):
+            object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        if isinstance(self.densities, dict):
+            object.__setattr__(self, "densities", Densities(**self.densities))
+        _check(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
+        _frac("density", self.density)
+        for f in dataclasses.fields(Densities):
+            v = getattr(self.densities, f.name)
+            if v is not None:
+                _frac(f"densities.{f.name}", v)
+        for name in ("block_q", "block_k"):
+            _check(getattr(self, name) in (64, 128), name, f"must be 64 or 128, got {getattr(self, name)!r}")
+        _check(self.group_size in (64, 128), "group_size", f"must be 64 or 128, got {self.group_size!r}")
+        for name in ("warmup_steps", "warmup_layers", "sink_blocks", "min_tokens"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name,
+                   f"must be a non-negative integer, got {v!r}")
+        _check(all(isinstance(x, int) and x >= 0 for x in self.dense_layers), "dense_layers",
+               f"must be non-negative layer indices, got {self.dense_layers!r}")
+        _check(self.anchor_steps.every >= 0 and all(s >= 0 for s in self.anchor_steps.steps), "anchor_steps",
+               "steps must be non-negative")
+        if self.mass is not None:
+            _frac("mass", self.mass)
+        _check(self.temporal_weight > 0 and math.isfinite(self.temporal_weight), "temporal_weight",
+               f"must be a positive number, got {self.temporal_weight!r}")
+        for name in ("cache_budget_mb", "cpu_budget_mb"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and v >= 0, name, f"must be >= 0, got {v!r}")
+        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("residual", "select_every_step", "offload"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def image_density(self) -> float:
+        v = self.densities.image_to_image
+        return self.density if v is None else v
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "config") -> "SparseConfig":
+        """Build from a plain dict (keys as the fields; ``densities`` a dict; ``anchor_steps`` as parsed
+        by AnchorSchedule.parse). Unknown keys are errors. ``source`` names the origin in messages."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        kw = dict(data)
+        try:
+            if "densities" in kw:
+                dens = kw["densities"] or {}
+                if not isinstance(dens, dict):
+                    raise ValueError("densities: expected a mapping")
+                dfields = {f.name for f in dataclasses.fields(Densities)}
+                bad = sorted(set(dens) - dfields)
+                if bad:
+                    raise ValueError(f"densities: unknown key(s) {bad}; known: {sorted(dfields)}")
+                kw["densities"] = Densities(**dens)
+            if "anchor_steps" in kw:
+                kw["anchor_steps"] = AnchorSchedule.parse(kw["anchor_steps"])
+            if "dense_layers" in kw:
+                kw["dense_layers"] = parse_layers(kw["dense_layers"])
+            return cls(**kw)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+        except TypeError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict | None = None) -> "SparseConfig":
+        """Load a preset: a YAML mapping whose ``sparse`` key (or the whole file) holds the fields."""
+        import yaml
+
+        path = Path(path)
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path.name}: cannot read preset ({exc})") from None
+        if isinstance(doc, dict) and "sparse" in doc:
+            doc = doc["sparse"]
+        data = dict(doc or {})
+        data.update(overrides or {})
+        return cls.from_dict(data, source=path.name)
+
+    def replace(self, **changes) -> "SparseConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def parse_layers(value) -> tuple[int, ...]:
+    """"0,1,5-7" / [0, 1] / "" -> sorted tuple of layer indices."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, (list, tuple)):
+        items = [str(v) for v in value]
+    else:
+        items = [p for p in str(value).replace(";", ",").split(",")]
+    out: set[int] = set()
+    for item in (p.strip() for p in items):
+        if not item:
+            continue
+        if "-" in item:
+            a, b = item.split("-", 1)
+            if not (a.strip().isdigit() and b.strip().isdigit()) or int(a) > int(b):
+                raise ValueError(f"dense_layers: cannot read range {item!r}")
+            out.update(range(int(a), int(b) + 1))
+        elif item.isdigit():
+            out.add(int(item))
+        else:
+            raise ValueError(f"dense_layers: cannot read {item!r} (expected e.g. '0,1,5-7')")
+    return tuple(sorted(out))
+
+
+def _check(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {msg}")
+
+
+def _frac(name: str, v) -> None:
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < float(v) <= 1.0, name,
+           f"must lie in (0, 1], got {v!r}")

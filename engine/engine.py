@@ -1,0 +1,159 @@
+"""The sparse-attention engine: per call, decide dense / anchor / reuse, select, compute, compensate.
+
+    engine = SparseEngine(SparseConfig(method="mc_sparse", density=0.15, anchor_steps="10,26"))
+    engine.begin_run()
+    out = engine.attend(q, k, v, CallContext(layer=i, step=s, layout=...), dense_fn=model_attention)
+    stats = engine.end_run()
+
+Anchors compute dense attention (with its LSE), the new selection and the sparse output with it; they
+return the dense output and cache the selection and R = O_dense - O_sparse. Reuse steps return
+O_sparse(q_t, k_t, v_t; cached selection) + R (seed 003).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import kernels
+from .cache import Entry, SelectionCache
+from .config import SparseConfig
+from .context import CallContext
+from .policy_block_topk import build_block_topk
+from .policy_mc_sparse import build_mc_sparse
+from .policy_static import build_static
+from .stats import RunStats
+
+log = logging.getLogger(__name__)
+
+DENSE, ANCHOR, REUSE, FALLBACK = "dense", "anchor", "reuse", "fallback"
+
+
+class SparseEngine:
+    """Holds one configuration, the run's caches and statistics. Not thread-safe (one sampler)."""
+
+    def __init__(self, cfg: SparseConfig):
+        self.cfg = cfg
+        self.cache = SelectionCache(int(cfg.cache_budget_mb * 2**20), int(cfg.cpu_budget_mb * 2**20), cfg.offload)
+        self.stats = RunStats()
+        self._static: dict[tuple, object] = {}
+        self._anchored_at: dict[tuple, int] = {}
+        self._step: int | None = None
+        self.last_stats: RunStats | None = None
+
+    # run lifecycle
+    def begin_run(self) -> None:
+        """Start a sampling run: forget every cache entry and statistic of the previous one."""
+        self.cache.clear()
+        self._static.clear()
+        self._anchored_at.clear()
+        self._step = None
+        self.stats = RunStats()
+
+    def end_run(self) -> RunStats:
+        """Finish the run: resolve timings, free all cached tensors, return the statistics."""
+        info = dict(peak_device_bytes=self.cache.peak_device, peak_cpu_bytes=self.cache.peak_cpu,
+                    device_bytes=self.cache.device_bytes, cpu_bytes=self.cache.cpu_bytes, **self.cache.counters)
+        stats = self.stats.finish(info)
+        self.cache.clear()
+        self._static.clear()
+        self._anchored_at.clear()
+        self.cache.peak_device = self.cache.peak_cpu = 0
+        for k in self.cache.counters:
+            self.cache.counters[k] = 0
+        self.last_stats = stats
+        self.stats = RunStats()
+        log.info(stats.summary_line())
+        return stats
+
+    # decisions
+    def decide(self, ctx: CallContext, n_tokens: int) -> str:
+        """dense | anchor | reuse | fallback for a call with ``n_tokens`` query tokens."""
+        cfg = self.cfg
+        if cfg.method == "dense" or not ctx.is_self or n_tokens < cfg.min_tokens:
+            return DENSE
+        if ctx.step < cfg.warmup_steps or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
+            return DENSE
+        key = ctx.key(n_tokens)
+        if key in self.cache.fallback_keys:
+            return FALLBACK
+        if key not in self.cache:
+            return ANCHOR
+        if cfg.anchor_steps.is_anchor(ctx.step, cfg.warmup_steps) and self._anchored_at.get(key) != ctx.step:
+            return ANCHOR
+        return REUSE
+
+    # the call
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CallContext, *, scale=None,
+               dense_fn=None) -> torch.Tensor:
+        """Attention for one call. q: (B, H, Nq, D); k, v: (B, H, Nk, D); returns (B, H, Nq, D) in q's dtype.
+
+        dense_fn(q, k, v) -> (B, H, Nq, D): the model's own dense attention (used for dense calls, so
+        any installed backend stays in charge of them); default: kernels.attention_dense.
+        """
+        if self._step != ctx.step:
+            self._step = ctx.step
+            self.cache.new_step()
+            self.stats.steps_seen.add(ctx.step)
+        n = q.shape[2]
+        decision = self.decide(ctx, n) if k.shape[2] == n else DENSE
+        dev = q.device
+        if decision in (DENSE, FALLBACK):
+            with self.stats.timed(ctx.layer, "attention", dev):
+                out = self._dense(q, k, v, scale, dense_fn)
+            self.stats.add(ctx.layer, decision, 1.0)
+            return out
+        key = ctx.key(n)
+        if decision == ANCHOR:
+            return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+        with self.stats.timed(ctx.layer, "transfer", dev):
+            entry = self.cache.get(key, dev)
+        selection = entry.selection
+        if self.cfg.method == "block_topk" and self.cfg.select_every_step:
+            with self.stats.timed(ctx.layer, "selection", dev):
+                selection = build_block_topk(q, k, ctx.layout, self.cfg, scale=scale)
+        with self.stats.timed(ctx.layer, "attention", dev):
+            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
+            if entry.residual is not None:
+                out.add_(entry.residual)
+        self.stats.add(ctx.layer, REUSE, selection.density)
+        return out
+
+    def _dense(self, q, k, v, scale, dense_fn):
+        if dense_fn is not None:
+            return dense_fn(q, k, v)
+        return kernels.attention_dense(q, k, v, scale=scale, backend=self.cfg.backend)
+
+    def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
+        cfg, dev = self.cfg, q.device
+        need_lse = cfg.method == "mc_sparse"
+        with self.stats.timed(ctx.layer, "attention", dev):
+            if need_lse:
+                out_d, lse = kernels.attention_dense(q, k, v, scale=scale, return_lse=True, backend=cfg.backend)
+            else:
+                out_d, lse = self._dense(q, k, v, scale, dense_fn), None
+        with self.stats.timed(ctx.layer, "selection", dev):
+            selection = self._select(q, k, lse, ctx, scale)
+        with self.stats.timed(ctx.layer, "attention", dev):
+            out_s = selection.run(q, k, v, scale=scale, backend=cfg.backend)
+        diff = out_d - out_s
+        fidelity = float(diff.float().norm() / out_d.float().norm().clamp(min=1e-30))
+        where = self.cache.put(key, Entry(selection, diff if cfg.residual else None))
+        self._anchored_at[key] = ctx.step
+        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
+        if where == "none":
+            log.debug("layer %s: selection not cached", ctx.layer)
+        return out_d
+
+    def _select(self, q, k, lse, ctx, scale):
+        cfg = self.cfg
+        b, h, n, _ = q.shape
+        if cfg.method == "mc_sparse":
+            return build_mc_sparse(q, k, lse, ctx.layout, cfg, scale=scale, backend=cfg.backend)
+        if cfg.method == "static":
+            skey = (b, h, n, ctx.layout, str(q.device))
+            if skey not in self._static:
+                self._static[skey] = build_static(b, h, n, ctx.layout, cfg, q.device)
+            return self._static[skey]
+        return build_block_topk(q, k, ctx.layout, cfg, hybrid=cfg.method == "hybrid", scale=scale)

@@ -1,0 +1,48 @@
+"""block_topk and hybrid policies: pooled block scores (seed 000), top-k or cumulative mass per query block.
+
+hybrid unites the static structure (window + sinks + text, with half the budget) with dynamic top-k on
+pooled scores for the rest of the budget (seed 000 §2.3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from .block_geometry import rows_topk
+from .config import SparseConfig
+from .context import TokenLayout
+from .policy_static import static_scores
+from .selection import BlockSelection, block_pairs_fraction
+
+
+def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bool = False,
+                     scale=None) -> BlockSelection:
+    """q, k: (B, H, N, D). Returns a BlockSelection whose image rows keep density * image blocks."""
+    b, h, n, _ = q.shape
+    pooled = kernels.pooled_block_scores(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale)
+    if hybrid:
+        base, counts = static_scores(n, layout, cfg, q.device, image_density=cfg.image_density / 2)
+        forced = torch.isinf(base)
+        # the static half: window blocks become forced too
+        win_idx, win_cnt = rows_topk(base, counts)
+        valid = torch.arange(win_idx.shape[-1], device=q.device) < win_cnt.unsqueeze(-1)
+        forced = forced.clone()
+        rows = torch.arange(forced.shape[0], device=q.device).unsqueeze(-1).expand_as(win_idx)
+        forced[rows[valid], win_idx[valid].long()] = True
+        full_counts = static_scores(n, layout, cfg, q.device)[1]
+    else:
+        base, full_counts = static_scores(n, layout, cfg, q.device)
+        forced = torch.isinf(base)  # text rows/columns and sink blocks
+    scores = torch.where(forced.view(1, 1, *forced.shape), torch.full_like(pooled, float("inf")), pooled)
+    counts = full_counts.view(1, 1, -1).expand(b, h, -1)
+    if cfg.mass is not None and not hybrid:
+        # smallest set reaching the mass among non-forced blocks, plus the forced ones
+        free = torch.where(forced.view(1, 1, *forced.shape), torch.zeros_like(pooled), pooled)
+        share = torch.sort(free, -1, descending=True).values.cumsum(-1) / free.sum(-1, keepdim=True).clamp(min=1e-30)
+        need = (share < cfg.mass).sum(-1) + 1
+        counts = forced.sum(-1).view(1, 1, -1) + need
+        counts = torch.where(forced.all(-1).view(1, 1, -1), torch.full_like(counts, forced.shape[1]), counts)
+    idx, cnt = rows_topk(scores, counts.contiguous())
+    return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
+                          block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))

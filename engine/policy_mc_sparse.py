@@ -1,0 +1,69 @@
+"""MC-Sparse policy (seed 003): query groups of exactly C similar queries, each with its own exact
+token-level KV selection by group attention mass, computed at anchor steps.
+
+Anchor selection = grouping (principal-direction median splits) + pass 2 (the group mass of every KV
+token, given the row LSE of the dense pass) + top-K per group. Text query rows are computed densely;
+text KV tokens are kept for every group when image->text is dense. Memory stays bounded by running
+pass 2 over a few heads at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from .block_geometry import rows_topk, token_coords
+from .config import SparseConfig
+from .context import TokenLayout
+from .selection import TokenSelection
+
+MASS_CHUNK_BYTES = 1 << 30  # fp32 group-mass scratch per pass-2 chunk
+
+
+def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=None,
+                    backend="auto") -> TokenSelection:
+    """q, k: (B, H, N, D); lse: fp32 (B, H, N) row LSE of dense attention. Returns a TokenSelection."""
+    b, h, n, _ = q.shape
+    dev = q.device
+    _, is_text = token_coords(n, layout, dev)
+    img_rows = torch.nonzero(~is_text).view(-1)
+    text_rows = torch.nonzero(is_text).view(-1)
+    n_img, n_txt = img_rows.numel(), text_rows.numel()
+    q_img = q[:, :, img_rows] if n_txt else q
+    groups_local = kernels.group_queries(q_img, cfg.group_size, backend=backend)
+    groups = torch.where(groups_local >= 0, img_rows[groups_local.clamp(min=0).long()].to(torch.int32),
+                         groups_local) if n_txt else groups_local
+    g = groups.shape[2]
+    k_img = max(1, round(cfg.image_density * n_img))
+    i2t = cfg.densities.image_to_text
+    k_txt = n_txt if i2t >= 1.0 else round(i2t * n_txt)
+    width = min(n, k_img + k_txt)
+    tokens = torch.empty((b, h, g, width), dtype=torch.int32, device=dev)
+    counts = torch.empty((b, h, g), dtype=torch.int32, device=dev)
+    per_head = g * n * 4
+    step = max(1, MASS_CHUNK_BYTES // max(1, per_head))
+    force = torch.zeros(n, dtype=torch.bool, device=dev)
+    if i2t >= 1.0:
+        force[text_rows] = True
+    want = torch.full((b, 1, g), k_img + k_txt, dtype=torch.long, device=dev)
+    for h0 in range(0, h, step):
+        sl = slice(h0, h0 + step)
+        mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], groups[:, sl], granularity="token",
+                                     scale=scale, backend=backend, validate=False)
+        if n_txt and i2t < 1.0:
+            # separate budgets: the k_txt text tokens of highest mass are forced, other text tokens excluded
+            top_txt = text_rows[torch.topk(mass[..., text_rows], k_txt, dim=-1).indices] if k_txt else None
+            mass[..., text_rows] = -1.0
+            if top_txt is not None:
+                mass.scatter_(-1, top_txt, float("inf"))
+        else:
+            mass = mass.masked_fill(force, float("inf"))
+        idx, cnt = rows_topk(mass, want.expand(b, mass.shape[1], g))
+        tokens[:, sl, :, :idx.shape[-1]] = idx
+        tokens[:, sl, :, idx.shape[-1]:] = -1
+        counts[:, sl] = cnt
+        del mass
+    real_q = (groups >= 0).sum(-1).double()
+    pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n
+    density = pairs / (b * h * n * n)
+    return TokenSelection.build(groups, tokens, counts, text_rows if n_txt else None, density)

@@ -1,0 +1,124 @@
+"""Selections: what a policy chose for one attention call, ready to run and to cache.
+
+BlockSelection holds CSR-like block lists (the block-sparse kernel's input); TokenSelection holds query
+groups and per-group KV token lists (the token-sparse kernel's input) plus the query rows computed
+densely (text rows). Both know the exact fraction of query-key pairs they compute, their size in
+bytes, and how to move themselves between devices (for the cache's offload).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+
+SEGMENT = 1 << 16
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class BlockSelection:
+    """kv_indices int32 (B, H, nqb, max_k) sorted per row; kv_counts int32 (B, H, nqb)."""
+
+    kv_indices: torch.Tensor
+    kv_counts: torch.Tensor
+    block_q: int
+    block_k: int
+    density: float
+
+    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks."""
+        return kernels.block_sparse_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
+                                              block_k=self.block_k, scale=scale, backend=backend,
+                                              validate=False)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.kv_indices, self.kv_counts)
+
+    def map(self, fn) -> "BlockSelection":
+        """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
+        return dataclasses.replace(self, kv_indices=fn(self.kv_indices), kv_counts=fn(self.kv_counts))
+
+    def tensors(self):
+        return (self.kv_indices, self.kv_counts)
+
+
+@dataclass
+class TokenSelection:
+    """Groups of C queries with their own sorted KV token lists, stored compactly.
+
+    q_groups int32 (B, H, G, C) (-1 pads); kv_low int16 (B, H, G, max_k): each token id minus
+    65536 * segment, shifted into int16; seg_ends int32 (B, H, G, S): where each 65536-token segment's
+    entries end in the (sorted) list; kv_counts int32 (B, H, G). Decoding is elementwise (no sort), half
+    the bytes of int32 ids. dense_rows int64 (R,) query rows computed densely (text), or None.
+    """
+
+    q_groups: torch.Tensor
+    kv_low: torch.Tensor
+    seg_ends: torch.Tensor
+    kv_counts: torch.Tensor
+    dense_rows: torch.Tensor | None
+    density: float
+
+    @staticmethod
+    def build(q_groups, kv_tokens, kv_counts, dense_rows, density) -> "TokenSelection":
+        """Compact int32 sorted token lists (B, H, G, max_k) (-1 past the count)."""
+        n_seg = max(1, int((int(kv_tokens.max()) if kv_tokens.numel() else 0) // SEGMENT) + 1)
+        tok = kv_tokens.long()
+        seg = torch.where(tok >= 0, tok // SEGMENT, torch.full_like(tok, n_seg))
+        seg_ends = torch.stack([(seg <= s).sum(-1) for s in range(n_seg)], dim=-1)
+        seg_ends = torch.minimum(seg_ends, kv_counts.long().unsqueeze(-1)).to(torch.int32)
+        low = (tok.clamp(min=0) % SEGMENT - 32768).to(torch.int16)
+        return TokenSelection(q_groups, low, seg_ends, kv_counts, dense_rows, density)
+
+    def kv_tokens(self) -> torch.Tensor:
+        """Decoded int32 token lists (B, H, G, max_k); entries past the count are meaningless."""
+        slot = torch.arange(self.kv_low.shape[-1], device=self.kv_low.device)
+        seg = (slot.view(1, 1, 1, 1, -1) >= self.seg_ends.unsqueeze(-1)).sum(-2)
+        return (self.kv_low.int() + 32768 + SEGMENT * seg).to(torch.int32)
+
+    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows, dense text rows."""
+        out = kernels.token_sparse_attention(q, k, v, self.q_groups, self.kv_tokens(), self.kv_counts, scale=scale,
+                                             backend=backend, validate=False)
+        if self.dense_rows is not None and self.dense_rows.numel():
+            rows = self.dense_rows
+            out[:, :, rows] = kernels.attention_dense(q[:, :, rows], k, v, scale=scale, backend=backend)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.q_groups, self.kv_low, self.seg_ends, self.kv_counts, self.dense_rows)
+
+    def map(self, fn) -> "TokenSelection":
+        """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
+        return dataclasses.replace(self, q_groups=fn(self.q_groups), kv_low=fn(self.kv_low),
+                                   seg_ends=fn(self.seg_ends), kv_counts=fn(self.kv_counts),
+                                   dense_rows=None if self.dense_rows is None else fn(self.dense_rows))
+
+    def tensors(self):
+        return tuple(t for t in (self.q_groups, self.kv_low, self.seg_ends, self.kv_counts, self.dense_rows)
+                     if t is not None)
+
+
+def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:
+    """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted)."""
+    nqb = kv_counts.shape[-1]
+    q_rows = torch.full((nqb,), block_q, dtype=torch.float64, device=kv_counts.device)
+    q_rows[-1] = nq - (nqb - 1) * block_q
+    nkb = -(-nk // block_k)
+    kv_size = torch.full((nkb + 1,), block_k, dtype=torch.float64, device=kv_counts.device)
+    kv_size[nkb - 1] = nk - (nkb - 1) * block_k
+    kv_size[nkb] = 0.0
+    valid = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_counts.unsqueeze(-1)
+    idx = torch.where(valid, kv_indices.long(), torch.full_like(kv_indices.long(), nkb))
+    keys = kv_size[idx].sum(-1)
+    b, h = kv_counts.shape[:2]
+    return float((keys * q_rows).sum() / (b * h * nq * nk))

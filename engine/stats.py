@@ -1,0 +1,126 @@
+"""Per-run statistics: density, anchor fidelity, time in selection / attention / transfers, cache bytes.
+
+Timing uses CUDA events on GPU tensors (resolved once at the end of the run, so measuring never
+synchronises the device mid-run) and ``time.perf_counter`` on other devices.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("selection", "attention", "transfer")
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    dense: int = 0
+    anchors: int = 0
+    reuses: int = 0
+    fallbacks: int = 0
+    density_sum: float = 0.0
+    fidelity: list = field(default_factory=list)
+    seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+
+    @property
+    def density(self) -> float:
+        return self.density_sum / self.calls if self.calls else 1.0
+
+
+class RunStats:
+    """Accumulates one sampling run's statistics; ``finish()`` resolves pending GPU timings."""
+
+    def __init__(self):
+        self.layers: dict[int, LayerStats] = {}
+        self._pending: list[tuple[int, str, object, object]] = []
+        self.cache: dict = {}
+        self.steps_seen: set[int] = set()
+        self.finished = False
+
+    def layer(self, idx: int) -> LayerStats:
+        return self.layers.setdefault(idx, LayerStats())
+
+    def add(self, layer: int, kind: str, density: float, fidelity: float | None = None) -> None:
+        """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback)."""
+        s = self.layer(layer)
+        s.calls += 1
+        s.density_sum += density
+        if kind == "dense":
+            s.dense += 1
+        elif kind == "anchor":
+            s.anchors += 1
+        elif kind == "reuse":
+            s.reuses += 1
+        elif kind == "fallback":
+            s.fallbacks += 1
+            s.dense += 1
+        if fidelity is not None:
+            s.fidelity.append(fidelity)
+
+    @contextmanager
+    def timed(self, layer: int, phase: str, device: torch.device):
+        """Time the enclosed work under ``phase`` for ``layer``."""
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((layer, phase, start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.layer(layer).seconds[phase] += time.perf_counter() - t0
+
+    def finish(self, cache_info: dict | None = None) -> "RunStats":
+        if self._pending:
+            torch.cuda.synchronize()
+            for layer, phase, start, end in self._pending:
+                self.layer(layer).seconds[phase] += start.elapsed_time(end) / 1000.0
+            self._pending.clear()
+        if cache_info is not None:
+            self.cache = dict(cache_info)
+        self.finished = True
+        return self
+
+    # views
+    def totals(self) -> dict:
+        calls = sum(s.calls for s in self.layers.values())
+        fid = [f for s in self.layers.values() for f in s.fidelity]
+        return dict(
+            calls=calls,
+            dense=sum(s.dense for s in self.layers.values()),
+            anchors=sum(s.anchors for s in self.layers.values()),
+            reuses=sum(s.reuses for s in self.layers.values()),
+            fallbacks=sum(s.fallbacks for s in self.layers.values()),
+            density=(sum(s.density_sum for s in self.layers.values()) / calls) if calls else 1.0,
+            fidelity_mean=(sum(fid) / len(fid)) if fid else None,
+            fidelity_max=max(fid) if fid else None,
+            seconds={p: sum(s.seconds[p] for s in self.layers.values()) for p in PHASES},
+        )
+
+    def as_dict(self) -> dict:
+        """Structured form for a report node: totals, per-layer rows, cache figures."""
+        return dict(totals=self.totals(), cache=self.cache, layers={
+            i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,
+                    density=s.density, fidelity=(sum(s.fidelity) / len(s.fidelity)) if s.fidelity else None,
+                    seconds=dict(s.seconds)) for i, s in sorted(self.layers.items())})
+
+    def summary_line(self) -> str:
+        t = self.totals()
+        fid = "n/a" if t["fidelity_mean"] is None else f"{t['fidelity_mean']:.4f} (max {t['fidelity_max']:.4f})"
+        sec = t["seconds"]
+        c = self.cache
+        cache = (f"cache peak {c.get('peak_device_bytes', 0) / 2**20:.0f} MiB GPU / "
+                 f"{c.get('peak_cpu_bytes', 0) / 2**20:.0f} MiB CPU" if c else "cache n/a")
+        return (f"sparse attention: {t['calls']} calls ({t['dense']} dense, {t['anchors']} anchor, "
+                f"{t['reuses']} reuse, {t['fallbacks']} fallback), density {t['density']:.3f}, anchor rel-L2 {fid}, "
+                f"selection {sec['selection']:.2f}s attention {sec['attention']:.2f}s "
+                f"transfer {sec['transfer']:.2f}s, {cache}")

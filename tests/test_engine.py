@@ -1,0 +1,211 @@
+"""Engine (CPU): configuration, schedule decisions, density accounting, quality ordering, residual,
+cache offload round trips, budget fallbacks and memory release."""
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+from comfyui_sparse_attention.engine.policy_static import build_static
+from comfyui_sparse_attention.engine.selection import TokenSelection, block_pairs_fraction
+from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention, rel_l2
+
+
+# configuration -------------------------------------------------------------------------------------
+def test_config_validation_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="density"):
+        SparseConfig(density=0.0)
+    with pytest.raises(ValueError, match="method"):
+        SparseConfig(method="magic")
+    with pytest.raises(ValueError, match="block_q"):
+        SparseConfig(block_q=32)
+    with pytest.raises(ValueError, match="group_size"):
+        SparseConfig(group_size=100)
+    with pytest.raises(ValueError, match="anchor_steps"):
+        SparseConfig.from_dict({"anchor_steps": "ten"})
+    with pytest.raises(ValueError, match="densities.image_to_text"):
+        SparseConfig.from_dict({"densities": {"image_to_text": 2}})
+    with pytest.raises(ValueError, match="unknown field"):
+        SparseConfig.from_dict({"dnesity": 0.2})
+    with pytest.raises(ValueError, match="dense_layers"):
+        SparseConfig.from_dict({"dense_layers": "0,x"})
+    preset = tmp_path / "bad.yaml"
+    preset.write_text("sparse:\n  method: mc_sparse\n  warmup_steps: -1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: warmup_steps"):
+        SparseConfig.from_yaml(preset)
+
+
+def test_config_from_yaml_and_dict(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("# source: test\nsparse:\n  method: block_topk\n  density: 0.2\n  anchor_steps: '10, 26'\n"
+                      "  dense_layers: '0,2-3'\n  densities: {image_to_text: 0.5}\n")
+    cfg = SparseConfig.from_yaml(preset, overrides={"density": 0.1})
+    assert cfg.method == "block_topk" and cfg.density == 0.1
+    assert cfg.anchor_steps.steps == (10, 26)
+    assert cfg.dense_layers == (0, 2, 3)
+    assert cfg.densities.image_to_text == 0.5
+    assert SparseConfig.from_dict({"anchor_steps": "every 4"}).anchor_steps.every == 4
+
+
+# schedule ------------------------------------------------------------------------------------------
+def test_schedule_decisions():
+    cfg = SparseConfig(method="mc_sparse", warmup_steps=2, warmup_layers=1, dense_layers=(5,),
+                       anchor_steps="6", min_tokens=100)
+    eng = SparseEngine(cfg)
+    n = 1000
+
+    def ctx(layer, step, **kw):
+        return CallContext(layer=layer, step=step, **kw)
+    assert eng.decide(ctx(3, 0), n) == "dense"          # warm-up step
+    assert eng.decide(ctx(0, 4), n) == "dense"          # warm-up layer
+    assert eng.decide(ctx(5, 4), n) == "dense"          # explicit dense layer
+    assert eng.decide(ctx(3, 4), 50) == "dense"         # too few tokens
+    assert eng.decide(ctx(3, 4, is_self=False), n) == "dense"
+    assert eng.decide(ctx(3, 2), n) == "anchor"         # nothing cached yet
+    eng.cache.on_device[ctx(3, 2).key(n)] = object()
+    assert eng.decide(ctx(3, 3), n) == "reuse"
+    assert eng.decide(ctx(3, 6), n) == "anchor"         # listed anchor
+    eng._anchored_at[ctx(3, 6).key(n)] = 6
+    assert eng.decide(ctx(3, 6), n) == "reuse"          # second evaluation of the same step
+    every = SparseEngine(SparseConfig(warmup_steps=2, anchor_steps="every 3", min_tokens=0))
+    every.cache.on_device[ctx(1, 0).key(n)] = object()
+    assert [every.decide(ctx(1, s), n) for s in range(2, 9)] == ["anchor", "reuse", "reuse", "anchor", "reuse",
+                                                                 "reuse", "anchor"]
+
+
+def run_engine(cfg, problem, steps, layers=(0,)):
+    """Per-step rel-L2 of the engine output vs dense, and the run statistics."""
+    eng = SparseEngine(cfg)
+    eng.begin_run()
+    errs = []
+    for s in range(steps):
+        q, k, v = problem.qkv(s)
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        outs = [eng.attend(q, k, v, CallContext(layer=layer, step=s, layout=problem.layout)) for layer in layers]
+        errs.append(max(rel_l2(o, dense) for o in outs))
+    return errs, eng.end_run()
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return SyntheticVideoAttention(frames=4, height=16, width=16, text=32, heads=2, head_dim=64, steps=8, seed=3)
+
+
+BASE = dict(density=0.15, warmup_steps=1, anchor_steps="", min_tokens=0, backend="torch", block_q=64, block_k=64,
+            group_size=64)
+
+
+def test_mc_sparse_with_residual_beats_block_topk_at_equal_density(problem):
+    block_err, block_stats = run_engine(SparseConfig(method="block_topk", residual=False, **BASE), problem, 6)
+    mc_err, mc_stats = run_engine(SparseConfig(method="mc_sparse", residual=True, **BASE), problem, 6)
+    # equal density (the token method may not spend more)
+    assert mc_stats.totals()["density"] <= block_stats.totals()["density"] + 0.01
+    assert sum(mc_err[2:]) < 0.5 * sum(block_err[2:])
+
+
+def test_residual_lowers_reuse_step_error(problem):
+    without, _ = run_engine(SparseConfig(method="mc_sparse", residual=False, **BASE), problem, 6)
+    with_r, stats = run_engine(SparseConfig(method="mc_sparse", residual=True, **BASE), problem, 6)
+    assert stats.totals()["reuses"] == 4 and stats.totals()["anchors"] == 1
+    assert with_r[1] < 1e-5 and without[1] < 1e-5   # the anchor returns dense output
+    assert all(a < b for a, b in zip(with_r[2:], without[2:]))
+
+
+def test_density_accounting_is_exact(problem):
+    n = problem.n
+    cfg = SparseConfig(method="static", **BASE)
+    sel = build_static(1, 2, n, problem.layout, cfg, "cpu")
+    allow = torch.zeros(n, n, dtype=torch.bool)
+    for r in range(sel.kv_counts.shape[-1]):
+        for j in sel.kv_indices[0, 0, r, :sel.kv_counts[0, 0, r]].tolist():
+            allow[r * 64:(r + 1) * 64, j * 64:(j + 1) * 64] = True
+    assert abs(sel.density - float(allow.double().mean())) < 1e-12
+    assert abs(block_pairs_fraction(sel.kv_indices, sel.kv_counts, n, n, 64, 64) - sel.density) < 1e-12
+    _, stats = run_engine(cfg, problem, 3)
+    layer = stats.layers[0]
+    assert layer.calls == 3 and layer.dense == 1
+    assert abs(layer.density - (1.0 + 2 * sel.density) / 3) < 1e-9
+
+
+def test_token_selection_compaction_round_trips():
+    g = torch.Generator().manual_seed(0)
+    n = 150_000  # spans three 65536-token segments
+    lists = torch.sort(torch.stack([torch.randperm(n, generator=g)[:500] for _ in range(6)]), -1).values
+    tokens = lists.view(1, 2, 3, 500).to(torch.int32)
+    counts = torch.tensor([[[500, 480, 0], [1, 500, 250]]], dtype=torch.int32)
+    tokens = torch.where(torch.arange(500) < counts.unsqueeze(-1), tokens, torch.full_like(tokens, -1))
+    sel = TokenSelection.build(torch.zeros(1, 2, 3, 64, dtype=torch.int32), tokens, counts, None, 0.1)
+    decoded = sel.kv_tokens()
+    valid = torch.arange(500) < counts.unsqueeze(-1)
+    assert torch.equal(decoded[valid], tokens[valid])
+    assert sel.kv_low.element_size() == 2
+
+
+def test_cache_offload_round_trips_exactly_and_falls_back():
+    def entry(seed, n=4096):
+        g = torch.Generator().manual_seed(seed)
+        sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+        return Entry(sel, torch.randn(1, 2, n, 64, generator=g))
+    e0, e1, e2 = entry(0), entry(1), entry(2)
+    size = e0.nbytes
+    cache = SelectionCache(device_budget=size + 10, cpu_budget=size + 10, offload=True)
+    assert cache.put(("a",), e0) == "device"
+    assert cache.put(("b",), e1) == "cpu"
+    assert cache.put(("c",), e2) == "device-no-residual" or cache.put(("c",), e2) == "none"
+    back = cache.get(("b",), "cpu")
+    assert torch.equal(back.residual, e1.residual)
+    assert torch.equal(back.selection.kv_indices, e1.selection.kv_indices)
+    assert back.residual.data_ptr() != e1.residual.data_ptr()  # a real copy was stored
+    tiny = SelectionCache(device_budget=10, cpu_budget=10, offload=True)
+    assert tiny.put(("d",), entry(3)) == "none"
+    assert ("d",) in tiny.fallback_keys and tiny.counters["fallbacks"] == 1
+
+
+def test_budget_fallback_never_fails_the_run(problem):
+    cfg = SparseConfig(method="mc_sparse", cache_budget_mb=0.0001, cpu_budget_mb=0.0001, **BASE)
+    errs, stats = run_engine(cfg, problem, 4)
+    t = stats.totals()
+    assert t["fallbacks"] == 2 and t["anchors"] == 1   # anchor at step 1, dense fallback afterwards
+    assert max(errs) < 1e-5  # fallback calls are dense
+    assert stats.cache["fallbacks"] == 1
+
+
+def test_memory_is_released_after_a_run(problem):
+    cfg = SparseConfig(method="mc_sparse", **BASE)
+    eng = SparseEngine(cfg)
+    eng.begin_run()
+    for s in range(3):
+        q, k, v = problem.qkv(s)
+        eng.attend(q, k, v, CallContext(layer=0, step=s, layout=problem.layout))
+    entry = next(iter(eng.cache.on_device.values()))
+    refs = [weakref.ref(t) for t in entry.selection.tensors()] + [weakref.ref(entry.residual)]
+    del entry
+    assert eng.cache.device_bytes > 0
+    stats = eng.end_run()
+    gc.collect()
+    assert eng.cache.device_bytes == 0 and eng.cache.cpu_bytes == 0
+    assert all(r() is None for r in refs)
+    assert stats.cache["peak_device_bytes"] > 0
+    assert "calls" in stats.summary_line() and stats.as_dict()["totals"]["anchors"] == 1
+
+
+def test_every_method_runs_and_reports(problem):
+    for method in ("static", "block_topk", "hybrid", "mc_sparse", "dense"):
+        errs, stats = run_engine(SparseConfig(method=method, **BASE), problem, 3, layers=(0, 1))
+        assert all(e == e and e < 1.0 for e in errs), method  # finite, not NaN
+        assert stats.totals()["calls"] == 6
+
+
+def test_demo_runs_on_cpu():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "tools" / "demo.py"), "--cpu", "--steps", "4", "--layers", "1",
+                           "--warmup", "1", "--anchors", ""], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| mc_sparse |")]
+    assert lines and float(lines[0].split("|")[4]) < 0.2
