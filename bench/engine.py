@@ -1,0 +1,120 @@
+"""Engine cost at a real shape on one CUDA GPU: one anchor call and one reuse call, in multiples of one
+cuDNN dense attention, and cache bytes per layer with and without compaction.
+
+    python bench/engine.py --out DIR [--heads 40 --frames 21 --height 45 --width 80]   # Wan 14B 720p
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench.engine")
+
+
+def load(name):
+    pkg = "comfyui_sparse_attention"
+    if pkg not in sys.modules:
+        spec = importlib.util.spec_from_file_location(pkg, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[pkg] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"{pkg}.{name}")
+
+
+def timed(fn, reps):
+    """Median ms of ``reps`` calls, each bracketed by CUDA events (first call excluded as warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--frames", type=int, default=21)
+    ap.add_argument("--height", type=int, default=45)
+    ap.add_argument("--width", type=int, default=80)
+    ap.add_argument("--density", type=float, default=0.15)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    eng = load("engine")
+    syn = load("engine.synthetic")
+    problem = syn.SyntheticVideoAttention(frames=args.frames, height=args.height, width=args.width, text=0,
+                                          heads=args.heads, head_dim=128, steps=3, device="cuda",
+                                          dtype=torch.bfloat16)
+    q0, k0, v0 = problem.qkv(0)
+    q1, k1, v1 = problem.qkv(1)
+    n = problem.n
+    log.info("shape: %d heads, %d tokens", args.heads, n)
+    res = dict(heads=args.heads, tokens=n, density=args.density, gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
+    res["cudnn_dense_ms"] = cudnn
+    for method in ("mc_sparse", "block_topk"):
+        cfg = eng.SparseConfig(method=method, density=args.density, residual=True, min_tokens=0,
+                               cache_budget_mb=1e6, offload=False)
+        engine = eng.SparseEngine(cfg)
+        layout = problem.layout
+
+        def anchor():
+            engine.begin_run()
+            return engine.attend(q0, k0, v0, eng.CallContext(layer=0, step=0, layout=layout))
+        anchor_ms = timed(anchor, 3)
+        key = eng.CallContext(layer=0, step=0, layout=layout).key(n)
+        entry = engine.cache.on_device[key]
+        selection = entry.selection
+
+        def reuse():
+            return engine.attend(q1, k1, v1, eng.CallContext(layer=0, step=1, layout=layout))
+        reuse_ms = timed(reuse, 5)
+        kernel_ms = timed(lambda: selection.run(q1, k1, v1), 5)
+        if method == "mc_sparse":
+            toks = selection.kv_tokens()
+            decode_ms = timed(lambda: selection.kv_tokens(), 5)
+            plain = (selection.q_groups.numel() * 4 + toks.numel() * 4 + selection.kv_counts.numel() * 4)
+            compact = selection.nbytes
+            out_s = selection.run(q1, k1, v1)
+            res_bytes = entry.residual.numel() * entry.residual.element_size()
+            del toks, out_s
+        else:
+            decode_ms = 0.0
+            plain = compact = selection.nbytes
+            res_bytes = entry.residual.numel() * entry.residual.element_size()
+        stats = engine.end_run()
+        row = dict(anchor_ms=anchor_ms, reuse_ms=reuse_ms, sparse_kernel_ms=kernel_ms,
+                   anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,
+                   reuse_x_cudnn=reuse_ms / cudnn, density=selection.density, index_bytes_plain=plain,
+                   index_bytes_compact=compact, residual_bytes=res_bytes, decode_ms=decode_ms,
+                   fidelity=stats.totals()["fidelity_mean"])
+        res[method] = row
+        log.info("%s: %s", method, json.dumps(row))
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "engine.json").write_text(json.dumps(res, indent=1))
+    log.info("done")
+
+
+if __name__ == "__main__":
+    main()
