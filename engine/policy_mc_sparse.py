@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import rows_topk, token_coords
+from .block_geometry import rows_above_threshold, token_coords
 from .config import SparseConfig
 from .context import TokenLayout
 from .selection import TokenSelection
@@ -58,10 +58,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                 mass.scatter_(-1, top_txt, float("inf"))
         else:
             mass = mass.masked_fill(force, float("inf"))
-        idx, cnt = rows_topk(mass, want.expand(b, mass.shape[1], g))
-        tokens[:, sl, :, :idx.shape[-1]] = idx
-        tokens[:, sl, :, idx.shape[-1]:] = -1
-        counts[:, sl] = cnt
+        hs = mass.shape[1]
+        idx, cnt = rows_above_threshold(mass.view(b * hs * g, n), int(want[0, 0, 0]))
+        width = min(idx.shape[-1], tokens.shape[-1])
+        tokens[:, sl, :, :width] = idx[:, :width].view(b, hs, g, width)
+        tokens[:, sl, :, width:] = -1
+        counts[:, sl] = cnt.view(b, hs, g).clamp(max=tokens.shape[-1])
         del mass
     real_q = (groups >= 0).sum(-1).double()
     pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n

@@ -66,7 +66,23 @@ class SyntheticVideoAttention:
         v_img = torch.cat([torch.matmul(pf, mix) * 0.6, v_centers[:, region]], -1)
         v_img = v_img + 0.5 * torch.randn(nh, n_img, d, generator=g)
         self._v = torch.cat([torch.randn(nh, t, d, generator=g), v_img], 1).unsqueeze(0)
-        self._walk = [torch.randn(3, 1, nh, self.n, d, generator=g) for _ in range(self.steps)]
+        self._q, self._k, self._v = (x.to(self.device) for x in (self._q, self._k, self._v))
+        self._drift: tuple[int, torch.Tensor] | None = None
+
+    def _random(self, index: int) -> torch.Tensor:
+        """(3, 1, H, N, D) standard normal draw number ``index``, generated on the problem's device."""
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 100003 + index)
+        return torch.randn((3, 1, self.heads, self.n, self.head_dim), generator=g, device=self.device)
+
+    def _cumulative_drift(self, step: int) -> torch.Tensor:
+        """Sum of the walk's increments 0..step (kept incrementally for sequential steps)."""
+        if self._drift is None or self._drift[0] > step:
+            self._drift = (-1, torch.zeros((3, 1, self.heads, self.n, self.head_dim), device=self.device))
+        s, acc = self._drift
+        for i in range(s + 1, step + 1):
+            acc = acc + self._random(i)
+        self._drift = (step, acc)
+        return acc
 
     @property
     def layout(self) -> TokenLayout:
@@ -76,9 +92,9 @@ class SyntheticVideoAttention:
         """q, k, v at denoising step ``step``: base + cumulative drift + noise shrinking with the step."""
         if not 0 <= step < self.steps:
             raise ValueError(f"step must lie in [0, {self.steps}), got {step}")
-        drift = sum(self._walk[s] for s in range(step + 1)) * 0.03
+        drift = self._cumulative_drift(step) * 0.03
         noise_level = 0.25 * (1.0 - step / max(1, self.steps - 1))
-        noise = self._walk[(step * 7 + 3) % self.steps] * noise_level
+        noise = self._random(10_000 + step) * noise_level
         out = []
         for i, base in enumerate((self._q, self._k, self._v)):
             out.append((base + drift[i] + noise[i] * (0.5 if i < 2 else 1.0)).to(self.device, self.dtype))

@@ -69,7 +69,8 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     perm_all = torch.empty((b * h, n_pad), dtype=torch.int64, device=dev)
     qf = q.reshape(b * h, n, d)
     plan = _split_plan(n_pad, c)
-    step = max(1, CHUNK_ELEMS // max(1, n_pad * d * 2))
+    budget = CHUNK_ELEMS * (4 if q.is_cuda else 1)  # GPU memory is plentiful next to a 1 GiB scratch
+    step = max(1, budget // max(1, n_pad * d * 2))
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
         nh = x.shape[0]
