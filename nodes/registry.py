@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-NODE_CLASSES: list = []
+from .nodes_sparse import NODES
 
-NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in NODE_CLASSES}
-NODE_DISPLAY_NAME_MAPPINGS = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in NODE_CLASSES}
+NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in NODES}

@@ -1,0 +1,64 @@
+"""The report: run statistics as text and a picture (selection map + density per layer) as an IMAGE."""
+
+from __future__ import annotations
+
+import torch
+
+SIZE = 256
+
+
+def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
+    """(text, image (1, SIZE, 2*SIZE, 3) float in [0, 1]) for a SparseAttentionPatch (or None)."""
+    if patch is None:
+        return ("No sparse-attention patch on this model: connect the MODEL output of a Sparse Attention node.",
+                torch.zeros(1, SIZE, 2 * SIZE, 3))
+    stats = patch.last_stats
+    if stats is None:
+        return ("The patched model has not been sampled yet.", torch.zeros(1, SIZE, 2 * SIZE, 3))
+    d = stats.as_dict()
+    t = d["totals"]
+    lines = [stats.summary_line(), f"method {patch.cfg.method}, configured density {patch.cfg.density:.3f}, "
+             f"anchors {patch.cfg.anchor_steps.describe()}, warm-up {patch.cfg.warmup_steps} steps / "
+             f"{patch.cfg.warmup_layers} layers, residual {'on' if patch.cfg.residual else 'off'}",
+             f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
+    if patch.fallbacks:
+        lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
+    lines.append("layer: calls dense/anchor/reuse density anchor-rel-L2")
+    for i, row in d["layers"].items():
+        fid = "-" if row["fidelity"] is None else f"{row['fidelity']:.4f}"
+        lines.append(f"  {i}: {row['calls']} {row['dense']}/{row['anchors']}/{row['reuses']} "
+                     f"{row['density']:.3f} {fid}")
+    chosen = layer if layer in patch.snapshots else (min(patch.snapshots) if patch.snapshots else None)
+    left = torch.zeros(SIZE, SIZE, 3)
+    if chosen is not None:
+        snap = patch.snapshots[chosen]
+        m = snap["map"].float()[None, None]
+        m = torch.nn.functional.interpolate(m, size=(SIZE, SIZE), mode="nearest")[0, 0]
+        left = torch.stack([m, m * 0.8, 0.2 + 0.0 * m], -1)
+        rows = "query blocks" if snap["kind"] == "block" else "query groups"
+        lines.append(f"picture: layer {chosen} ({snap['kind']} map; rows = {rows})")
+    right = _density_bars(d["layers"])
+    image = torch.cat([left, right], dim=1).clamp(0, 1).unsqueeze(0)
+    return "\n".join(lines), image
+
+
+def _sparse_density(d) -> float:
+    rows = [r for r in d["layers"].values() if r["anchors"] + r["reuses"] > 0]
+    if not rows:
+        return 1.0
+    return sum(r["density"] for r in rows) / len(rows)
+
+
+def _density_bars(layers: dict) -> torch.Tensor:
+    """A bar per layer, height = density (blue: has sparse calls, grey: dense only)."""
+    img = torch.full((SIZE, SIZE, 3), 0.08)
+    if not layers:
+        return img
+    items = sorted(layers.items())
+    width = max(1, SIZE // len(items))
+    for j, (_, row) in enumerate(items[:SIZE]):
+        h = int(round(row["density"] * (SIZE - 8)))
+        color = torch.tensor([0.3, 0.6, 1.0]) if row["anchors"] + row["reuses"] else torch.tensor([0.6, 0.6, 0.6])
+        x0 = j * width
+        img[SIZE - h:, x0:x0 + max(1, width - 1)] = color
+    return img

@@ -1,0 +1,82 @@
+"""Helpers that run inside a ComfyUI child process (see comfy_subprocess.py): tiny random-weight models
+built through ComfyUI's own classes, and a real sampling run with comfy.sample.sample."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_pack():
+    name = "comfyui_sparse_attention"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _finish(model_config, seed):
+    import comfy.model_patcher
+
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, "", torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.diffusion_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.diffusion_model.to(torch.float32)
+    return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def build(family: str, seed: int = 0):
+    """(ModelPatcher, latent, positive, negative) for a tiny model of ``family``."""
+    import comfy.supported_models as sm
+
+    if family == "wan":
+        cfg = sm.WAN21_T2V({"image_model": "wan2.1", "model_type": "t2v", "dim": 128, "ffn_dim": 256, "freq_dim": 64,
+                            "text_dim": 64, "in_dim": 16, "out_dim": 16, "num_heads": 2, "num_layers": 2,
+                            "patch_size": (1, 2, 2), "text_len": 12})
+        latent = torch.randn(1, 16, 3, 16, 16, generator=torch.Generator().manual_seed(seed + 1))
+        ctx = lambda s: torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(s))  # noqa: E731
+        return _finish(cfg, seed), latent, [[ctx(seed + 2), {}]], [[ctx(seed + 3), {}]]
+    if family == "flux":
+        params = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 48,
+                  "hidden_size": 128, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 2,
+                  "axes_dim": [16, 24, 24], "theta": 10000, "qkv_bias": True, "guidance_embed": False,
+                  "patch_size": 2}
+        cfg = sm.Flux(params)
+        latent = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(seed + 1))
+
+        def cond(s):
+            g = torch.Generator().manual_seed(s)
+            return [[torch.randn(1, 7, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+        return _finish(cfg, seed), latent, cond(seed + 2), cond(seed + 3)
+    raise ValueError(family)
+
+
+def sample(model, latent, positive, negative, steps=3, cfg=3.0, sampler="euler", seed=0):
+    import comfy.sample
+
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(model, noise, steps, cfg, sampler, "simple", positive, negative, latent,
+                               denoise=1.0, disable_pbar=True, seed=seed)
+
+
+def recording_override(log: list):
+    """An override that records every call and runs the dense function (stands for SageAttention & co)."""
+    def override(func, *args, **kwargs):
+        log.append(tuple(args[0].shape))
+        return func(*args, **kwargs)
+    return override
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))

@@ -1,0 +1,36 @@
+"""Every bundled preset loads, validates, names its source, and bad presets fail with file and field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from comfyui_sparse_attention.engine.presets import PRESET_DIR, list_presets, load_preset, preset_title
+
+FAMILIES = ["wan21_t2v_1.3b", "wan21_t2v_14b", "wan21_i2v_14b", "wan22_5b_ti2v", "wan22_14b_high_noise",
+            "wan22_14b_low_noise", "hunyuan_video", "hunyuan_video_1.5", "ltx_video", "cosmos_predict2", "kandinsky5",
+            "flux", "qwen_image", "sd35", "lumina2_zimage", "hidream", "hunyuan3d_2"]
+
+
+def test_every_family_has_a_preset():
+    assert set(FAMILIES) <= set(list_presets())
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_preset_is_valid_and_documented(name):
+    cfg = load_preset(name)
+    text = (PRESET_DIR / f"{name}.yaml").read_text()
+    assert text.lstrip().startswith("#") and ("Source" in text or "source" in text)
+    assert preset_title(name) != name
+    assert 0 < cfg.density <= 1
+    doc = yaml.safe_load(text)
+    assert set(doc) == {"title", "sparse"}
+
+
+def test_bad_preset_names_file_and_field(tmp_path: Path):
+    (tmp_path / "broken.yaml").write_text("title: x\nsparse:\n  density: 3\n")
+    with pytest.raises(ValueError, match=r"broken\.yaml: density"):
+        load_preset("broken", directory=tmp_path)
+    with pytest.raises(ValueError, match="not found"):
+        load_preset("nope", directory=tmp_path)
+    assert load_preset("wan21_t2v_14b", {"density": 0.1}).density == 0.1
