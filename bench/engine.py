@@ -7,29 +7,16 @@ cuDNN dense attention, and cache bytes per layer with and without compaction.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from _pack import load
 
-ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.engine")
-
-
-def load(name):
-    pkg = "comfyui_sparse_attention"
-    if pkg not in sys.modules:
-        spec = importlib.util.spec_from_file_location(pkg, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[pkg] = mod
-        spec.loader.exec_module(mod)
-    return importlib.import_module(f"{pkg}.{name}")
 
 
 def timed(fn, reps):

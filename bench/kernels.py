@@ -9,29 +9,18 @@ Writes DIR/kernels.json (every measurement) and DIR/kernels.md (tables). Times a
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
+from _pack import load
 
-ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.kernels")
-
-
-def load_pack():
-    spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["comfyui_sparse_attention"] = mod
-    spec.loader.exec_module(mod)
-    return importlib.import_module("comfyui_sparse_attention.kernels")
 
 
 SHAPES = {  # name: (heads, tokens, head_dim)
@@ -168,7 +157,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    K = load_pack()
+    K = load("kernels")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     flex = None if args.no_flex else flex_runner()

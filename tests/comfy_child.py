@@ -3,24 +3,14 @@ built through ComfyUI's own classes, and a real sampling run with comfy.sample.s
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def load_pack():
-    name = "comfyui_sparse_attention"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """The pack, imported by conftest as ``comfyui_sparse_attention``."""
+    import conftest
+    return sys.modules[conftest.PACKAGE]
 
 
 def _finish(model_config, seed):

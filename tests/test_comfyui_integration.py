@@ -43,7 +43,8 @@ for family in ("wan", "flux"):
     # chaining: a recording override installed first handles every dense call
     seen = []
     chained = model.clone()
-    chained.model_options.setdefault("transformer_options", {{}})["optimized_attention_override"] = C.recording_override(seen)
+    chained_opts = chained.model_options.setdefault("transformer_options", {{}})
+    chained_opts["optimized_attention_override"] = C.recording_override(seen)
     ch, cp = install(chained, SparseConfig(method="block_topk", density=0.5, min_tokens=0, block_q=64, block_k=64,
                                            warmup_steps=1, backend="torch"))
     oc = C.sample(ch, latent, pos, neg)
@@ -54,7 +55,8 @@ for family in ("wan", "flux"):
     r["original_untouched"] = find_patch(model) is None
     r["original_equal"] = bool(torch.equal(C.sample(model, latent, pos, neg), base))
     # the nodes themselves
-    from comfyui_sparse_attention.nodes.nodes_sparse import SparseAttention, SparseAttentionPreset, SparseAttentionReport
+    from comfyui_sparse_attention.nodes.nodes_sparse import (SparseAttention, SparseAttentionPreset,
+                                                             SparseAttentionReport)
     node_out = SparseAttention.execute(model, "mc_sparse", 0.3, "64", "64", 1, 0, "", "2", True, True, 0, "torch")
     nm = node_out.result[0] if hasattr(node_out, "result") else node_out[0]
     samples = C.sample(nm, latent, pos, neg)
