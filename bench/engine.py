@@ -77,7 +77,19 @@ def main():
             return engine.attend(q1, k1, v1, eng.CallContext(layer=0, step=1, layout=layout))
         reuse_ms = timed(reuse, 5)
         kernel_ms = timed(lambda: selection.run(q1, k1, v1), 5)
-        if method == "mc_sparse":
+        phases = {}
+        if method == "mc_sparse":  # where the anchor's time goes
+            kern = load("kernels")
+            mc = load("engine.policy_mc_sparse")
+            phases["dense_lse_ms"] = timed(lambda: kern.attention_dense(q0, k0, v0, return_lse=True), 3)
+            lse = kern.attention_dense(q0, k0, v0, return_lse=True)[1]
+            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
+            phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
+            groups = kern.group_queries(q0, cfg.group_size)
+            phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
+                                                                  groups[:, i:i + 5], validate=False)
+                                               for i in range(0, args.heads, 5)], 3)
+            del lse, groups
             toks = selection.kv_tokens()
             decode_ms = timed(lambda: selection.kv_tokens(), 5)
             plain = (selection.q_groups.numel() * 4 + toks.numel() * 4 + selection.kv_counts.numel() * 4)
@@ -94,7 +106,7 @@ def main():
                    anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,
                    reuse_x_cudnn=reuse_ms / cudnn, density=selection.density, index_bytes_plain=plain,
                    index_bytes_compact=compact, residual_bytes=res_bytes, decode_ms=decode_ms,
-                   fidelity=stats.totals()["fidelity_mean"])
+                   fidelity=stats.totals()["fidelity_mean"], **phases)
         res[method] = row
         log.info("%s: %s", method, json.dumps(row))
         torch.cuda.empty_cache()

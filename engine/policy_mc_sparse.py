@@ -37,9 +37,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     k_img = max(1, round(cfg.image_density * n_img))
     i2t = cfg.densities.image_to_text
     k_txt = n_txt if i2t >= 1.0 else round(i2t * n_txt)
-    width = min(n, k_img + k_txt)
-    tokens = torch.empty((b, h, g, width), dtype=torch.int32, device=dev)
-    counts = torch.empty((b, h, g), dtype=torch.int32, device=dev)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     per_head = g * n * 4
     step = max(1, MASS_CHUNK_BYTES // max(1, per_head))
     force = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -60,11 +58,11 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
             mass = mass.masked_fill(force, float("inf"))
         hs = mass.shape[1]
         idx, cnt = rows_above_threshold(mass.view(b * hs * g, n), int(want[0, 0, 0]))
-        width = min(idx.shape[-1], tokens.shape[-1])
-        tokens[:, sl, :, :width] = idx[:, :width].view(b, hs, g, width)
-        tokens[:, sl, :, width:] = -1
-        counts[:, sl] = cnt.view(b, hs, g).clamp(max=tokens.shape[-1])
+        parts.append((idx.view(b, hs, g, -1), cnt.view(b, hs, g)))
         del mass
+    width = max(p[0].shape[-1] for p in parts)
+    tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t, _ in parts], dim=1)
+    counts = torch.cat([c for _, c in parts], dim=1)
     real_q = (groups >= 0).sum(-1).double()
     pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n
     density = pairs / (b * h * n * n)
