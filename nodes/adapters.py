@@ -83,6 +83,13 @@ def layout_for(n_tokens: int, transformer_options: dict, family: Family) -> Toke
     extra = int(transformer_options.get("reference_image_num_tokens", 0) or 0) if family.joint_text else 0
     if isinstance(transformer_options.get("reference_image_num_tokens"), (list, tuple)):
         extra = int(sum(transformer_options["reference_image_num_tokens"]))
+    x_shape = info.get("x_shape")
+    if grid is None and not family.grid and family.joint_text and x_shape is not None and len(x_shape) == 3:
+        # an unordered latent set (Hunyuan3D: latent (B, C, N)) after the conditioning tokens
+        n_set = int(x_shape[2])
+        if n_set <= n_tokens:
+            text = n_tokens - n_set
+            return TokenLayout(text_len=text, text_first=family.text_first)
     n_img = math.prod(grid) if grid is not None else 0
     if grid is None or n_img > n_tokens:
         return TokenLayout()  # unknown: a 1-D sequence, nothing treated as text

@@ -49,6 +49,35 @@ def build(family: str, seed: int = 0):
             g = torch.Generator().manual_seed(s)
             return [[torch.randn(1, 7, 48, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
         return _finish(cfg, seed), latent, cond(seed + 2), cond(seed + 3)
+    def cond(s, length=7, dim=48, pooled=None):
+        g = torch.Generator().manual_seed(s)
+        extra = {"pooled_output": torch.randn(1, pooled, generator=g)} if pooled else {}
+        return [[torch.randn(1, length, dim, generator=g), extra]]
+    lat_gen = torch.Generator().manual_seed(seed + 1)
+    if family == "sd3":
+        cfg = sm.SD3({"in_channels": 16, "pos_embed_scaling_factor": None, "depth": 2, "patch_size": 2,
+                      "out_channels": 16, "adm_in_channels": 32, "pos_embed_max_size": 32, "num_patches": 1024,
+                      "context_embedder_config": {"target": "torch.nn.Linear",
+                                                  "params": {"in_features": 48, "out_features": 128}}})
+        return (_finish(cfg, seed), torch.randn(1, 16, 32, 32, generator=lat_gen), cond(seed + 2, pooled=32),
+                cond(seed + 3, pooled=32))
+    if family == "qwen_image":
+        cfg = sm.QwenImage({"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16,
+                            "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 2,
+                            "joint_attention_dim": 48, "axes_dims_rope": (16, 24, 24)})
+        return _finish(cfg, seed), torch.randn(1, 16, 1, 32, 32, generator=lat_gen), cond(seed + 2), cond(seed + 3)
+    if family == "hunyuan_video":
+        cfg = sm.HunyuanVideo({"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+                               "context_in_dim": 48, "hidden_size": 128, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
+                               "depth_single_blocks": 1, "axes_dim": [16, 24, 24], "theta": 256,
+                               "patch_size": [1, 2, 2], "qkv_bias": True, "guidance_embed": False, "byt5": False,
+                               "meanflow": False, "use_cond_type_embedding": False, "vision_in_dim": None})
+        return (_finish(cfg, seed), torch.randn(1, 16, 3, 16, 16, generator=lat_gen), cond(seed + 2, pooled=32),
+                cond(seed + 3, pooled=32))
+    if family == "hunyuan3d":
+        cfg = sm.Hunyuan3Dv2({"image_model": "hunyuan3d2", "in_channels": 64, "context_in_dim": 48,
+                              "hidden_size": 128, "num_heads": 2, "depth": 1, "depth_single_blocks": 2})
+        return _finish(cfg, seed), torch.randn(1, 64, 512, generator=lat_gen), cond(seed + 2), cond(seed + 3)
     raise ValueError(family)
 
 

@@ -1,11 +1,14 @@
-"""The nodes and the patch inside a real ComfyUI (needs COMFYUI_PATH): tiny random-weight Wan and Flux
-models built through ComfyUI's classes, sampled with comfy.sample.sample (euler, CFG 3)."""
+"""The nodes and the patch inside a real ComfyUI (needs COMFYUI_PATH): tiny random-weight models of each
+family built through ComfyUI's classes (Wan, Flux, SD3, Qwen-Image, HunyuanVideo, Hunyuan3D 2.0),
+sampled with comfy.sample.sample (euler, CFG 3). LTX-Video is not covered: its sampling needs a
+per-token denoise mask the tiny harness does not build yet."""
 
 import pytest
 from comfy_subprocess import run_in_comfyui
 from conftest import ROOT, comfyui_path
 
 pytestmark = pytest.mark.comfyui
+FAMILIES = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "hunyuan3d")
 
 BODY = """
 import sys, torch
@@ -15,7 +18,7 @@ pack = C.load_pack()
 from comfyui_sparse_attention.nodes.patch import install, find_patch
 from comfyui_sparse_attention.engine import SparseConfig
 results = {{}}
-for family in ("wan", "flux"):
+for family in {families!r}:
     model, latent, pos, neg = C.build(family)
     base = C.sample(model, latent, pos, neg)
     r = {{}}
@@ -73,10 +76,10 @@ emit(results)
 
 @pytest.fixture(scope="module")
 def results():
-    return run_in_comfyui(comfyui_path(), BODY.format(tests=str(ROOT / "tests")), timeout=900)
+    return run_in_comfyui(comfyui_path(), BODY.format(tests=str(ROOT / "tests"), families=FAMILIES), timeout=900)
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_density_one_matches_unpatched_model(results, family):
     r = results[family]
     assert r["dense_equal_rel"] <= 1e-3, r
@@ -91,9 +94,13 @@ def test_override_runs_on_self_attention_and_falls_back_on_cross(results):
     flux = results["flux"]
     assert flux["layers"] == [0, 1, 1000, 1001]  # double blocks 0-1, single blocks 0-1
     assert "cross-attention" not in flux["fallbacks"]
+    assert results["sd3"]["layers"] == [0, 1]            # no block_index: counted per forward
+    assert results["qwen_image"]["layers"] == [0, 1]
+    assert results["hunyuan3d"]["layers"] == [0, 1, 2]   # no block_index: 1 double + 2 single blocks
+    assert 0 in results["hunyuan_video"]["layers"] and 1000 in results["hunyuan_video"]["layers"]
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_low_density_is_finite_and_reported(results, family):
     r = results[family]
     assert r["low_finite"]
@@ -101,7 +108,7 @@ def test_low_density_is_finite_and_reported(results, family):
     assert r["repeat_equal"] and r["cache_after"] == 0 and r["runs"] == 2, r
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chaining_and_removal(results, family):
     r = results[family]
     assert r["chain_finite"]
@@ -109,9 +116,36 @@ def test_chaining_and_removal(results, family):
     assert r["original_untouched"] and r["original_equal"]
 
 
-@pytest.mark.parametrize("family", ["wan", "flux"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_nodes_execute_validate_and_report(results, family):
     r = results[family]
     assert "calls" in r["report_text"] and r["report_image"] == [1, 256, 512, 3]
     assert isinstance(r["validate_bad"], str) and "anchor_steps" in r["validate_bad"]
     assert r["preset_ok"] is True
+
+
+def test_adapters_layout_step_and_layer():
+    r = run_in_comfyui(comfyui_path(), f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import comfy_child as C
+        C.load_pack()
+        from comfyui_sparse_attention.nodes import adapters as A
+        flux = A.FAMILIES["flux"]
+        to = {{A.INFO_KEY: A.forward_info((2, 16, 32, 48), flux)}}
+        lay = A.layout_for(7 + 16 * 24, to, flux)
+        h3d = A.layout_for(600, {{A.INFO_KEY: A.forward_info((2, 64, 512), A.FAMILIES["hunyuan3d"])}},
+                           A.FAMILIES["hunyuan3d"])
+        wan = A.layout_for(48 + 5, {{"grid_sizes": torch.Size([3, 4, 4])}}, A.FAMILIES["wan"])
+        sched = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+        steps = [A.step_index({{"sigmas": torch.tensor([s]), "sample_sigmas": sched}})[0]
+                 for s in (1.0, 0.75, 0.6, 0.5, 0.25)]
+        emit(dict(flux=[lay.text_len, list(lay.grid), lay.text_first], h3d=[h3d.text_len, h3d.grid],
+                  wan=[wan.text_len, list(wan.grid), wan.extra_len], steps=steps,
+                  single=A.layer_index({{"block_index": 3, "block_type": "single"}})))
+    """)
+    assert r["flux"] == [7, [1, 16, 24], True]
+    assert r["h3d"] == [88, None]
+    assert r["wan"] == [0, [3, 4, 4], 5]
+    assert r["steps"] == [0, 1, 1, 2, 3]  # 0.6 lies inside step 1 (a multi-evaluation sampler's midpoint)
+    assert r["single"] == 1003
