@@ -26,6 +26,15 @@ def _finish(model_config, seed):
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
 
+def _fill_missing(params: dict, params_class) -> None:
+    """Neutral values for fields a ComfyUI version adds to a model's params dataclass (off / empty)."""
+    import dataclasses
+    for f in dataclasses.fields(params_class):
+        if f.name not in params and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+            params[f.name] = False if kind == "bool" else [] if kind == "list" else None
+
+
 def build(family: str, seed: int = 0):
     """(ModelPatcher, latent, positive, negative) for a tiny model of ``family``."""
     import comfy.supported_models as sm
@@ -42,6 +51,8 @@ def build(family: str, seed: int = 0):
                   "hidden_size": 128, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 2,
                   "axes_dim": [16, 24, 24], "theta": 10000, "qkv_bias": True, "guidance_embed": False,
                   "patch_size": 2}
+        import comfy.ldm.flux.model as flux_model
+        _fill_missing(params, flux_model.FluxParams)  # e.g. txt_ids_dims on newer ComfyUI
         cfg = sm.Flux(params)
         latent = torch.randn(1, 16, 32, 32, generator=torch.Generator().manual_seed(seed + 1))
 
@@ -67,11 +78,13 @@ def build(family: str, seed: int = 0):
                             "joint_attention_dim": 48, "axes_dims_rope": (16, 24, 24)})
         return _finish(cfg, seed), torch.randn(1, 16, 1, 32, 32, generator=lat_gen), cond(seed + 2), cond(seed + 3)
     if family == "hunyuan_video":
-        cfg = sm.HunyuanVideo({"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
-                               "context_in_dim": 48, "hidden_size": 128, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
-                               "depth_single_blocks": 1, "axes_dim": [16, 24, 24], "theta": 256,
-                               "patch_size": [1, 2, 2], "qkv_bias": True, "guidance_embed": False, "byt5": False,
-                               "meanflow": False, "use_cond_type_embedding": False, "vision_in_dim": None})
+        import comfy.ldm.hunyuan_video.model as hv
+        params = {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+                  "context_in_dim": 48, "hidden_size": 128, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1,
+                  "depth_single_blocks": 1, "axes_dim": [16, 24, 24], "theta": 256, "patch_size": [1, 2, 2],
+                  "qkv_bias": True, "guidance_embed": False}
+        _fill_missing(params, hv.HunyuanVideoParams)
+        cfg = sm.HunyuanVideo(params)
         return (_finish(cfg, seed), torch.randn(1, 16, 3, 16, 16, generator=lat_gen), cond(seed + 2, pooled=32),
                 cond(seed + 3, pooled=32))
     if family == "hunyuan3d":
