@@ -209,3 +209,24 @@ def test_demo_runs_on_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| mc_sparse |")]
     assert lines and float(lines[0].split("|")[4]) < 0.2
+
+
+def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
+    def entry(seed, n=4096):
+        g = torch.Generator().manual_seed(seed)
+        sel = build_static(1, 1, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+        return Entry(sel, torch.randn(1, 1, n, 64, generator=g))
+    entries = {k: entry(i) for i, k in enumerate(["l0", "l1", "l2"])}
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)  # everything lives on the CPU side
+    for k, e in entries.items():
+        assert cache.put((k,), e) == "cpu"
+    for k in entries:                      # step 1: fetched on demand, the order is recorded
+        cache.get((k,), "cpu")
+    assert cache.counters["fetched"] == 3 and cache.counters["prefetched"] == 0
+    cache.new_step()
+    got = cache.get(("l0",), "cpu")        # step 2: using l0 starts the copy of l1 (next in step 1's order)
+    assert ("l1",) in cache.prefetched and cache.counters["prefetched"] == 1
+    assert cache.counters["fetched"] == 4  # l0 itself had to be fetched on demand
+    got1 = cache.get(("l1",), "cpu")       # served from the prefetch, which in turn starts l2
+    assert cache.counters["fetched"] == 4 and ("l2",) in cache.prefetched
+    assert torch.equal(got1.residual, entries["l1"].residual) and torch.equal(got.residual, entries["l0"].residual)
