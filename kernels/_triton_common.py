@@ -128,3 +128,19 @@ def kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, rows, rows_ok, skn, svn,
         qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
     v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
     return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v)
+
+
+@triton.jit
+def load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr):
+    """Program (group, head): gather the group's query rows. Returns (q [GROUP, D_PAD], qi, q_ok, row,
+    b, h, pid_bh): row indexes the (B*H*G) group lists; padded slots (-1) read zeros, q_ok False."""
+    gid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    row = pid_bh.to(tl.int64) * G + gid
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    qi = tl.load(QG + row * GROUP + tl.arange(0, GROUP))
+    q_ok = qi >= 0
+    qi = tl.where(q_ok, qi, 0)
+    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    return q, qi, q_ok, row, b, h, pid_bh

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_block_size, check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import LOG2E, configs, head_dim_pad, kpm_arg, last_dim_contiguous, load_rows, seq_bucket
-from .token_sparse_torch import check_query_groups
+from ._triton_common import (LOG2E, configs, head_dim_pad, kpm_arg, last_dim_contiguous, load_group, load_rows,
+                             seq_bucket)
+from .selection_torch import check_mass_args
 
 _CONFIGS = configs(
     [dict(BLOCK_N=64, num_warps=4, num_stages=3),
@@ -40,16 +40,8 @@ def _mass_fwd(Q, K, LSE, QG, KPM, OUT,
               H, N_Q, N_KV, G, N_OUT, qk_scale, N_BUCKET,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, GROUP: tl.constexpr,
               PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr):
-    gid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    row = pid_bh.to(tl.int64) * G + gid
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    qi = tl.load(QG + row * GROUP + tl.arange(0, GROUP))
-    q_ok = qi >= 0
-    qi = tl.where(q_ok, qi, 0)
-    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
     lse2 = tl.load(LSE + pid_bh.to(tl.int64) * N_Q + qi, mask=q_ok, other=float("inf")) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows contribute nothing
     k_base = K + b * skb + h * skh
@@ -96,16 +88,9 @@ def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, sca
     q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C).
     Returns fp32 (B,H,G,Nk) ("token") or (B,H,G,ceil(Nk/block_k)) ("block").
     """
-    b, h, nq, nk, d = check_qkv(q, k, k)
-    scale = check_scale(scale, d)
-    if granularity not in ("token", "block"):
-        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
-    if granularity == "block":
-        check_block_size("block_k", block_k)
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
-        raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
-    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
-    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
+    b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, granularity, block_k, scale,
+                                                   key_padding_mask, validate)
+    mask = key_padding_mask
     from .token_sparse_triton import unsupported_group
     why = unsupported_group(c)
     if why:

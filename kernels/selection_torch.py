@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ._checks import check_block_size, check_qkv, check_scale
+from ._checks import check_block_size, check_key_padding_mask, check_qkv, check_scale
 from ._gather import flat_rows, gather_rows, head_offsets
 from ._torch_softmax import rows_per_chunk
 from .token_sparse_torch import check_query_groups
@@ -39,6 +39,21 @@ def pooled_block_scores(q: torch.Tensor, k: torch.Tensor, *, block_q: int, block
     return torch.softmax(s, dim=-1)
 
 
+def check_mass_args(q, k, lse, q_groups, granularity, block_k, scale, key_padding_mask, validate):
+    """Validate group_kv_mass arguments; returns (B, H, Nq, Nk, D, scale, G, C)."""
+    b, h, nq, nk, d = check_qkv(q, k, k)
+    scale = check_scale(scale, d)
+    if granularity not in ("token", "block"):
+        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+    if granularity == "block":
+        check_block_size("block_k", block_k)
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
+        raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
+    check_key_padding_mask(key_padding_mask, b, nk, q.device)
+    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
+    return b, h, nq, nk, d, scale, g, c
+
+
 def group_kv_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_groups: torch.Tensor, *,
                   granularity: str = "token", block_k: int | None = None, scale: float | None = None,
                   key_padding_mask: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
@@ -51,18 +66,8 @@ def group_kv_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_groups:
     key_padding_mask: bool (B, Nk), False keys receive 0. Chunked over groups: memory is bounded
     by the output plus ~256 MiB of scores.
     """
-    b, h, nq, nk, d = check_qkv(q, k, k)
-    scale = check_scale(scale, d)
-    if granularity not in ("token", "block"):
-        raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
-    if granularity == "block":
-        check_block_size("block_k", block_k)
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (b, h, nq) or lse.device != q.device:
-        raise ValueError(f"lse must be a tensor of shape {(b, h, nq)} on {q.device}")
-    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
-    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
-                                         or tuple(key_padding_mask.shape) != (b, nk)):
-        raise ValueError(f"key_padding_mask must be a bool tensor of shape {(b, nk)}")
+    b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, granularity, block_k, scale,
+                                                   key_padding_mask, validate)
     nkb = math.ceil(nk / block_k) if granularity == "block" else nk
     out = torch.zeros((b * h, g, nkb), dtype=torch.float32, device=q.device)
     qidx = q_groups.reshape(b * h, g * c).long()

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
-                             seq_bucket, store_rows)
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous,
+                             load_group, seq_bucket, store_rows)
 from .token_sparse_torch import check_token_lists
 
 _CONFIGS = configs(
@@ -31,16 +31,8 @@ def _token_fwd(Q, K, V, Out, LSE, KPM, QG, TOK, CNT,
                H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    gid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    row = pid_bh.to(tl.int64) * G + gid
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    qi = tl.load(QG + row * GROUP + tl.arange(0, GROUP))
-    q_ok = qi >= 0
-    qi = tl.where(q_ok, qi, 0)
-    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
     tok_base = TOK + row * MAX_K
