@@ -9,6 +9,8 @@ of each forward, and re-assert the override before every model evaluation.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 
 import torch
@@ -153,6 +155,10 @@ class SparseAttentionPatch:
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
             to[INFO_KEY] = forward_info(x.shape, self.family)
+            module = BYPASSING_MODULES.get(self.family.name if self.family is not None else "")
+            if module is not None:
+                with route_module_attention(module, to):
+                    return executor(x, t, *args, **kwargs)
         return executor(x, t, *args, **kwargs)
 
     def prepare_state(self, patcher, *args):
@@ -169,6 +175,29 @@ class SparseAttentionPatch:
     def cleanup(self, patcher, *args):
         """ON_CLEANUP: nothing may stay cached between runs."""
         self.engine.cache.clear()
+
+
+# Model families whose attention calls do not pass transformer_options (so ComfyUI's override hook never
+# sees them): module whose ``optimized_attention`` name the calls use.
+BYPASSING_MODULES = {"hunyuan3d_2_1": "comfy.ldm.hunyuan3dv2_1.hunyuandit"}
+
+
+@contextlib.contextmanager
+def route_module_attention(module_name: str, transformer_options: dict):
+    """For the duration of one forward of the patched model, make ``module.optimized_attention`` pass this
+    forward's ``transformer_options``, so ComfyUI's own override mechanism (and so our patch, chained
+    after any other) handles those calls. The module attribute is restored afterwards."""
+    module = importlib.import_module(module_name)
+    original = module.optimized_attention
+
+    def routed(q, k, v, *args, **kwargs):
+        kwargs.setdefault("transformer_options", transformer_options)
+        return original(q, k, v, *args, **kwargs)
+    module.optimized_attention = routed
+    try:
+        yield
+    finally:
+        module.optimized_attention = original
 
 
 def selection_picture(selection, n: int, width: int = 256) -> dict:

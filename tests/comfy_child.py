@@ -91,6 +91,11 @@ def build(family: str, seed: int = 0):
         cfg = sm.Hunyuan3Dv2({"image_model": "hunyuan3d2", "in_channels": 64, "context_in_dim": 48,
                               "hidden_size": 128, "num_heads": 2, "depth": 1, "depth_single_blocks": 2})
         return _finish(cfg, seed), torch.randn(1, 64, 512, generator=lat_gen), cond(seed + 2), cond(seed + 3)
+    if family == "hunyuan3d_2_1":  # its attention calls bypass the override hook
+        cfg = sm.Hunyuan3Dv2_1({"image_model": "hunyuan3d2_1", "in_channels": 64, "hidden_size": 128,
+                                "context_dim": 48, "depth": 2, "num_heads": 2, "num_moe_layers": 1, "num_experts": 2,
+                                "moe_top_k": 1, "guidance_cond_proj_dim": None})
+        return _finish(cfg, seed), torch.randn(1, 64, 512, generator=lat_gen), cond(seed + 2), cond(seed + 3)
     raise ValueError(family)
 
 

@@ -1,5 +1,5 @@
 """The nodes and the patch inside a real ComfyUI (needs COMFYUI_PATH): tiny random-weight models of each
-family built through ComfyUI's classes (Wan, Flux, SD3, Qwen-Image, HunyuanVideo, Hunyuan3D 2.0),
+family built through ComfyUI's classes (Wan, Flux, SD3, Qwen-Image, HunyuanVideo, Hunyuan3D 2.0 and 2.1),
 sampled with comfy.sample.sample (euler, CFG 3). LTX-Video is not covered: its sampling needs a
 per-token denoise mask the tiny harness does not build yet."""
 
@@ -8,7 +8,7 @@ from comfy_subprocess import run_in_comfyui
 from conftest import ROOT, comfyui_path
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "hunyuan3d")
+FAMILIES = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "hunyuan3d", "hunyuan3d_2_1")
 
 BODY = """
 import sys, torch
@@ -97,6 +97,9 @@ def test_override_runs_on_self_attention_and_falls_back_on_cross(results):
     assert results["sd3"]["layers"] == [0, 1]            # no block_index: counted per forward
     assert results["qwen_image"]["layers"] == [0, 1]
     assert results["hunyuan3d"]["layers"] == [0, 1, 2]   # no block_index: 1 double + 2 single blocks
+    # Hunyuan3D 2.1 passes no transformer_options: reached by routing its module's attention per forward
+    assert results["hunyuan3d_2_1"]["layers"] == [0, 1]
+    assert results["hunyuan3d_2_1"]["fallbacks"].get("cross-attention", 0) > 0
     assert 0 in results["hunyuan_video"]["layers"] and 1000 in results["hunyuan_video"]["layers"]
 
 
