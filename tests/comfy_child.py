@@ -22,6 +22,9 @@ def _finish(model_config, seed):
     with torch.no_grad():
         for p in model.diffusion_model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        for name, buf in model.diffusion_model.named_buffers():
+            if name.endswith("pos_embed") and buf.is_floating_point():  # SD3: torch.empty until weights load
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.05)
     model.diffusion_model.to(torch.float32)
     return comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
 
@@ -91,6 +94,15 @@ def build(family: str, seed: int = 0):
         cfg = sm.Hunyuan3Dv2({"image_model": "hunyuan3d2", "in_channels": 64, "context_in_dim": 48,
                               "hidden_size": 128, "num_heads": 2, "depth": 1, "depth_single_blocks": 2})
         return _finish(cfg, seed), torch.randn(1, 64, 512, generator=lat_gen), cond(seed + 2), cond(seed + 3)
+    if family == "ltxv":  # one token per latent voxel; text via cross-attention with an integer mask
+        cfg = sm.LTXV({"image_model": "ltxv", "in_channels": 128, "cross_attention_dim": 128, "attention_head_dim": 64,
+                       "num_attention_heads": 2, "caption_channels": 48, "num_layers": 2})
+
+        def ltx_cond(s):
+            g = torch.Generator().manual_seed(s)
+            return [[torch.randn(1, 7, 48, generator=g), {"attention_mask": torch.ones(1, 7, dtype=torch.long)}]]
+        return (_finish(cfg, seed), torch.randn(1, 128, 3, 8, 8, generator=lat_gen), ltx_cond(seed + 2),
+                ltx_cond(seed + 3))
     if family == "hunyuan3d_2_1":  # its attention calls bypass the override hook
         cfg = sm.Hunyuan3Dv2_1({"image_model": "hunyuan3d2_1", "in_channels": 64, "hidden_size": 128,
                                 "context_dim": 48, "depth": 2, "num_heads": 2, "num_moe_layers": 1, "num_experts": 2,

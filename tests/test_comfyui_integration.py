@@ -1,14 +1,13 @@
 """The nodes and the patch inside a real ComfyUI (needs COMFYUI_PATH): tiny random-weight models of each
-family built through ComfyUI's classes (Wan, Flux, SD3, Qwen-Image, HunyuanVideo, Hunyuan3D 2.0 and 2.1),
-sampled with comfy.sample.sample (euler, CFG 3). LTX-Video is not covered: its sampling needs a
-per-token denoise mask the tiny harness does not build yet."""
+family built through ComfyUI's classes (Wan, Flux, SD3, Qwen-Image, HunyuanVideo, LTX-Video, Hunyuan3D 2.0
+and 2.1), sampled with comfy.sample.sample (euler, CFG 3)."""
 
 import pytest
 from comfy_subprocess import run_in_comfyui
 from conftest import ROOT, comfyui_path
 
 pytestmark = pytest.mark.comfyui
-FAMILIES = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "hunyuan3d", "hunyuan3d_2_1")
+FAMILIES = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "ltxv", "hunyuan3d", "hunyuan3d_2_1")
 
 BODY = """
 import sys, torch
@@ -97,6 +96,7 @@ def test_override_runs_on_self_attention_and_falls_back_on_cross(results):
     assert results["sd3"]["layers"] == [0, 1]            # no block_index: counted per forward
     assert results["qwen_image"]["layers"] == [0, 1]
     assert results["hunyuan3d"]["layers"] == [0, 1, 2]   # no block_index: 1 double + 2 single blocks
+    assert results["ltxv"]["layers"] == [0, 1] and results["ltxv"]["fallbacks"].get("calls with an attention mask")
     # Hunyuan3D 2.1 passes no transformer_options: reached by routing its module's attention per forward
     assert results["hunyuan3d_2_1"]["layers"] == [0, 1]
     assert results["hunyuan3d_2_1"]["fallbacks"].get("cross-attention", 0) > 0
