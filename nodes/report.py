@@ -23,7 +23,7 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
     if patch.fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
-    lines.append("layer: calls dense/anchor/reuse density anchor-rel-L2")
+    lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
     for i, row in d["layers"].items():
         fid = "-" if row["fidelity"] is None else f"{row['fidelity']:.4f}"
         lines.append(f"  {i}: {row['calls']} {row['dense']}/{row['anchors']}/{row['reuses']} "
@@ -43,21 +43,25 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
 
 
 def _sparse_density(d) -> float:
-    rows = [r for r in d["layers"].values() if r["anchors"] + r["reuses"] > 0]
-    if not rows:
+    """Mean density of the anchor and reuse calls only (dense and fallback calls count 1.0 each)."""
+    sparse = sum(r["anchors"] + r["reuses"] for r in d["layers"].values())
+    if not sparse:
         return 1.0
-    return sum(r["density"] for r in rows) / len(rows)
+    total = sum(r["density"] * r["calls"] - r["dense"] for r in d["layers"].values())
+    return total / sparse
 
 
 def _density_bars(layers: dict) -> torch.Tensor:
-    """A bar per layer, height = density (blue: has sparse calls, grey: dense only)."""
+    """A bar per layer, height = density of its sparse calls (blue), or 1.0 for dense-only layers (grey)."""
     img = torch.full((SIZE, SIZE, 3), 0.08)
     if not layers:
         return img
     items = sorted(layers.items())
     width = max(1, SIZE // len(items))
     for j, (_, row) in enumerate(items[:SIZE]):
-        h = int(round(row["density"] * (SIZE - 8)))
+        sparse = row["anchors"] + row["reuses"]
+        dens = (row["density"] * row["calls"] - row["dense"]) / sparse if sparse else 1.0
+        h = int(round(dens * (SIZE - 8)))
         color = torch.tensor([0.3, 0.6, 1.0]) if row["anchors"] + row["reuses"] else torch.tensor([0.6, 0.6, 0.6])
         x0 = j * width
         img[SIZE - h:, x0:x0 + max(1, width - 1)] = color
