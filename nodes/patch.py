@@ -21,6 +21,7 @@ from .adapters import INFO_KEY, family_of, forward_info, layer_index, layout_for
 log = logging.getLogger(__name__)
 
 KEY = "sparse_attention"
+TRITON_HEAD_DIMS = (64, 80, 96, 128)
 OVERRIDE = "optimized_attention_override"
 
 
@@ -101,6 +102,9 @@ class SparseAttentionPatch:
         nq, nk = qh.shape[2], kh.shape[2]
         if nq != nk:
             return self._fallback("cross-attention", func, args, kwargs)
+        if self.cfg.backend == "triton" and qh.shape[-1] not in TRITON_HEAD_DIMS:
+            return self._fallback(f"head dim {qh.shape[-1]} (the Triton kernels take {TRITON_HEAD_DIMS})", func,
+                                  args, kwargs)
         if nq < self.cfg.min_tokens:
             return self._fallback("sequences shorter than min_tokens", func, args, kwargs)
         if layer is None:
@@ -122,7 +126,12 @@ class SparseAttentionPatch:
             kw.pop("heads", None)
             return self._dense(func, (dq, dk, dv, heads), kw)
 
-        out = self.engine.attend(qh, kh, vh, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
+        try:
+            out = self.engine.attend(qh, kh, vh, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
+        except (RuntimeError, ValueError) as exc:  # out of memory, a backend refusing the case, ...
+            # never fail a sampling run: this call goes dense; the reason is counted and logged once
+            return self._fallback(f"an engine error ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+                                  func, args, kwargs)
         self._snapshot(ctx, nq)
         if skip_out:
             return out

@@ -154,3 +154,23 @@ def test_adapters_layout_step_and_layer():
     assert r["wan"] == [0, [3, 4, 4], 5]
     assert r["steps"] == [0, 1, 1, 2, 3]  # 0.6 lies inside step 1 (a multi-evaluation sampler's midpoint)
     assert r["single"] == 1003
+
+
+def test_engine_errors_never_fail_sampling():
+    r = run_in_comfyui(comfyui_path(), f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import comfy_child as C
+        C.load_pack()
+        from comfyui_sparse_attention.nodes.patch import install
+        from comfyui_sparse_attention.engine import SparseConfig
+        model, latent, pos, neg = C.build("wan")
+        base = C.sample(model, latent, pos, neg)
+        # backend="triton" on CPU tensors: every sparse call raises inside the engine
+        m, p = install(model, SparseConfig(method="mc_sparse", density=0.25, min_tokens=0, group_size=64,
+                                           block_q=64, block_k=64, backend="triton"))
+        out = C.sample(m, latent, pos, neg)
+        emit(dict(equal=C.rel(out, base), fallbacks=dict(p.fallbacks)))
+    """)
+    assert r["equal"] <= 1e-5  # every sparse call went dense instead
+    assert any(k.startswith("an engine error (ValueError") for k in r["fallbacks"]), r
