@@ -140,6 +140,18 @@ class SelectionCache:
         self.fallback_keys.clear()
         self.order_prev, self.order_now = [], []
 
+    def info(self) -> dict:
+        """Peak and current bytes on each side, and the counters (for the run's statistics)."""
+        return dict(peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
+                    cpu_bytes=self.cpu_bytes, **self.counters)
+
+    def reset(self) -> None:
+        """Free every entry and zero the counters and peaks (a new run starts from nothing)."""
+        self.clear()
+        self.peak_device = self.peak_cpu = 0
+        for k in self.counters:
+            self.counters[k] = 0
+
     # prefetch
     def _note_access(self, key) -> None:
         if not self.order_now or self.order_now[-1] != key:

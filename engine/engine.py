@@ -45,27 +45,23 @@ class SparseEngine:
     # run lifecycle
     def begin_run(self) -> None:
         """Start a sampling run: forget every cache entry and statistic of the previous one."""
-        self.cache.clear()
-        self._static.clear()
-        self._anchored_at.clear()
-        self._step = None
+        self._forget()
         self.stats = RunStats()
 
     def end_run(self) -> RunStats:
         """Finish the run: resolve timings, free all cached tensors, return the statistics."""
-        info = dict(peak_device_bytes=self.cache.peak_device, peak_cpu_bytes=self.cache.peak_cpu,
-                    device_bytes=self.cache.device_bytes, cpu_bytes=self.cache.cpu_bytes, **self.cache.counters)
-        stats = self.stats.finish(info)
-        self.cache.clear()
-        self._static.clear()
-        self._anchored_at.clear()
-        self.cache.peak_device = self.cache.peak_cpu = 0
-        for k in self.cache.counters:
-            self.cache.counters[k] = 0
+        stats = self.stats.finish(self.cache.info())
+        self._forget()
         self.last_stats = stats
         self.stats = RunStats()
         log.info(stats.summary_line())
         return stats
+
+    def _forget(self) -> None:
+        self.cache.reset()
+        self._static.clear()
+        self._anchored_at.clear()
+        self._step = None
 
     # decisions
     def decide(self, ctx: CallContext, n_tokens: int) -> str:
@@ -95,7 +91,6 @@ class SparseEngine:
         if self._step != ctx.step:
             self._step = ctx.step
             self.cache.new_step()
-            self.stats.steps_seen.add(ctx.step)
         n = q.shape[2]
         decision = self.decide(ctx, n) if k.shape[2] == n else DENSE
         dev = q.device

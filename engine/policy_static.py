@@ -8,8 +8,6 @@ around the diagonal for 1-D layouts. Depends only on the shape, so it is built o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .block_geometry import block_summary, rows_topk
@@ -54,7 +52,3 @@ def build_static(b: int, h: int, n: int, layout: TokenLayout, cfg: SparseConfig,
     cnt = cnt.view(1, 1, -1).expand(b, h, -1).contiguous()
     return BlockSelection(idx, cnt, cfg.block_q, cfg.block_k,
                           block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
-
-
-def static_nkb(n: int, cfg: SparseConfig) -> int:
-    return math.ceil(n / cfg.block_k)

@@ -38,7 +38,6 @@ class RunStats:
         self.layers: dict[int, LayerStats] = {}
         self._pending: list[tuple[int, str, object, object]] = []
         self.cache: dict = {}
-        self.steps_seen: set[int] = set()
         self.finished = False
 
     def layer(self, idx: int) -> LayerStats:

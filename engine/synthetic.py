@@ -105,10 +105,3 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64."""
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
-
-def scaled_size(target_tokens: int) -> tuple[int, int, int]:
-    """A Wan-like (F, H, W) grid of about ``target_tokens`` tokens (16:9-ish frames)."""
-    f = max(1, round((target_tokens / 1560) ** (1 / 3) * 4))
-    hw = target_tokens / f
-    h = max(1, round(math.sqrt(hw * 9 / 16)))
-    return f, h, max(1, round(hw / h))

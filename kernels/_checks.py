@@ -11,6 +11,14 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK_SIZES = (64, 128)
+TRITON_HEAD_DIMS = (64, 80, 96, 128)  # head dims the Triton kernels take (80, 96 padded in-kernel)
+
+
+def triton_group_problem(c: int) -> str | None:
+    """Why a query group of size c cannot be a Triton tile (a power of two in [16, 128]), or None."""
+    if c < 16 or c > 128 or (c & (c - 1)):
+        return f"query group size {c} is not a power of two in [16, 128]"
+    return None
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -6,11 +6,11 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .backend import interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -51,10 +51,6 @@ def head_dim_pad(d: int) -> int:
 def seq_bucket(n: int) -> int:
     """Autotune key bucket for a sequence length: next power of two (never one compile per length)."""
     return triton.next_power_of_2(max(1, n))
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def configs(options: list[dict], interpret_pick: dict) -> list[triton.Config]:

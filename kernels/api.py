@@ -14,10 +14,8 @@ from __future__ import annotations
 import torch
 
 from . import block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
 from .backend import choose
-
-_HEAD_DIMS = (64, 80, 96, 128)
 
 
 def _why_not(q, group: int | None = None) -> str | None:
@@ -26,11 +24,9 @@ def _why_not(q, group: int | None = None) -> str | None:
         return "q is not a (B, H, N, D) tensor"
     if q.dtype not in FLOAT_DTYPES:
         return f"dtype {q.dtype} is not supported"
-    if q.shape[-1] not in _HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not one of {_HEAD_DIMS}"
-    if group is not None and (group < 16 or group > 128 or group & (group - 1)):
-        return f"query group size {group} is not a power of two in [16, 128]"
-    return None
+    if q.shape[-1] not in TRITON_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of {TRITON_HEAD_DIMS}"
+    return None if group is None else triton_group_problem(group)
 
 
 def _group_size(q_groups) -> int | None:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._checks import triton_group_problem
 from ._triton_common import (LOG2E, configs, head_dim_pad, kpm_arg, last_dim_contiguous, load_group, load_rows,
                              seq_bucket)
 from .selection_torch import check_mass_args
@@ -91,8 +92,7 @@ def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, sca
     b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, granularity, block_k, scale,
                                                    key_padding_mask, validate)
     mask = key_padding_mask
-    from .token_sparse_triton import unsupported_group
-    why = unsupported_group(c)
+    why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
     q, k = last_dim_contiguous(q, k)

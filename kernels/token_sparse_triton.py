@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_key_padding_mask, check_qkv, check_scale
+from ._checks import check_key_padding_mask, check_qkv, check_scale, triton_group_problem
 from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous,
                              load_group, seq_bucket, store_rows)
 from .token_sparse_torch import check_token_lists
@@ -59,13 +59,6 @@ def _token_fwd(Q, K, V, Out, LSE, KPM, QG, TOK, CNT,
         tl.store(LSE + pid_bh.to(tl.int64) * N_Q + qi, lse, mask=q_ok)
 
 
-def unsupported_group(c: int) -> str | None:
-    """The query tile is the group: C must be a power of two in [16, 128]."""
-    if c < 16 or c > 128 or (c & (c - 1)):
-        return f"query group size {c} is not a power of two in [16, 128]"
-    return None
-
-
 def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, key_padding_mask=None,
                            return_lse=False, validate=True):
     """Token-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
@@ -78,7 +71,7 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     scale = check_scale(scale, d)
     mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
-    why = unsupported_group(c)
+    why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
     q, k, v = last_dim_contiguous(q, k, v)

@@ -16,12 +16,12 @@ import logging
 import torch
 
 from ..engine import CallContext, SparseConfig, SparseEngine
+from ..kernels._checks import TRITON_HEAD_DIMS
 from .adapters import INFO_KEY, family_of, forward_info, layer_index, layout_for, step_index
 
 log = logging.getLogger(__name__)
 
 KEY = "sparse_attention"
-TRITON_HEAD_DIMS = (64, 80, 96, 128)
 OVERRIDE = "optimized_attention_override"
 
 
