@@ -1,17 +1,31 @@
 """End-to-end denoising speed of real-dimension models (random bf16 weights) with the patch applied exactly
 as the node applies it (issue 7).
 
-    COMFYUI_PATH=/path/to/ComfyUI python bench/e2e.py --out DIR [--models wan13b,flux] [--steps 4]
-        [--methods mc_sparse,block_topk] [--densities 0.25,0.15,0.1] [--tiny]
+    COMFYUI_PATH=/path/to/ComfyUI python bench/e2e.py --out DIR [--models wan13b,flux]
+        [--methods mc_sparse,block_topk,sol] [--densities 0.25,0.15,0.1] [--budget-s 540] [--tiny]
 
-Per model: one dense run (the engine with every step dense, so attention time is measured with CUDA
-events) and one run per method and density with warm-up 1 step and no later anchors, so step 0 is
-dense, step 1 an anchor and the rest reuse steps. Each step is timed at the sampler's callback (device
-synchronised). The full run is projected for the preset's step count: warm-up steps x dense time +
-anchors x anchor time + the rest x reuse time. Also reported: speedup over dense, attention's share of
-a dense step, peak GPU memory, cache memory, and the Amdahl ceiling of that schedule (attention at
-reuse steps costing exactly the density kept, anchors dense). ``--tiny`` shrinks every model for a CPU
-smoke run. Writes DIR/e2e.json and DIR/e2e.md.
+Per model (steps timed at the sampler's callback, device synchronised; "long" steps are those over
+``--long-step-s``, of which fewer are timed):
+1. dense: the unpatched model (ComfyUI's own attention: PyTorch SDPA). A 1-step run warms up, then
+   1 (long) or 3 steps are timed; the median is the dense step time.
+2. attention share: one run of our patch with every call dense (the calls go to the same SDPA function),
+   its CUDA-event attention time over the step time.
+3. each method at each density with the preset's layers and settings but warm-up 0 and no later
+   anchors: step 0 is the anchor, the next 1 (long) or 3 steps reuse steps. Kernels are compiled and
+   autotuned beforehand on one layer's worth of random q/k/v of the model's own shapes (recorded during
+   step 1), so no step includes compilation.
+4. ``sol``: ComfyUI's own sparse kernel, comfy_kitchen.sol_attn, with ``topk_ratio`` = the density, on
+   the calls ComfyUI's experimental sparse node sends to it (self-attention, head dim 128, CUDA, no mask,
+   >= the preset's min_tokens), when comfy_kitchen is importable.
+
+Projection for the preset's schedule over the model's usual step count (``total`` below):
+    warm-up steps x dense + anchors x anchor + the rest x reuse  (sol: warm-up x dense + the rest x sol).
+The Amdahl ceiling of that schedule: warm-up and anchor steps dense, each reuse step a dense step minus
+(1 - density kept) of the dense self-attention time of its sparse layers (each recorded call timed alone
+with SDPA; the preset's dense layers excluded).
+Also reported: speedup over dense, the steady-state speedup of one reuse step, peak GPU memory, cache
+memory on GPU and CPU. ``--tiny`` shrinks every model for a CPU smoke run. Writes DIR/e2e.json (after
+every mode, so a run stopped by a time limit keeps what it measured) and DIR/e2e.md.
 """
 
 from __future__ import annotations
@@ -28,29 +42,32 @@ import torch
 
 log = logging.getLogger("bench.e2e")
 
-# name: (supported_models class, unet config, latent shape, text tokens x dim, extra cond, cfg, preset)
+# name: (supported_models class, unet config, latent shape, text tokens x dim, extra cond, cfg, preset,
+#        steps of a usual run)
 MODELS = {
     "wan13b": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v", "dim": 1536, "ffn_dim": 8960,
                              "freq_dim": 256, "text_dim": 4096, "in_dim": 16, "out_dim": 16, "num_heads": 12,
                              "num_layers": 30, "patch_size": (1, 2, 2), "text_len": 512},
-               (1, 16, 21, 60, 104), (512, 4096), {}, 5.0, "wan21_t2v_1.3b"),
+               (1, 16, 21, 60, 104), (512, 4096), {}, 5.0, "wan21_t2v_1.3b", 50),
     "wan14b": ("WAN21_T2V", {"image_model": "wan2.1", "model_type": "t2v", "dim": 5120, "ffn_dim": 13824,
                              "freq_dim": 256, "text_dim": 4096, "in_dim": 16, "out_dim": 16, "num_heads": 40,
                              "num_layers": 40, "patch_size": (1, 2, 2), "text_len": 512},
-               (1, 16, 21, 90, 160), (512, 4096), {}, 5.0, "wan21_t2v_14b"),
+               (1, 16, 21, 90, 160), (512, 4096), {}, 5.0, "wan21_t2v_14b", 50),
     "hyv": ("HunyuanVideo", {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16,
                              "vec_in_dim": 768, "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0,
                              "num_heads": 24, "depth": 20, "depth_single_blocks": 40, "axes_dim": [16, 56, 56],
-                             "theta": 256, "patch_size": [1, 2, 2], "qkv_bias": True, "guidance_embed": True},
-            (1, 16, 33, 90, 160), (256, 4096), {"pooled": 768, "guidance": 6.0}, 1.0, "hunyuan_video"),
+                             "theta": 256, "patch_size": [1, 2, 2], "qkv_bias": True, "guidance_embed": True,
+                             "byt5": False, "meanflow": False, "use_cond_type_embedding": False,
+                             "vision_in_dim": None},
+            (1, 16, 33, 90, 160), (256, 4096), {"pooled": 768, "guidance": 6.0}, 1.0, "hunyuan_video", 50),
     "flux": ("Flux", {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768,
                       "context_in_dim": 4096, "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19,
                       "depth_single_blocks": 38, "axes_dim": [16, 56, 56], "theta": 10000, "qkv_bias": True,
                       "guidance_embed": True, "patch_size": 2},
-             (1, 16, 128, 128), (512, 4096), {"pooled": 768, "guidance": 3.5}, 1.0, "flux"),
+             (1, 16, 128, 128), (512, 4096), {"pooled": 768, "guidance": 3.5}, 1.0, "flux", 20),
     "h3d": ("Hunyuan3Dv2", {"image_model": "hunyuan3d2", "in_channels": 64, "context_in_dim": 1536,
                             "hidden_size": 1024, "num_heads": 16, "depth": 16, "depth_single_blocks": 32},
-            (1, 64, 4096), (1370, 1536), {}, 5.0, "hunyuan3d_2"),
+            (1, 64, 4096), (1370, 1536), {}, 5.0, "hunyuan3d_2", 50),
 }
 TINY = {"dim": 128, "ffn_dim": 256, "hidden_size": 128, "num_heads": 2, "num_layers": 2, "depth": 1,
         "depth_single_blocks": 1, "text_dim": 64, "context_in_dim": 64, "vec_in_dim": 32, "axes_dim": [16, 24, 24],
@@ -74,14 +91,14 @@ def build(name: str, tiny: bool, device):
     import comfy.model_patcher
     import comfy.supported_models as sm
 
-    cls, config, latent, (txt_len, txt_dim), extra, cfg, preset = MODELS[name]
+    cls, config, latent, (txt_len, txt_dim), extra, cfg, preset, total = MODELS[name]
     config = dict(config)
     if tiny:
         config.update({k: v for k, v in TINY.items() if k in config})
         txt_len, txt_dim = 16, config.get("text_dim", config.get("context_in_dim", 64))
         if name == "h3d":
             txt_dim = config["context_in_dim"]
-        latent = latent[:2] + tuple(max(2, s // 8) for s in latent[2:]) if len(latent) > 3 else (1, 64, 256)
+        latent = latent[:2] + tuple(max(2, s // 16 * 2) for s in latent[2:]) if len(latent) > 3 else (1, 64, 256)
         if "pooled" in extra:
             extra = dict(extra, pooled=config["vec_in_dim"])
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -102,11 +119,12 @@ def build(name: str, tiny: bool, device):
         if "guidance" in extra:
             d["guidance"] = extra["guidance"]
         return [[torch.randn(1, txt_len, txt_dim, generator=gg), d]]
-    return patcher, torch.randn(latent, generator=torch.Generator().manual_seed(1)), cond(2), cond(3), cfg, preset
+    return (patcher, torch.randn(latent, generator=torch.Generator().manual_seed(1)), cond(2), cond(3), cfg, preset,
+            total)
 
 
 def timed_run(model, latent, pos, neg, cfg, steps, device):
-    """Seconds of each denoising step (sampler callback, device synchronised) and peak memory."""
+    """Seconds of each denoising step (sampler callback, device synchronised) and peak memory (bytes)."""
     import comfy.sample
 
     marks = []
@@ -127,62 +145,229 @@ def timed_run(model, latent, pos, neg, cfg, steps, device):
     return times, peak
 
 
-def bench_model(name, args, patch_mod, presets, eng, device):
-    model, latent, pos, neg, cfg, preset_name = build(name, args.tiny, device)
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def with_override(model, fn):
+    """A clone of ``model`` whose attention calls go through ``fn`` (ComfyUI's override contract)."""
+    m = model.clone()
+    m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = fn
+    return m
+
+
+def to_bhnd(q, heads, skip_reshape):
+    if skip_reshape:
+        return q
+    b, n, hd = q.shape
+    return q.view(b, n, heads, hd // heads).transpose(1, 2)
+
+
+def shape_recorder(shapes: list):
+    """Override that records (B, H, N, D) of every self-attention call and runs the original."""
+    def override(func, q, k, v, heads, *args, **kwargs):
+        qh, kh = to_bhnd(q, heads, kwargs.get("skip_reshape", False)), to_bhnd(k, heads, kwargs.get("skip_reshape",
+                                                                                                     False))
+        if qh.shape[2] == kh.shape[2]:
+            shapes.append((tuple(qh.shape), qh.dtype))
+        return func(q, k, v, heads, *args, **kwargs)
+    return override
+
+
+def sol_override(density: float, min_tokens: int, counter: dict):
+    """ComfyUI's experimental sparse node's use of comfy_kitchen.sol_attn (top-k ratio = density): dense for
+    masks, cross-attention, head dims other than 128, non-CUDA tensors and short sequences."""
+    import comfy_kitchen as ck
+
+    def override(func, q, k, v, heads, mask=None, *args, **kwargs):
+        skip, skip_out = kwargs.get("skip_reshape", False), kwargs.get("skip_output_reshape", False)
+        qh, kh, vh = (to_bhnd(t, heads, skip) for t in (q, k, v))
+        if (mask is not None or qh.shape != kh.shape or qh.shape[-1] != 128 or not qh.is_cuda
+                or qh.shape[2] < min_tokens):
+            counter["dense"] = counter.get("dense", 0) + 1
+            return func(q, k, v, heads, mask, *args, **kwargs)
+        counter["sol"] = counter.get("sol", 0) + 1
+        dt = qh.dtype if qh.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        qt, kt, vt = (t.transpose(1, 2).to(dt) for t in (qh, kh, vh))  # (B, N, H, D)
+        extra = {"scale": kwargs["scale"]} if kwargs.get("scale") is not None else {}
+        out = ck.sol_attn(qt, kt, vt, topk_ratio=density, **extra).to(qh.dtype)
+        if skip_out:
+            return out.transpose(1, 2)
+        b, n, h, d = out.shape
+        return out.reshape(b, n, h * d)
+    return override
+
+
+def prewarm(eng, cfg, shape, dtype, device):
+    """Compile and autotune one configuration's kernels: an anchor and a reuse call on random q/k/v."""
+    b, h, n, d = shape
+    g = torch.Generator(device=device).manual_seed(5)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0))
+    e.begin_run()
+    for step in (0, 1):
+        e.attend(q, k, v, eng.CallContext(layer=0, step=step))
+    e.end_run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def sdpa_call_seconds(shape, dtype, device, reps=5):
+    """Seconds of one dense self-attention call of ``shape`` with PyTorch SDPA (ComfyUI's default)."""
+    g = torch.Generator(device=device).manual_seed(6)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    f = torch.nn.functional.scaled_dot_product_attention
+    f(q, k, v)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f(q, k, v)
+        return (time.perf_counter() - t0) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        f(q, k, v)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
+def schedule_counts(preset, total: int) -> tuple[int, int]:
+    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps (the first sparse step is
+    always an anchor)."""
+    warm = min(preset.warmup_steps, total)
+    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm))
+    return warm, anchors
+
+
+class Clock:
+    """Wall-clock budget of the whole benchmark (device calls have a hard limit)."""
+
+    def __init__(self, budget_s: float):
+        self.t0, self.budget = time.perf_counter(), budget_s
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+
+def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
+    model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device)
+    total = args.total_steps or total
     preset = presets.load_preset(preset_name)
-    total_steps = args.total_steps or 50
-    warm = min(preset.warmup_steps, total_steps)
-    anchors = 1 + sum(1 for s in preset.anchor_steps.steps if warm < s < total_steps)
-    common = dict(min_tokens=0 if args.tiny else preset.min_tokens, backend="auto")
-    # dense: every step through the engine as a dense call (attention timed by the engine's events)
-    dense_cfg = eng.SparseConfig(method="static", warmup_steps=10_000, **common)
-    dm, dp = patch_mod.install(model, dense_cfg)
-    timed_run(dm, latent, pos, neg, cfg, 2, device)  # warm-up: compile, autotune, allocator
-    times, peak = timed_run(dm, latent, pos, neg, cfg, args.steps, device)
-    t_dense = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
-    attn = dp.last_stats.totals()["seconds"]["attention"] / max(1e-9, sum(times))
-    rows = [dict(model=name, mode="dense", step_s=t_dense, projected_s=total_steps * t_dense, speedup=1.0,
-                 attention_share=attn, peak_gb=peak / 2**30)]
-    log.info("%s dense: %.3f s/step, attention %.0f %% of the step", name, t_dense, 100 * attn)
-    for method in args.methods.split(","):
-        for dens in (float(x) for x in args.densities.split(",")):
-            c = preset.replace(method=method, density=dens, warmup_steps=1, anchor_steps=eng.AnchorSchedule(),
-                               **common)
+    warm, anchors = schedule_counts(preset, total)
+    rest = max(0, total - warm - anchors)
+    sched = f"{total} steps: {warm} dense warm-up, {anchors} anchor(s), {rest} reuse"
+    min_tokens = 0 if args.tiny else preset.min_tokens
+    # 1. dense, as ComfyUI runs it; the warm-up run also records the self-attention shapes
+    shapes: list = []
+    t = time.perf_counter()
+    timed_run(with_override(model, shape_recorder(shapes)), latent, pos, neg, cfg, 1, device)
+    first = time.perf_counter() - t
+    long = first > args.long_step_s
+    n_timed = 1 if long else 3
+    times, peak = timed_run(model, latent, pos, neg, cfg, n_timed, device)
+    t_dense = median(times)
+    (call_shape, dtype) = max(shapes, key=lambda s: s[0][2]) if shapes else (None, None)
+    call_s = {sh: sdpa_call_seconds(sh, dt, device) for sh, dt in set(shapes)}
+    a_self = sum(call_s[sh] for sh, _ in shapes)  # dense self-attention seconds of one step
+    n_layers = sum(model.model.model_config.unet_config.get(k, 0) for k in ("num_layers", "depth",
+                                                                            "depth_single_blocks"))
+    n_dense_layers = len(set(range(preset.warmup_layers)) | {i for i in preset.dense_layers if i < n_layers})
+    sparse_layers = max(0, n_layers - n_dense_layers) / max(1, n_layers)
+    # 2. attention share of the dense step (our patch, every call dense: same SDPA, timed by events)
+    dm, dp = patch_mod.install(model, eng.SparseConfig(method="static", warmup_steps=10_000, min_tokens=0))
+    dtimes, _ = timed_run(dm, latent, pos, neg, cfg, 1, device)
+    attn_share = dp.last_stats.totals()["seconds"]["attention"] / max(1e-9, sum(dtimes))
+    emit(dict(model=name, mode="dense", dense_s=t_dense, step_s=t_dense, projected_s=total * t_dense, speedup=1.0,
+              steady_speedup=1.0, attention_share=attn_share, self_attention_share=a_self / t_dense,
+              peak_gb=peak / 2**30, schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
+              self_attn_calls=len(shapes), sdpa_self_attention_s=a_self))
+    log.info("%s dense: %.3f s/step (%d timed), attention %.0f %% of the step (self-attention alone, SDPA: %.0f %%, "
+             "%d calls of %s)", name, t_dense, len(times), 100 * attn_share, 100 * a_self / t_dense, len(shapes),
+             call_shape)
+    n_steps = 1 + n_timed  # anchor + reuse steps
+    for dens in (float(x) for x in args.densities.split(",")):  # density-major: a time limit cuts whole densities
+        for method in args.methods.split(","):
+            need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) + n_timed - 1)
+            if clock.left() < need:
+                log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
+                continue
+            if method == "sol":
+                emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
+                               total, warm, sched))
+                continue
+            c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=eng.AnchorSchedule(),
+                               min_tokens=min_tokens, backend="auto")
+            if call_shape:
+                t = time.perf_counter()
+                prewarm(eng, c, call_shape, dtype, device)
+                log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
             sm, sp = patch_mod.install(model, c)
-            timed_run(sm, latent, pos, neg, cfg, 3, device)  # compile / autotune outside the timing
-            times, peak = timed_run(sm, latent, pos, neg, cfg, args.steps, device)
-            t_anchor, reuse = times[1], times[2:] or [times[1]]
-            t_reuse = sorted(reuse)[len(reuse) // 2]
+            times, peak = timed_run(sm, latent, pos, neg, cfg, n_steps, device)
+            t_anchor, t_reuse = times[0], median(times[1:])
             stats = sp.last_stats
             tot = stats.totals()
             sparse_calls = tot["anchors"] + tot["reuses"]
             d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
-            projected = warm * t_dense + anchors * t_anchor + max(0, total_steps - warm - anchors) * t_reuse
-            ceiling = (warm + anchors) * t_dense + max(0, total_steps - warm - anchors) * t_dense * (
-                1 - attn * (1 - d_kept))
+            sparse_per_step = tot["reuses"] / max(1, n_steps - 1)
+            projected = warm * t_dense + anchors * t_anchor + rest * t_reuse
+            t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
+            ceiling = (warm + anchors) * t_dense + rest * t_ceil
             row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
-                       projected_s=projected, speedup=total_steps * t_dense / projected,
-                       ceiling_speedup=total_steps * t_dense / ceiling, density_kept=d_kept,
-                       peak_gb=peak / 2**30, cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
+                       projected_s=projected, speedup=total * t_dense / projected,
+                       ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
+                       density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
+                       cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
                        cache_cpu_mb=stats.cache.get("peak_cpu_bytes", 0) / 2**20,
-                       schedule=f"{total_steps} steps: {warm} dense, {anchors} anchor(s)")
+                       cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
+                       seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
             row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
-            rows.append(row)
-            log.info("%s %s: reuse %.3f s, anchor %.3f s, projected %.1f s (%.2fx; ceiling %.2fx)", name,
-                     row["mode"], t_reuse, t_anchor, projected, row["speedup"], row["ceiling_speedup"])
-    return rows
+            emit(row)
+            log.info("%s %s: anchor %.3f s, reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; steady %.2fx), "
+                     "cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_reuse, projected,
+                     row["speedup"], row["ceiling_speedup"], row["steady_speedup"], row["cache_gpu_mb"],
+                     row["cache_cpu_mb"])
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense, total, warm, sched):
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError as exc:
+        log.warning("sol skipped: comfy_kitchen is not importable (%s)", exc)
+        return dict(model=name, mode=f"sol@{dens}", skipped=str(exc))
+    counter: dict = {}
+    sm = with_override(model, sol_override(dens, min_tokens, counter))
+    times, peak = timed_run(sm, latent, pos, neg, cfg, n_timed + 1, device)
+    t_sol = median(times[1:])
+    projected = warm * t_dense + (total - warm) * t_sol
+    row = dict(model=name, mode=f"sol@{dens}", step_s=t_sol, dense_s=t_dense, projected_s=projected,
+               speedup=total * t_dense / projected, steady_speedup=t_dense / t_sol, peak_gb=peak / 2**30,
+               sol_calls=counter.get("sol", 0), dense_calls=counter.get("dense", 0), schedule=sched)
+    log.info("%s %s: %.3f s/step, projected %.1f s (%.2fx), %s", name, row["mode"], t_sol, projected,
+             row["speedup"], counter)
+    return row
 
 
 def render(rows, meta) -> str:
-    lines = [f"{meta}", "", "| model | mode | dense s/step | anchor s | reuse s | projected run s | speedup | "
-             "Amdahl ceiling | of ceiling | density kept | attention share (dense) | peak GB | cache GPU/CPU MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def f(v, fmt):
+        return "–" if v is None else format(v, fmt)
+    lines = [f"{meta}", "", "| model | mode | dense s/step | anchor s | reuse s | steady speedup | projected run s "
+             "| speedup | Amdahl ceiling | of ceiling | density kept | attention share (dense) | peak GB "
+             "| cache GPU/CPU MB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['mode']} | {r.get('dense_s', r['step_s']):.3f} | "
-                     f"{r.get('anchor_s', float('nan')):.3f} | {r['step_s']:.3f} | {r['projected_s']:.1f} | "
-                     f"{r['speedup']:.2f} | {r.get('ceiling_speedup', 1.0):.2f} | {r.get('of_ceiling', 1.0):.2f} | "
-                     f"{r.get('density_kept', 1.0):.3f} | {r.get('attention_share', float('nan')):.2f} | "
-                     f"{r['peak_gb']:.1f} | {r.get('cache_gpu_mb', 0):.0f}/{r.get('cache_cpu_mb', 0):.0f} |")
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['mode']} | skipped: {r['skipped']} |||||||||||")
+            continue
+        lines.append(f"| {r['model']} | {r['mode']} | {f(r.get('dense_s'), '.3f')} | {f(r.get('anchor_s'), '.3f')} | "
+                     f"{f(r['step_s'], '.3f')} | {f(r.get('steady_speedup'), '.2f')} | {r['projected_s']:.1f} | "
+                     f"{r['speedup']:.2f} | {f(r.get('ceiling_speedup'), '.2f')} | {f(r.get('of_ceiling'), '.2f')} | "
+                     f"{f(r.get('density_kept'), '.3f')} | {f(r.get('attention_share'), '.2f')} | "
+                     f"{r['peak_gb']:.1f} | {f(r.get('cache_gpu_mb'), '.0f')}/{f(r.get('cache_cpu_mb'), '.0f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,26 +375,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="wan13b,wan14b,hyv,flux,h3d")
-    ap.add_argument("--methods", default="mc_sparse,block_topk")
+    ap.add_argument("--methods", default="mc_sparse,block_topk,sol")
     ap.add_argument("--densities", default="0.25,0.15,0.1")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per run (>= 3: dense, anchor, reuse)")
-    ap.add_argument("--total-steps", type=int, default=0, help="steps of the projected run (default 50)")
+    ap.add_argument("--total-steps", type=int, default=0, help="steps of the projected run (default: the model's)")
+    ap.add_argument("--long-step-s", type=float, default=5.0, help="steps longer than this are timed once")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip modes that would not finish in this time")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu")
+    clock = Clock(args.budget_s)
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}, timed steps per run {args.steps}")
-    for name in args.models.split(","):
-        rows += bench_model(name, args, patch_mod, presets, eng, device)
+            f"{time.strftime('%Y-%m-%d %H:%M')}")
+
+    def emit(row):
+        rows.append(row)
         (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    (out / "e2e.md").write_text(render(rows, meta))
+        (out / "e2e.md").write_text(render(rows, meta))
+    for name in args.models.split(","):
+        bench_model(name, args, patch_mod, presets, eng, device, clock, emit)
     sys.stdout.write(render(rows, meta))
 
 

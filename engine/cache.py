@@ -1,6 +1,8 @@
 """Selection/residual cache with a GPU memory budget, CPU offload and prefetch on a side stream.
 
-Entries are keyed by (layer, self/cross, batch chunk, token count). An entry that does not fit the
+Entries are keyed by (layer, self/cross, batch chunk, token count). ComfyUI batches cond and uncond into
+one call when memory allows and splits them when it runs low, so a chunk's rows are also read from an
+entry of a larger chunk that holds them (its batch rows, as views). An entry that does not fit the
 device budget lives in (pinned) CPU memory and is copied back when used; the copy for the key expected
 next (the order of the previous step) is started early on a side stream so it overlaps compute. An
 entry that fits nowhere is not stored: the key is remembered as a fallback and counted. ``clear()``
@@ -33,6 +35,15 @@ class Entry:
     def map(self, fn) -> "Entry":
         return Entry(self.selection.map(fn), None if self.residual is None else fn(self.residual))
 
+    @property
+    def batch(self) -> int:
+        return int(self.selection.tensors()[0].shape[0])
+
+    def batch_slice(self, start: int, stop: int) -> "Entry":
+        """Batch rows [start, stop) of the selection and residual (views)."""
+        return Entry(self.selection.batch_slice(start, stop),
+                     None if self.residual is None else self.residual[start:stop])
+
     def to(self, device, non_blocking=False) -> "Entry":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -46,11 +57,22 @@ class Entry:
         return self.map(cp)
 
 
-class SelectionCache:
-    """Budgeted store of Entries. Budgets in bytes; ``offload`` allows CPU residency."""
+AUTO_RESERVE_BYTES = 4 << 30  # "auto" leaves at least this much of the card free for the model ...
+AUTO_RESERVE_SHARE = 0.15  # ... or this share of it, whichever is larger
+AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
+AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
 
-    def __init__(self, device_budget: int, cpu_budget: int, offload: bool):
-        self.device_budget = int(device_budget)
+
+class SelectionCache:
+    """Budgeted store of Entries. Budgets in bytes; ``offload`` allows CPU residency.
+
+    ``device_budget=None`` ("auto"): an entry goes on the device when, after it, the card keeps
+    max(4 GiB, 15 %) of its memory free (as the driver reports it, outside PyTorch's pool, so the
+    model's own activations keep their room) and the cache holds at most half the card.
+    """
+
+    def __init__(self, device_budget: int | None, cpu_budget: int, offload: bool):
+        self.device_budget = None if device_budget is None else int(device_budget)
         self.cpu_budget = int(cpu_budget)
         self.offload = offload
         self.on_device: OrderedDict[tuple, Entry] = OrderedDict()
@@ -76,18 +98,50 @@ class SelectionCache:
     def __contains__(self, key) -> bool:
         return key in self.on_device or key in self.on_cpu
 
+    def lookup(self, key: tuple) -> tuple | None:
+        """Where ``key``'s entry is: (key, None) when stored under it; (source key, (first, count, of))
+        when the stored entry of a larger chunk ``source`` holds this chunk's rows (its conds
+        ``first .. first+count-1`` of ``of``); None when nothing holds it. Keys: (layer, is_self, chunk, n)."""
+        if key in self:
+            return key, None
+        found = self._covering(key)
+        return found[0] if found else None
+
+    def _covering(self, key: tuple) -> list:
+        if len(key) != 4 or not isinstance(key[2], tuple):
+            return []
+        layer, is_self, chunk, n = key
+        if not chunk or not all(isinstance(c, int) for c in chunk):
+            return []
+        out = []
+        for src in list(self.on_device) + list(self.on_cpu):
+            if len(src) != 4 or not isinstance(src[2], tuple):
+                continue
+            s_layer, s_self, s_chunk, s_n = src
+            if (s_layer, s_self, s_n) != (layer, is_self, n) or len(s_chunk) <= len(chunk):
+                continue
+            if len(set(s_chunk)) != len(s_chunk) or not all(isinstance(c, int) for c in s_chunk):
+                continue  # repeated conds: which rows are whose is ambiguous
+            for i in range(len(s_chunk) - len(chunk) + 1):
+                if tuple(s_chunk[i:i + len(chunk)]) == tuple(chunk):
+                    out.append((src, (i, len(chunk), len(s_chunk))))
+        return out
+
     def put(self, key: tuple, entry: Entry) -> str:
-        """Store an entry; returns where it went: "device", "cpu", "device-no-residual", or "none"."""
+        """Store an entry; returns where it went: "device", "cpu", "device-no-residual", or "none".
+        Entries of larger chunks that held this chunk's rows are dropped (they are older)."""
         self.drop(key)
+        for src, _ in self._covering(key):
+            self.drop(src)
         size = entry.nbytes
-        if self.device_bytes + size <= self.device_budget:
+        if self._device_fits(size, entry):
             self.on_device[key] = entry
             where = "device"
         elif self.offload and self.cpu_bytes + size <= self.cpu_budget:
             self.on_cpu[key] = entry.pinned()
             self.counters["offloaded"] += 1
             where = "cpu"
-        elif entry.residual is not None and self.device_bytes + entry.selection.nbytes <= self.device_budget:
+        elif entry.residual is not None and self._device_fits(entry.selection.nbytes, entry):
             self.on_device[key] = Entry(entry.selection, None)
             self.counters["residual_dropped"] += 1
             where = "device-no-residual"
@@ -100,8 +154,31 @@ class SelectionCache:
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
         return where
 
+    def _device_fits(self, size: int, entry: Entry) -> bool:
+        if self.device_budget is not None:
+            return self.device_bytes + size <= self.device_budget
+        dev = next(iter(_tensors(entry))).device
+        if dev.type != "cuda":
+            return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
+        free, total = torch.cuda.mem_get_info(dev)
+        reserve = max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * total))
+        return free - size >= reserve and self.device_bytes + size <= AUTO_MAX_SHARE * total
+
     def get(self, key: tuple, device) -> Entry | None:
-        """The entry on ``device`` (copied from CPU if it lives there; waits for its prefetch)."""
+        """The entry on ``device`` (copied from CPU if it lives there; waits for its prefetch); for a chunk
+        held by a larger chunk's entry, that entry's rows of this chunk."""
+        found = self.lookup(key)
+        if found is None:
+            return None
+        src, part = found
+        entry = self._get(src, device)
+        if part is None or entry is None:
+            return entry
+        first, count, of = part
+        per = entry.batch // of
+        return entry.batch_slice(first * per, (first + count) * per)
+
+    def _get(self, key: tuple, device) -> Entry | None:
         self._note_access(key)
         if key in self.on_device:
             self.on_device.move_to_end(key)
@@ -142,7 +219,7 @@ class SelectionCache:
 
     def info(self) -> dict:
         """Peak and current bytes on each side, and the counters (for the run's statistics)."""
-        return dict(peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
+        return dict(device_budget_bytes=self.device_budget, peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, **self.counters)
 
     def reset(self) -> None:

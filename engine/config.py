@@ -94,8 +94,10 @@ class SparseConfig:
         fixed count (0 < mass <= 1), or None.
     sink_blocks: static/hybrid keep the first ``sink_blocks`` image KV blocks for every query.
     temporal_weight: static/hybrid distance weight of one frame relative to one token row/column.
-    cache_budget_mb: GPU memory for cached selections/residuals; offload: move other layers' entries to
-        CPU (pinned) memory and prefetch them; cpu_budget_mb: the CPU side's limit.
+    cache_budget_mb: GPU memory for cached selections/residuals, in MB, or "auto" (the default: what the
+        card has free beyond max(4 GiB, 15 %) of its memory, at most half the card; 8 GiB off CUDA);
+        offload: move other layers' entries to CPU (pinned) memory and prefetch them; cpu_budget_mb: the
+        CPU side's limit.
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
     """
 
@@ -114,7 +116,7 @@ class SparseConfig:
     mass: float | None = None
     sink_blocks: int = 1
     temporal_weight: float = 1.0
-    cache_budget_mb: float = 8192.0
+    cache_budget_mb: float | str = "auto"
     offload: bool = True
     cpu_budget_mb: float = 65536.0
     min_tokens: int = 4096
@@ -150,7 +152,11 @@ class SparseConfig:
                f"must be a positive number, got {self.temporal_weight!r}")
         for name in ("cache_budget_mb", "cpu_budget_mb"):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and v >= 0, name, f"must be >= 0, got {v!r}")
+            if name == "cache_budget_mb" and v == "auto":
+                continue
+            alt = " or 'auto'" if name == "cache_budget_mb" else ""
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
+                   f"must be a number >= 0{alt}, got {v!r}")
         _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("residual", "select_every_step", "offload"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")

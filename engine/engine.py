@@ -35,7 +35,8 @@ class SparseEngine:
 
     def __init__(self, cfg: SparseConfig):
         self.cfg = cfg
-        self.cache = SelectionCache(int(cfg.cache_budget_mb * 2**20), int(cfg.cpu_budget_mb * 2**20), cfg.offload)
+        budget = None if cfg.cache_budget_mb == "auto" else int(cfg.cache_budget_mb * 2**20)
+        self.cache = SelectionCache(budget, int(cfg.cpu_budget_mb * 2**20), cfg.offload)
         self.stats = RunStats()
         self._static: dict[tuple, object] = {}
         self._anchored_at: dict[tuple, int] = {}
@@ -74,7 +75,7 @@ class SparseEngine:
         key = ctx.key(n_tokens)
         if key in self.cache.fallback_keys:
             return FALLBACK
-        if key not in self.cache:
+        if self.cache.lookup(key) is None:
             return ANCHOR
         if cfg.anchor_steps.is_anchor(ctx.step, cfg.warmup_steps) and self._anchored_at.get(key) != ctx.step:
             return ANCHOR

@@ -49,6 +49,10 @@ class BlockSelection:
     def tensors(self):
         return (self.kv_indices, self.kv_counts)
 
+    def batch_slice(self, start: int, stop: int) -> "BlockSelection":
+        """The selection of batch rows [start, stop) (views)."""
+        return self.map(lambda t: t[start:stop])
+
 
 @dataclass
 class TokenSelection:
@@ -106,6 +110,11 @@ class TokenSelection:
     def tensors(self):
         return tuple(t for t in (self.q_groups, self.kv_low, self.seg_ends, self.kv_counts, self.dense_rows)
                      if t is not None)
+
+    def batch_slice(self, start: int, stop: int) -> "TokenSelection":
+        """The selection of batch rows [start, stop) (views; the dense rows are shared by every row)."""
+        return dataclasses.replace(self, q_groups=self.q_groups[start:stop], kv_low=self.kv_low[start:stop],
+                                   seg_ends=self.seg_ends[start:stop], kv_counts=self.kv_counts[start:stop])
 
 
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:

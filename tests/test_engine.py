@@ -99,6 +99,34 @@ BASE = dict(density=0.15, warmup_steps=1, anchor_steps="", min_tokens=0, backend
             group_size=64)
 
 
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_split_cond_batch_reuses_the_batched_anchor(problem, method):
+    """ComfyUI may batch cond+uncond at the anchor and split them later (memory ran low): the split calls
+    reuse the batched entry's rows, with the same result, instead of anchoring again."""
+    eng = SparseEngine(SparseConfig(method=method, **BASE))
+    eng.begin_run()
+    q0, k0, v0 = problem.qkv(0)
+    both = [torch.cat([t, t.flip(1)]) for t in (q0, k0, v0)]  # two different batch rows
+    eng.attend(*both, CallContext(layer=0, step=1, chunk=(1, 0), layout=problem.layout))
+    q, k, v = (torch.cat([t, t.flip(1)]) for t in problem.qkv(2))
+    batched = eng.attend(q, k, v, CallContext(layer=0, step=2, chunk=(1, 0), layout=problem.layout))
+    assert eng.decide(CallContext(layer=0, step=3, chunk=(0,), layout=problem.layout), q.shape[2]) == "reuse"
+    first = eng.attend(q[:1], k[:1], v[:1], CallContext(layer=0, step=3, chunk=(1,), layout=problem.layout))
+    second = eng.attend(q[1:], k[1:], v[1:], CallContext(layer=0, step=3, chunk=(0,), layout=problem.layout))
+    assert torch.allclose(torch.cat([first, second]), batched, atol=1e-5)
+    t = eng.end_run().totals()
+    assert t["anchors"] == 1 and t["reuses"] == 3
+    # an anchor of the split chunk replaces the batched entry (no stale copy is kept)
+    eng.begin_run()
+    eng.attend(*both, CallContext(layer=0, step=1, chunk=(1, 0), layout=problem.layout))
+    eng.attend(q0, k0, v0, CallContext(layer=0, step=2, chunk=(7,), layout=problem.layout))  # unrelated: anchors
+    eng.cfg = eng.cfg.replace(anchor_steps="3")
+    eng.attend(q[:1], k[:1], v[:1], CallContext(layer=0, step=3, chunk=(1,), layout=problem.layout))
+    chunks = sorted(key[2] for key in eng.cache.on_device)
+    assert chunks == [(1,), (7,)]
+    eng.end_run()
+
+
 def test_mc_sparse_with_residual_beats_block_topk_at_equal_density(problem):
     block_err, block_stats = run_engine(SparseConfig(method="block_topk", residual=False, **BASE), problem, 6)
     mc_err, mc_stats = run_engine(SparseConfig(method="mc_sparse", residual=True, **BASE), problem, 6)
@@ -163,6 +191,22 @@ def test_cache_offload_round_trips_exactly_and_falls_back():
     tiny = SelectionCache(device_budget=10, cpu_budget=10, offload=True)
     assert tiny.put(("d",), entry(3)) == "none"
     assert ("d",) in tiny.fallback_keys and tiny.counters["fallbacks"] == 1
+
+
+def test_auto_budget_off_cuda_and_config_forms(monkeypatch):
+    import comfyui_sparse_attention.engine.cache as cache_mod
+    assert SparseConfig().cache_budget_mb == "auto"
+    assert SparseEngine(SparseConfig()).cache.device_budget is None
+    assert SparseEngine(SparseConfig(cache_budget_mb=1)).cache.device_budget == 2**20
+    for bad in ("lots", -1, True):
+        with pytest.raises(ValueError, match="cache_budget_mb"):
+            SparseConfig(cache_budget_mb=bad)
+    sel = build_static(1, 2, 4096, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    e = Entry(sel, torch.zeros(1, 2, 4096, 64))
+    monkeypatch.setattr(cache_mod, "AUTO_NON_CUDA_BYTES", int(1.5 * e.nbytes))
+    cache = SelectionCache(device_budget=None, cpu_budget=0, offload=True)
+    assert cache.put(("a",), e) == "device"
+    assert cache.put(("b",), Entry(sel, e.residual.clone())) == "device-no-residual"  # the cap holds
 
 
 def test_budget_fallback_never_fails_the_run(problem):

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the H200 (carry: [".carry"], built by bench/device_bundle.sh): unpack ComfyUI and the wheels, run
+# bench/e2e.py with the given arguments, results and log under $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p /tmp/e2e && tar xJf .carry/bundle.tar.xz -C /tmp/e2e
+export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
+out=${OUT:-/tmp/e2e/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+python3 bench/e2e.py --out "$out" "$@" 2>&1 | tee "$out/e2e.log"
