@@ -189,7 +189,7 @@ def sol_override(density: float, min_tokens: int, counter: dict):
             return func(q, k, v, heads, mask, *args, **kwargs)
         counter["sol"] = counter.get("sol", 0) + 1
         dt = qh.dtype if qh.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        qt, kt, vt = (t.transpose(1, 2).to(dt) for t in (qh, kh, vh))  # (B, N, H, D)
+        qt, kt, vt = (t.transpose(1, 2).to(dt).contiguous() for t in (qh, kh, vh))  # (B, N, H, D)
         extra = {"scale": kwargs["scale"]} if kwargs.get("scale") is not None else {}
         out = ck.sol_attn(qt, kt, vt, topk_ratio=density, **extra).to(qh.dtype)
         if skip_out:
@@ -260,75 +260,86 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     rest = max(0, total - warm - anchors)
     sched = f"{total} steps: {warm} dense warm-up, {anchors} anchor(s), {rest} reuse"
     min_tokens = 0 if args.tiny else preset.min_tokens
-    # 1. dense, as ComfyUI runs it; the warm-up run also records the self-attention shapes
-    shapes: list = []
-    t = time.perf_counter()
-    timed_run(with_override(model, shape_recorder(shapes)), latent, pos, neg, cfg, 1, device)
-    first = time.perf_counter() - t
-    long = first > args.long_step_s
-    n_timed = 1 if long else 3
-    times, peak = timed_run(model, latent, pos, neg, cfg, n_timed, device)
-    t_dense = median(times)
-    (call_shape, dtype) = max(shapes, key=lambda s: s[0][2]) if shapes else (None, None)
-    call_s = {sh: sdpa_call_seconds(sh, dt, device) for sh, dt in set(shapes)}
-    a_self = sum(call_s[sh] for sh, _ in shapes)  # dense self-attention seconds of one step
     n_layers = sum(model.model.model_config.unet_config.get(k, 0) for k in ("num_layers", "depth",
                                                                             "depth_single_blocks"))
     n_dense_layers = len(set(range(preset.warmup_layers)) | {i for i in preset.dense_layers if i < n_layers})
     sparse_layers = max(0, n_layers - n_dense_layers) / max(1, n_layers)
-    # 2. attention share of the dense step (our patch, every call dense: same SDPA, timed by events)
-    dm, dp = patch_mod.install(model, eng.SparseConfig(method="static", warmup_steps=10_000, min_tokens=0))
-    dtimes, _ = timed_run(dm, latent, pos, neg, cfg, 1, device)
-    attn_share = dp.last_stats.totals()["seconds"]["attention"] / max(1e-9, sum(dtimes))
-    emit(dict(model=name, mode="dense", dense_s=t_dense, step_s=t_dense, projected_s=total * t_dense, speedup=1.0,
-              steady_speedup=1.0, attention_share=attn_share, self_attention_share=a_self / t_dense,
-              peak_gb=peak / 2**30, schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
-              self_attn_calls=len(shapes), sdpa_self_attention_s=a_self))
-    log.info("%s dense: %.3f s/step (%d timed), attention %.0f %% of the step (self-attention alone, SDPA: %.0f %%, "
-             "%d calls of %s)", name, t_dense, len(times), 100 * attn_share, 100 * a_self / t_dense, len(shapes),
-             call_shape)
+    earlier = [r for r in args.earlier_rows if r["model"] == name and r["mode"] == "dense"]
+    if earlier:  # the dense measurements of an earlier run of this script (--reuse-dense)
+        d = earlier[-1]
+        t_dense, first, a_self = d["dense_s"], d["dense_s"], d["sdpa_self_attention_s"]
+        call_shape, dtype = tuple(d["self_attn_shape"]), getattr(torch, d.get("dtype", "bfloat16"))
+        log.info("%s dense: %.3f s/step from %s", name, t_dense, args.reuse_dense)
+        emit(dict(d, reused_from=args.reuse_dense))
+    else:
+        # 1. dense, as ComfyUI runs it; the warm-up run also records the self-attention shapes
+        shapes: list = []
+        t = time.perf_counter()
+        timed_run(with_override(model, shape_recorder(shapes)), latent, pos, neg, cfg, 1, device)
+        first = time.perf_counter() - t
+        times, peak = timed_run(model, latent, pos, neg, cfg, 1 if first > args.long_step_s else 3, device)
+        t_dense = median(times)
+        (call_shape, dtype) = max(shapes, key=lambda s: s[0][2]) if shapes else (None, None)
+        call_s = {sh: sdpa_call_seconds(sh, dt, device) for sh, dt in set(shapes)}
+        a_self = sum(call_s[sh] for sh, _ in shapes)  # dense self-attention seconds of one step
+        # 2. attention share of the dense step (our patch, every call dense: same SDPA, timed by events)
+        dm, dp = patch_mod.install(model, eng.SparseConfig(method="static", warmup_steps=10_000, min_tokens=0))
+        dtimes, _ = timed_run(dm, latent, pos, neg, cfg, 1, device)
+        attn_share = dp.last_stats.totals()["seconds"]["attention"] / max(1e-9, sum(dtimes))
+        emit(dict(model=name, mode="dense", dense_s=t_dense, step_s=t_dense, projected_s=total * t_dense,
+                  speedup=1.0, steady_speedup=1.0, attention_share=attn_share, self_attention_share=a_self / t_dense,
+                  peak_gb=peak / 2**30, schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
+                  dtype=str(dtype).replace("torch.", "") if dtype else None, self_attn_calls=len(shapes),
+                  sdpa_self_attention_s=a_self))
+        log.info("%s dense: %.3f s/step (%d timed), attention %.0f %% of the step (self-attention alone, SDPA: "
+                 "%.0f %%, %d calls of %s)", name, t_dense, len(times), 100 * attn_share, 100 * a_self / t_dense,
+                 len(shapes), call_shape)
+    n_timed = 1 if first > args.long_step_s else 3
     n_steps = 1 + n_timed  # anchor + reuse steps
-    for dens in (float(x) for x in args.densities.split(",")):  # density-major: a time limit cuts whole densities
-        for method in args.methods.split(","):
-            need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) + n_timed - 1)
-            if clock.left() < need:
-                log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
-                continue
-            if method == "sol":
-                emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
-                               total, warm, sched))
-                continue
-            c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=eng.AnchorSchedule(),
-                               min_tokens=min_tokens, backend="auto")
-            if call_shape:
-                t = time.perf_counter()
-                prewarm(eng, c, call_shape, dtype, device)
-                log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
-            sm, sp = patch_mod.install(model, c)
-            times, peak = timed_run(sm, latent, pos, neg, cfg, n_steps, device)
-            t_anchor, t_reuse = times[0], median(times[1:])
-            stats = sp.last_stats
-            tot = stats.totals()
-            sparse_calls = tot["anchors"] + tot["reuses"]
-            d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
-            sparse_per_step = tot["reuses"] / max(1, n_steps - 1)
-            projected = warm * t_dense + anchors * t_anchor + rest * t_reuse
-            t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
-            ceiling = (warm + anchors) * t_dense + rest * t_ceil
-            row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
-                       projected_s=projected, speedup=total * t_dense / projected,
-                       ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
-                       density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
-                       cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
-                       cache_cpu_mb=stats.cache.get("peak_cpu_bytes", 0) / 2**20,
-                       cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
-                       seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
-            row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
-            emit(row)
-            log.info("%s %s: anchor %.3f s, reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; steady %.2fx), "
-                     "cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_reuse, projected,
-                     row["speedup"], row["ceiling_speedup"], row["steady_speedup"], row["cache_gpu_mb"],
-                     row["cache_cpu_mb"])
+    if args.modes:
+        modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
+    else:  # density-major: a time limit cuts whole densities
+        modes = [(m, float(d)) for d in args.densities.split(",") for m in args.methods.split(",")]
+    for method, dens in modes:
+        need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) + n_timed - 1)
+        if clock.left() < need:
+            log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
+            continue
+        if method == "sol":
+            emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
+                           total, warm, sched))
+            continue
+        c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=eng.AnchorSchedule(),
+                           min_tokens=min_tokens, backend="auto")
+        if call_shape:
+            t = time.perf_counter()
+            prewarm(eng, c, call_shape, dtype, device)
+            log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
+        sm, sp = patch_mod.install(model, c)
+        times, peak = timed_run(sm, latent, pos, neg, cfg, n_steps, device)
+        t_anchor, t_reuse = times[0], median(times[1:])
+        stats = sp.last_stats
+        tot = stats.totals()
+        sparse_calls = tot["anchors"] + tot["reuses"]
+        d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
+        sparse_per_step = tot["reuses"] / max(1, n_steps - 1)
+        projected = warm * t_dense + anchors * t_anchor + rest * t_reuse
+        t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
+        ceiling = (warm + anchors) * t_dense + rest * t_ceil
+        row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
+                   projected_s=projected, speedup=total * t_dense / projected,
+                   ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
+                   density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
+                   cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
+                   cache_cpu_mb=stats.cache.get("peak_cpu_bytes", 0) / 2**20,
+                   cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
+                   seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
+        row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
+        emit(row)
+        log.info("%s %s: anchor %.3f s, reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; steady %.2fx), "
+                 "cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_reuse, projected,
+                 row["speedup"], row["ceiling_speedup"], row["steady_speedup"], row["cache_gpu_mb"],
+                 row["cache_cpu_mb"])
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -377,11 +388,15 @@ def main():
     ap.add_argument("--models", default="wan13b,wan14b,hyv,flux,h3d")
     ap.add_argument("--methods", default="mc_sparse,block_topk,sol")
     ap.add_argument("--densities", default="0.25,0.15,0.1")
+    ap.add_argument("--modes", default="", help="method@density list, in this order (instead of methods x densities)")
     ap.add_argument("--total-steps", type=int, default=0, help="steps of the projected run (default: the model's)")
     ap.add_argument("--long-step-s", type=float, default=5.0, help="steps longer than this are timed once")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip modes that would not finish in this time")
+    ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
+                    "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
     args = ap.parse_args()
+    args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu")

@@ -26,6 +26,13 @@ class Entry:
 
     selection: object
     residual: torch.Tensor | None
+    ready: object = None  # CUDA event after an asynchronous copy into this (CPU) entry, or None
+
+    def wait(self) -> "Entry":
+        """This entry once its asynchronous copy has landed (for readers on the host)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -48,13 +55,21 @@ class Entry:
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pinned(self) -> "Entry":
-        """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous)."""
-        pin = torch.cuda.is_available()
+        """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous).
 
+        A CUDA tensor is copied straight into a pinned buffer, asynchronously on the current stream (no
+        pageable bounce buffer, no host wait; later readers are ordered after it by the stream)."""
         def cp(t):
+            if t.is_cuda:
+                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return c.copy_(t.detach(), non_blocking=True)
             c = t.detach().to("cpu", copy=True)
-            return c.pin_memory() if pin else c
-        return self.map(cp)
+            return c.pin_memory() if torch.cuda.is_available() else c
+        out = self.map(cp)
+        if any(t.is_cuda for t in _tensors(self)):
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
 
 
 AUTO_RESERVE_BYTES = 4 << 30  # "auto" leaves at least this much of the card free for the model ...
@@ -67,8 +82,8 @@ class SelectionCache:
     """Budgeted store of Entries. Budgets in bytes; ``offload`` allows CPU residency.
 
     ``device_budget=None`` ("auto"): an entry goes on the device when, after it, the card keeps
-    max(4 GiB, 15 %) of its memory free (as the driver reports it, outside PyTorch's pool, so the
-    model's own activations keep their room) and the cache holds at most half the card.
+    max(4 GiB, 15 %) of its memory free (free as the driver reports it plus PyTorch's cached free blocks;
+    the reserve is the room the model's own activations keep) and the cache holds at most half the card.
     """
 
     def __init__(self, device_budget: int | None, cpu_budget: int, offload: bool):
@@ -94,6 +109,12 @@ class SelectionCache:
     @property
     def cpu_bytes(self) -> int:
         return sum(e.nbytes for e in self.on_cpu.values())
+
+    def peek(self, key: tuple) -> Entry | None:
+        """The stored entry under exactly ``key`` wherever it lives, for reading on the host (no copy to
+        the device, no effect on prefetch order), or None."""
+        entry = self.on_device.get(key) or self.on_cpu.get(key)
+        return None if entry is None else entry.wait()
 
     def __contains__(self, key) -> bool:
         return key in self.on_device or key in self.on_cpu
@@ -161,6 +182,7 @@ class SelectionCache:
         if dev.type != "cuda":
             return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
         free, total = torch.cuda.mem_get_info(dev)
+        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # PyTorch's own free pool
         reserve = max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * total))
         return free - size >= reserve and self.device_bytes + size <= AUTO_MAX_SHARE * total
 

@@ -29,6 +29,24 @@ def _why_not(q, group: int | None = None) -> str | None:
     return None if group is None else triton_group_problem(group)
 
 
+INT32_SPAN = 2**31
+
+
+def _addressable(*ts: torch.Tensor) -> tuple:
+    """The tensors as the kernels can address them: a tensor whose element offsets reach 2**31 (the
+    kernels' pointer arithmetic is 32-bit: e.g. q/k/v viewed out of a fused QKV+MLP projection, where
+    one token's stride is the whole projection width) or whose last dim is strided is copied contiguous.
+    Raises ValueError when even the contiguous tensor is too large (the engine then goes dense)."""
+    out = []
+    for t in ts:
+        if t.numel() and (t.stride(-1) != 1 or sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= INT32_SPAN):
+            if t.numel() >= INT32_SPAN:
+                raise ValueError(f"tensor of {t.numel()} elements is beyond the kernels' 32-bit offsets")
+            t = t.contiguous()
+        out.append(t)
+    return tuple(out)
+
+
 def _group_size(q_groups) -> int | None:
     return q_groups.shape[-1] if isinstance(q_groups, torch.Tensor) and q_groups.dim() == 4 else None
 
@@ -41,6 +59,7 @@ def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=Fa
     """
     if choose(backend, q, _why_not(q), "attention_dense") == "triton":
         from . import dense_cudnn, dense_triton
+        q, k, v = _addressable(q, k, v)
         if backend == "auto" and dense_cudnn.supported(q, key_padding_mask):
             from ._checks import check_qkv, check_scale
             res = dense_cudnn.attention_dense(q, k, v, scale=check_scale(scale, check_qkv(q, k, v)[4]),
@@ -58,6 +77,7 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb)."""
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
+        q, k, v = _addressable(q, k, v)
         return block_sparse_triton.block_sparse_attention(
             q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
             key_padding_mask=key_padding_mask, return_lse=return_lse, validate=validate)
@@ -71,6 +91,7 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
+        q, k, v = _addressable(q, k, v)
         return token_sparse_triton.token_sparse_attention(
             q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
             return_lse=return_lse, validate=validate)
@@ -102,6 +123,7 @@ def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, sca
     """Exact per-group KV attention mass -> fp32 (B,H,G,Nk) or (B,H,G,nkb)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "group_kv_mass") == "triton":
         from . import mass_triton
+        q, k = _addressable(q, k)
         return mass_triton.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
                                          scale=scale, key_padding_mask=key_padding_mask, validate=validate)
     return selection_torch.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,

@@ -142,7 +142,7 @@ class SparseAttentionPatch:
         """Keep a small picture of each layer's first selection of the run (for the report node)."""
         if ctx.layer in self.snapshots:
             return
-        entry = self.engine.cache.on_device.get(ctx.key(n)) or self.engine.cache.on_cpu.get(ctx.key(n))
+        entry = self.engine.cache.peek(ctx.key(n))
         if entry is None:
             return
         self.snapshots[ctx.layer] = selection_picture(entry.selection, n)

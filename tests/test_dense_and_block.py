@@ -104,3 +104,21 @@ def test_block_sparse_bad_inputs_name_the_argument():
         attention_dense(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="triton"):
         attention_dense(q, k, v, backend="triton")  # CPU tensors: Triton cannot run here
+
+
+def test_kernel_inputs_beyond_32bit_offsets_are_made_contiguous(monkeypatch):
+    """q/k/v viewed out of a fused QKV+MLP projection (HunyuanVideo's single blocks) have a token stride of
+    the whole projection width; at ~119k tokens their offsets pass 2**31, which the kernels' 32-bit pointer
+    arithmetic cannot address: such views are copied contiguous, small ones are passed as they are."""
+    from comfyui_sparse_attention.kernels import api
+    monkeypatch.setattr(api, "INT32_SPAN", 4096)
+    b, n, h, d = 1, 64, 2, 16
+    fused = torch.randn(b, n, 3 * h * d + 96)  # qkv + an MLP part, as linear1 of a single-stream block
+    q, k, v = (fused[..., i * h * d:(i + 1) * h * d].view(b, n, h, d).transpose(1, 2) for i in range(3))
+    small = torch.randn(1, 2, 8, 16)
+    q2, k2, small2 = api._addressable(q, k, small)
+    assert q2.is_contiguous() and k2.is_contiguous() and torch.equal(q2, q) and torch.equal(k2, k)
+    assert small2.data_ptr() == small.data_ptr()
+    assert api._addressable(torch.randn(2, 3, 4).transpose(1, 2))[0].is_contiguous()  # strided last dim
+    with pytest.raises(ValueError, match="32-bit"):
+        api._addressable(torch.randn(1, 1, 4097, 1))
