@@ -72,8 +72,9 @@ class Entry:
         return out
 
 
-AUTO_RESERVE_BYTES = 4 << 30  # "auto" leaves at least this much of the card free for the model ...
-AUTO_RESERVE_SHARE = 0.15  # ... or this share of it, whichever is larger
+AUTO_RESERVE_BYTES = 8 << 30  # "auto" leaves at least this much of the card free for the model ...
+AUTO_RESERVE_SHARE = 0.25  # ... or this share of it, whichever is larger (an mc_sparse anchor at 119k
+# tokens needs ~25 GB of scratch next to the model's activations: docs/benchmarks.md)
 AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
 AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
 
@@ -82,7 +83,7 @@ class SelectionCache:
     """Budgeted store of Entries. Budgets in bytes; ``offload`` allows CPU residency.
 
     ``device_budget=None`` ("auto"): an entry goes on the device when, after it, the card keeps
-    max(4 GiB, 15 %) of its memory free (free as the driver reports it plus PyTorch's cached free blocks;
+    max(8 GiB, 25 %) of its memory free (free as the driver reports it plus PyTorch's cached free blocks;
     the reserve is the room the model's own activations keep) and the cache holds at most half the card.
     """
 
@@ -96,9 +97,10 @@ class SelectionCache:
         self.prefetched: dict[tuple, tuple[Entry, object]] = {}
         self.order_prev: list[tuple] = []
         self.order_now: list[tuple] = []
-        self.counters = dict(offloaded=0, fetched=0, prefetched=0, fallbacks=0, residual_dropped=0)
+        self.counters = dict(offloaded=0, fetched=0, prefetched=0, fallbacks=0, residual_dropped=0, spills=0)
         self.peak_device = 0
         self.peak_cpu = 0
+        self.auto_limit: int | None = None
         self._stream = None
 
     # sizes
@@ -178,6 +180,8 @@ class SelectionCache:
     def _device_fits(self, size: int, entry: Entry) -> bool:
         if self.device_budget is not None:
             return self.device_bytes + size <= self.device_budget
+        if self.auto_limit is not None and self.device_bytes + size > self.auto_limit:
+            return False
         dev = next(iter(_tensors(entry))).device
         if dev.type != "cuda":
             return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
@@ -221,6 +225,22 @@ class SelectionCache:
         self._prefetch_next(key, device)
         return entry
 
+    def spill(self) -> int:
+        """Free device memory after an out-of-memory error: move every device entry to the CPU side (or,
+        without room there, drop it: its layer anchors again). Returns the bytes freed on the device."""
+        freed = 0
+        for key in list(self.on_device):
+            entry = self.on_device.pop(key)
+            freed += entry.nbytes
+            if self.offload and self.cpu_bytes + entry.nbytes <= self.cpu_budget:
+                self.on_cpu[key] = entry.pinned()
+                self.counters["offloaded"] += 1
+        self.prefetched.clear()
+        self.counters["spills"] += 1
+        self.auto_limit = freed // 2  # an "auto" budget keeps at most half of that for the rest of the run
+        self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
+        return freed
+
     def drop(self, key: tuple) -> None:
         self.on_device.pop(key, None)
         self.on_cpu.pop(key, None)
@@ -241,13 +261,15 @@ class SelectionCache:
 
     def info(self) -> dict:
         """Peak and current bytes on each side, and the counters (for the run's statistics)."""
-        return dict(device_budget_bytes=self.device_budget, peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
+        return dict(device_budget_bytes=self.device_budget, auto_limit_bytes=self.auto_limit,
+                    peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, **self.counters)
 
     def reset(self) -> None:
         """Free every entry and zero the counters and peaks (a new run starts from nothing)."""
         self.clear()
         self.peak_device = self.peak_cpu = 0
+        self.auto_limit = None
         for k in self.counters:
             self.counters[k] = 0
 

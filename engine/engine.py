@@ -102,7 +102,18 @@ class SparseEngine:
             return out
         key = ctx.key(n)
         if decision == ANCHOR:
-            return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+            try:
+                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+            except torch.OutOfMemoryError:
+                # the cache crowds the anchor's scratch: move it to the CPU side once, then try again
+                freed = self.cache.spill()
+                if not freed:
+                    raise
+                log.warning("sparse attention: out of memory at an anchor; moved %.0f MB of cache off the GPU "
+                            "(set cache_budget_mb lower to avoid this)", freed / 2**20)
+                if q.is_cuda:
+                    torch.cuda.empty_cache()
+                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
         with self.stats.timed(ctx.layer, "transfer", dev):
             entry = self.cache.get(key, dev)
         selection = entry.selection

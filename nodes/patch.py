@@ -130,8 +130,10 @@ class SparseAttentionPatch:
             out = self.engine.attend(qh, kh, vh, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
         except (RuntimeError, ValueError) as exc:  # out of memory, a backend refusing the case, ...
             # never fail a sampling run: this call goes dense; the reason is counted and logged once
-            return self._fallback(f"an engine error ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
-                                  func, args, kwargs)
+            kind = f"an engine error ({type(exc).__name__})"
+            if kind not in self._logged:
+                log.warning("sparse attention: %s: %s", kind, str(exc).splitlines()[0][:300])
+            return self._fallback(kind, func, args, kwargs)
         self._snapshot(ctx, nq)
         if skip_out:
             return out

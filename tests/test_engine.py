@@ -209,6 +209,30 @@ def test_auto_budget_off_cuda_and_config_forms(monkeypatch):
     assert cache.put(("b",), Entry(sel, e.residual.clone())) == "device-no-residual"  # the cap holds
 
 
+def test_out_of_memory_at_an_anchor_spills_the_cache_and_retries(problem, monkeypatch):
+    eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
+    eng.begin_run()
+    q, k, v = problem.qkv(1)
+    eng.attend(q, k, v, CallContext(layer=0, step=1, layout=problem.layout))
+    assert len(eng.cache.on_device) == 1
+    real, calls = eng._anchor, []
+
+    def tight(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args)
+    monkeypatch.setattr(eng, "_anchor", tight)
+    out = eng.attend(q, k, v, CallContext(layer=1, step=1, layout=problem.layout))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert rel_l2(out, dense) < 1e-5 and len(calls) == 2  # retried once, anchors return the dense output
+    info = eng.cache.info()
+    assert info["spills"] == 1 and (0, True, (), q.shape[2]) in eng.cache.on_cpu  # layer 0 moved off the GPU
+    assert eng.cache.auto_limit is not None
+    eng.end_run()
+    assert eng.cache.auto_limit is None  # the next run starts with the full auto budget
+
+
 def test_budget_fallback_never_fails_the_run(problem):
     cfg = SparseConfig(method="mc_sparse", cache_budget_mb=0.0001, cpu_budget_mb=0.0001, **BASE)
     errs, stats = run_engine(cfg, problem, 4)
