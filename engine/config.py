@@ -95,7 +95,7 @@ class SparseConfig:
     sink_blocks: static/hybrid keep the first ``sink_blocks`` image KV blocks for every query.
     temporal_weight: static/hybrid distance weight of one frame relative to one token row/column.
     cache_budget_mb: GPU memory for cached selections/residuals, in MB, or "auto" (the default: what the
-        card has free beyond max(4 GiB, 15 %) of its memory, at most half the card; 8 GiB off CUDA);
+        card has free beyond max(8 GiB, 25 %) of its memory, at most half the card; 8 GiB off CUDA);
         offload: move other layers' entries to CPU (pinned) memory and prefetch them; cpu_budget_mb: the
         CPU side's limit.
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
