@@ -167,8 +167,8 @@ def to_bhnd(q, heads, skip_reshape):
 def shape_recorder(shapes: list):
     """Override that records (B, H, N, D) of every self-attention call and runs the original."""
     def override(func, q, k, v, heads, *args, **kwargs):
-        qh, kh = to_bhnd(q, heads, kwargs.get("skip_reshape", False)), to_bhnd(k, heads, kwargs.get("skip_reshape",
-                                                                                                     False))
+        skip = kwargs.get("skip_reshape", False)
+        qh, kh = to_bhnd(q, heads, skip), to_bhnd(k, heads, skip)
         if qh.shape[2] == kh.shape[2]:
             shapes.append((tuple(qh.shape), qh.dtype))
         return func(q, k, v, heads, *args, **kwargs)
@@ -269,6 +269,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         d = earlier[-1]
         t_dense, first, a_self = d["dense_s"], d["dense_s"], d["sdpa_self_attention_s"]
         call_shape, dtype = tuple(d["self_attn_shape"]), getattr(torch, d.get("dtype", "bfloat16"))
+        n_timed = 1 if first > args.long_step_s else 3
         log.info("%s dense: %.3f s/step from %s", name, t_dense, args.reuse_dense)
         emit(dict(d, reused_from=args.reuse_dense))
     else:
@@ -277,7 +278,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         t = time.perf_counter()
         timed_run(with_override(model, shape_recorder(shapes)), latent, pos, neg, cfg, 1, device)
         first = time.perf_counter() - t
-        times, peak = timed_run(model, latent, pos, neg, cfg, 1 if first > args.long_step_s else 3, device)
+        n_timed = 1 if first > args.long_step_s else 3
+        times, peak = timed_run(model, latent, pos, neg, cfg, n_timed, device)
         t_dense = median(times)
         (call_shape, dtype) = max(shapes, key=lambda s: s[0][2]) if shapes else (None, None)
         call_s = {sh: sdpa_call_seconds(sh, dt, device) for sh, dt in set(shapes)}
@@ -294,7 +296,6 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         log.info("%s dense: %.3f s/step (%d timed), attention %.0f %% of the step (self-attention alone, SDPA: "
                  "%.0f %%, %d calls of %s)", name, t_dense, len(times), 100 * attn_share, 100 * a_self / t_dense,
                  len(shapes), call_shape)
-    n_timed = 1 if first > args.long_step_s else 3
     n_steps = 1 + n_timed  # anchor + reuse steps
     if args.modes:
         modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
