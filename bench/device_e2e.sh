@@ -7,6 +7,9 @@ rm -rf /tmp/e2e && mkdir -p /tmp/e2e && tar xJf .carry/bundle.tar.xz -C /tmp/e2e
 export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
 # comfy_api imports PyAV (video files) at import time; the device has none and no model here reads video
 python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
+# ComfyUI's main.py selects this allocator on CUDA builds of torch (cuda_malloc.py); the bench does not run
+# main.py, so it asks for it here (set PYTORCH_CUDA_ALLOC_CONF to override)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
 out=${OUT:-/tmp/e2e/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"

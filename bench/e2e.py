@@ -405,8 +405,9 @@ def main():
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}")
+    alloc = f", allocator {torch.cuda.get_allocator_backend()}" if device.type == "cuda" else ""
+    meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
+            f"{alloc}, {time.strftime('%Y-%m-%d %H:%M')}")
 
     def emit(row):
         rows.append(row)

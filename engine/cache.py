@@ -225,11 +225,16 @@ class SelectionCache:
         self._prefetch_next(key, device)
         return entry
 
-    def spill(self) -> int:
-        """Free device memory after an out-of-memory error: move every device entry to the CPU side (or,
-        without room there, drop it: its layer anchors again). Returns the bytes freed on the device."""
+    def spill(self, share: float = 1.0) -> int:
+        """Free device memory after an out-of-memory error: move the least recently used device entries,
+        at least ``share`` of the device cache's bytes, to the CPU side (or, without room there, drop
+        them: their layers anchor again). An "auto" budget then keeps at most what stayed on the device.
+        Returns the bytes freed on the device."""
+        target = share * self.device_bytes
         freed = 0
-        for key in list(self.on_device):
+        for key in list(self.on_device):  # least recently used first
+            if freed >= target and freed:
+                break
             entry = self.on_device.pop(key)
             freed += entry.nbytes
             if self.offload and self.cpu_bytes + entry.nbytes <= self.cpu_budget:
@@ -237,7 +242,7 @@ class SelectionCache:
                 self.counters["offloaded"] += 1
         self.prefetched.clear()
         self.counters["spills"] += 1
-        self.auto_limit = freed // 2  # an "auto" budget keeps at most half of that for the rest of the run
+        self.auto_limit = self.device_bytes
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
         return freed
 

@@ -28,6 +28,7 @@ from .stats import RunStats
 log = logging.getLogger(__name__)
 
 DENSE, ANCHOR, REUSE, FALLBACK = "dense", "anchor", "reuse", "fallback"
+SPILL_SHARES = (0.5, 1.0)  # of the device cache moved off the GPU at a first / second out-of-memory anchor
 
 
 class SparseEngine:
@@ -102,18 +103,7 @@ class SparseEngine:
             return out
         key = ctx.key(n)
         if decision == ANCHOR:
-            try:
-                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
-            except torch.OutOfMemoryError:
-                # the cache crowds the anchor's scratch: move it to the CPU side once, then try again
-                freed = self.cache.spill()
-                if not freed:
-                    raise
-                log.warning("sparse attention: out of memory at an anchor; moved %.0f MB of cache off the GPU "
-                            "(set cache_budget_mb lower to avoid this)", freed / 2**20)
-                if q.is_cuda:
-                    torch.cuda.empty_cache()
-                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+            return self._anchor_with_room(q, k, v, ctx, key, scale, dense_fn)
         with self.stats.timed(ctx.layer, "transfer", dev):
             entry = self.cache.get(key, dev)
         selection = entry.selection
@@ -126,6 +116,22 @@ class SparseEngine:
                 out.add_(entry.residual)
         self.stats.add(ctx.layer, REUSE, selection.density)
         return out
+
+    def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
+        """An anchor; when it runs out of memory, the cache crowds its scratch: move half of the cache off
+        the GPU and try again, then all of it (an error after that reaches the caller)."""
+        for share in SPILL_SHARES:
+            try:
+                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+            except torch.OutOfMemoryError:
+                freed = self.cache.spill(share)
+                if not freed:
+                    raise
+                log.warning("sparse attention: out of memory at an anchor; moved %.0f MB of cache off the GPU "
+                            "(a lower cache_budget_mb avoids this)", freed / 2**20)
+                if q.is_cuda:
+                    torch.cuda.empty_cache()
+        return self._anchor(q, k, v, ctx, key, scale, dense_fn)
 
     def _dense(self, q, k, v, scale, dense_fn):
         if dense_fn is not None:
@@ -144,14 +150,21 @@ class SparseEngine:
             selection = self._select(q, k, lse, ctx, scale)
         with self.stats.timed(ctx.layer, "attention", dev):
             out_s = selection.run(q, k, v, scale=scale, backend=cfg.backend)
-        diff = out_d - out_s
-        fidelity = float(diff.float().norm() / out_d.float().norm().clamp(min=1e-30))
-        where = self.cache.put(key, Entry(selection, diff if cfg.residual else None))
-        self._anchored_at[key] = ctx.step
-        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
+        with self.stats.timed(ctx.layer, "store", dev):
+            where = self._store(key, selection, out_d, out_s, ctx)
         if where == "none":
             log.debug("layer %s: selection not cached", ctx.layer)
         return out_d
+
+    def _store(self, key, selection, out_d, out_s, ctx) -> str:
+        diff = out_d - out_s
+        # norms accumulate in fp32 inside the reduction (no fp32 copies of two (B, H, N, D) tensors)
+        nd, no = torch.stack([torch.linalg.vector_norm(diff), torch.linalg.vector_norm(out_d)]).float().tolist()
+        fidelity = nd / max(no, 1e-30)
+        where = self.cache.put(key, Entry(selection, diff if self.cfg.residual else None))
+        self._anchored_at[key] = ctx.step
+        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
+        return where
 
     def _select(self, q, k, lse, ctx, scale):
         cfg = self.cfg

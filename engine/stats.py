@@ -1,4 +1,4 @@
-"""Per-run statistics: density, anchor fidelity, time in selection / attention / transfers, cache bytes.
+"""Per-run statistics: density, anchor fidelity, time in selection / attention / transfers / storing, cache bytes.
 
 Timing uses CUDA events on GPU tensors (resolved once at the end of the run, so measuring never
 synchronises the device mid-run) and ``time.perf_counter`` on other devices.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("selection", "attention", "transfer")
+PHASES = ("selection", "attention", "transfer", "store")  # store: residual, fidelity, cache placement
 
 
 @dataclass
@@ -122,4 +122,4 @@ class RunStats:
         return (f"sparse attention: {t['calls']} calls ({t['dense']} dense, {t['anchors']} anchor, "
                 f"{t['reuses']} reuse, {t['fallbacks']} fallback), density {t['density']:.3f}, anchor rel-L2 {fid}, "
                 f"selection {sec['selection']:.2f}s attention {sec['attention']:.2f}s "
-                f"transfer {sec['transfer']:.2f}s, {cache}")
+                f"transfer {sec['transfer']:.2f}s store {sec['store']:.2f}s, {cache}")

@@ -209,28 +209,55 @@ def test_auto_budget_off_cuda_and_config_forms(monkeypatch):
     assert cache.put(("b",), Entry(sel, e.residual.clone())) == "device-no-residual"  # the cap holds
 
 
-def test_out_of_memory_at_an_anchor_spills_the_cache_and_retries(problem, monkeypatch):
-    eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
-    eng.begin_run()
-    q, k, v = problem.qkv(1)
-    eng.attend(q, k, v, CallContext(layer=0, step=1, layout=problem.layout))
-    assert len(eng.cache.on_device) == 1
+def _oom_for(eng, monkeypatch, failures: int):
+    """Make the engine's next ``failures`` anchor attempts run out of memory; returns the attempt log."""
     real, calls = eng._anchor, []
 
     def tight(*args):
         calls.append(1)
-        if len(calls) == 1:
+        if len(calls) <= failures:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(*args)
     monkeypatch.setattr(eng, "_anchor", tight)
-    out = eng.attend(q, k, v, CallContext(layer=1, step=1, layout=problem.layout))
+    return calls
+
+
+def test_out_of_memory_at_an_anchor_spills_the_cache_and_retries(problem, monkeypatch):
+    eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
+    eng.begin_run()
+    q, k, v = problem.qkv(1)
+    key = lambda layer: (layer, True, (), q.shape[2])  # noqa: E731
+    for layer in (0, 1):
+        eng.attend(q, k, v, CallContext(layer=layer, step=1, layout=problem.layout))
+    assert len(eng.cache.on_device) == 2
+    calls = _oom_for(eng, monkeypatch, 1)
+    out = eng.attend(q, k, v, CallContext(layer=2, step=1, layout=problem.layout))
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert rel_l2(out, dense) < 1e-5 and len(calls) == 2  # retried once, anchors return the dense output
     info = eng.cache.info()
-    assert info["spills"] == 1 and (0, True, (), q.shape[2]) in eng.cache.on_cpu  # layer 0 moved off the GPU
-    assert eng.cache.auto_limit is not None
+    # the first out-of-memory moves half the cache, least recently used first: layer 0 goes, layer 1 stays
+    assert info["spills"] == 1 and key(0) in eng.cache.on_cpu and key(1) in eng.cache.on_device
+    assert eng.cache.auto_limit == eng.cache.on_device[key(1)].nbytes  # the device cache may not grow back
+    out = eng.attend(q, k, v, CallContext(layer=0, step=2, layout=problem.layout))  # reuse from the CPU side
+    assert rel_l2(out, dense) < 0.05
     eng.end_run()
     assert eng.cache.auto_limit is None  # the next run starts with the full auto budget
+
+
+def test_out_of_memory_twice_spills_everything_then_reports(problem, monkeypatch):
+    eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
+    eng.begin_run()
+    q, k, v = problem.qkv(1)
+    for layer in (0, 1):
+        eng.attend(q, k, v, CallContext(layer=layer, step=1, layout=problem.layout))
+    calls = _oom_for(eng, monkeypatch, 2)
+    eng.attend(q, k, v, CallContext(layer=2, step=1, layout=problem.layout))
+    assert len(calls) == 3 and eng.cache.info()["spills"] == 2
+    # everything left the GPU and the run's cache stays on the CPU side from here on
+    assert not eng.cache.on_device and len(eng.cache.on_cpu) == 3 and eng.cache.auto_limit == 0
+    calls = _oom_for(eng, monkeypatch, 10)  # nothing left to move: the error reaches the caller
+    with pytest.raises(torch.OutOfMemoryError):
+        eng.attend(q, k, v, CallContext(layer=3, step=1, layout=problem.layout))
 
 
 def test_budget_fallback_never_fails_the_run(problem):
