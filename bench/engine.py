@@ -95,12 +95,12 @@ def main():
             plain = (selection.q_groups.numel() * 4 + toks.numel() * 4 + selection.kv_counts.numel() * 4)
             compact = selection.nbytes
             out_s = selection.run(q1, k1, v1)
-            res_bytes = entry.residual.numel() * entry.residual.element_size()
+            res_bytes = entry.residual.nbytes
             del toks, out_s
         else:
             decode_ms = 0.0
             plain = compact = selection.nbytes
-            res_bytes = entry.residual.numel() * entry.residual.element_size()
+            res_bytes = entry.residual.nbytes
         stats = engine.end_run()
         row = dict(anchor_ms=anchor_ms, reuse_ms=reuse_ms, sparse_kernel_ms=kernel_ms,
                    anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,

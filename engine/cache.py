@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .residual import Residual
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Entry:
-    """A cached selection (BlockSelection | TokenSelection) and its residual (B, H, N, D) or None."""
+    """A cached selection (BlockSelection | TokenSelection) and its Residual (engine/residual.py) or None."""
 
     selection: object
-    residual: torch.Tensor | None
+    residual: Residual | None
     ready: object = None  # CUDA event after an asynchronous copy into this (CPU) entry, or None
 
     def wait(self) -> "Entry":
@@ -36,11 +38,10 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        r = 0 if self.residual is None else self.residual.numel() * self.residual.element_size()
-        return self.selection.nbytes + r
+        return self.selection.nbytes + (0 if self.residual is None else self.residual.nbytes)
 
     def map(self, fn) -> "Entry":
-        return Entry(self.selection.map(fn), None if self.residual is None else fn(self.residual))
+        return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn))
 
     @property
     def batch(self) -> int:
@@ -49,7 +50,7 @@ class Entry:
     def batch_slice(self, start: int, stop: int) -> "Entry":
         """Batch rows [start, stop) of the selection and residual (views)."""
         return Entry(self.selection.batch_slice(start, stop),
-                     None if self.residual is None else self.residual[start:stop])
+                     None if self.residual is None else self.residual.batch_slice(start, stop))
 
     def to(self, device, non_blocking=False) -> "Entry":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -77,6 +78,24 @@ AUTO_RESERVE_SHARE = 0.25  # ... or this share of it, whichever is larger (an mc
 # tokens needs ~25 GB of scratch next to the model's activations: docs/benchmarks.md)
 AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
 AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
+HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memory available ...
+HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
+
+
+def host_memory() -> tuple[int, int] | None:
+    """(available, total) bytes of host memory (Linux /proc/meminfo, else psutil), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except Exception:  # noqa: BLE001 - no psutil, or a platform it cannot read
+        return None
 
 
 class SelectionCache:
@@ -160,7 +179,7 @@ class SelectionCache:
         if self._device_fits(size, entry):
             self.on_device[key] = entry
             where = "device"
-        elif self.offload and self.cpu_bytes + size <= self.cpu_budget:
+        elif self._cpu_fits(size):
             self.on_cpu[key] = entry.pinned()
             self.counters["offloaded"] += 1
             where = "cpu"
@@ -176,6 +195,16 @@ class SelectionCache:
         self.peak_device = max(self.peak_device, self.device_bytes)
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
         return where
+
+    def _cpu_fits(self, size: int) -> bool:
+        """Offload allowed, within cpu_budget, and the host keeps max(8 GiB, 25 %) of its memory available."""
+        if not self.offload or self.cpu_bytes + size > self.cpu_budget:
+            return False
+        host = host_memory()
+        if host is None:
+            return True
+        available, total = host
+        return available - size >= max(HOST_RESERVE_BYTES, int(HOST_RESERVE_SHARE * total))
 
     def _device_fits(self, size: int, entry: Entry) -> bool:
         if self.device_budget is not None:
@@ -237,7 +266,7 @@ class SelectionCache:
                 break
             entry = self.on_device.pop(key)
             freed += entry.nbytes
-            if self.offload and self.cpu_bytes + entry.nbytes <= self.cpu_budget:
+            if self._cpu_fits(entry.nbytes):
                 self.on_cpu[key] = entry.pinned()
                 self.counters["offloaded"] += 1
         self.prefetched.clear()
@@ -308,5 +337,5 @@ class SelectionCache:
 def _tensors(entry: Entry):
     out = list(entry.selection.tensors())
     if entry.residual is not None:
-        out.append(entry.residual)
+        out.extend(entry.residual.tensors())
     return out

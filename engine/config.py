@@ -12,6 +12,7 @@ from pathlib import Path
 
 METHODS = ("dense", "static", "block_topk", "mc_sparse", "hybrid")
 BACKENDS = ("auto", "triton", "torch")
+RESIDUAL_PRECISIONS = ("fp8", "model")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class SparseConfig:
     warmup_steps / warmup_layers / dense_layers: computed densely.
     anchor_steps: when selection (and residual) are recomputed; see AnchorSchedule.
     residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
+    residual_precision: "fp8" (default: float8 with a per-row scale, half the bytes; the model's dtype
+        where fp8 is unavailable) or "model" (the model's dtype).
     select_every_step: block_topk re-selects at every step (cheap pooled scores) instead of reusing.
     mass: block_topk keeps the smallest set of KV blocks reaching this share of pooled mass instead of a
         fixed count (0 < mass <= 1), or None.
@@ -97,7 +100,7 @@ class SparseConfig:
     cache_budget_mb: GPU memory for cached selections/residuals, in MB, or "auto" (the default: what the
         card has free beyond max(8 GiB, 25 %) of its memory, at most half the card; 8 GiB off CUDA);
         offload: move other layers' entries to CPU (pinned) memory and prefetch them; cpu_budget_mb: the
-        CPU side's limit.
+        CPU side's limit (it also always leaves max(8 GiB, 25 %) of the host's memory available).
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
     """
 
@@ -112,6 +115,7 @@ class SparseConfig:
     dense_layers: tuple[int, ...] = ()
     anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
     residual: bool = True
+    residual_precision: str = "fp8"
     select_every_step: bool = False
     mass: float | None = None
     sink_blocks: int = 1
@@ -157,6 +161,8 @@ class SparseConfig:
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
                    f"must be a number >= 0{alt}, got {v!r}")
+        _check(self.residual_precision in RESIDUAL_PRECISIONS, "residual_precision",
+               f"must be one of {RESIDUAL_PRECISIONS}, got {self.residual_precision!r}")
         _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("residual", "select_every_step", "offload"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")

@@ -23,6 +23,7 @@ from .context import CallContext
 from .policy_block_topk import build_block_topk
 from .policy_mc_sparse import build_mc_sparse
 from .policy_static import build_static
+from .residual import Residual
 from .stats import RunStats
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class SparseEngine:
         with self.stats.timed(ctx.layer, "attention", dev):
             out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
             if entry.residual is not None:
-                out.add_(entry.residual)
+                entry.residual.add_to(out)
         self.stats.add(ctx.layer, REUSE, selection.density)
         return out
 
@@ -161,7 +162,9 @@ class SparseEngine:
         # norms accumulate in fp32 inside the reduction (no fp32 copies of two (B, H, N, D) tensors)
         nd, no = torch.stack([torch.linalg.vector_norm(diff), torch.linalg.vector_norm(out_d)]).float().tolist()
         fidelity = nd / max(no, 1e-30)
-        where = self.cache.put(key, Entry(selection, diff if self.cfg.residual else None))
+        residual = Residual.encode(diff, self.cfg.residual_precision) if self.cfg.residual else None
+        del diff
+        where = self.cache.put(key, Entry(selection, residual))
         self._anchored_at[key] = ctx.step
         self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
         return where

@@ -116,6 +116,13 @@ class TokenSelection:
         return dataclasses.replace(self, q_groups=self.q_groups[start:stop], kv_low=self.kv_low[start:stop],
                                    seg_ends=self.seg_ends[start:stop], kv_counts=self.kv_counts[start:stop])
 
+    def head(self, b: int, h: int) -> "TokenSelection":
+        """The selection of batch row ``b``, head ``h`` alone, shapes (1, 1, G, ...) (views): decoding it
+        touches 1/(B*H) of the lists (a report picture of a CPU-resident entry stays cheap)."""
+        pick = (slice(b, b + 1), slice(h, h + 1))
+        return dataclasses.replace(self, q_groups=self.q_groups[pick], kv_low=self.kv_low[pick],
+                                   seg_ends=self.seg_ends[pick], kv_counts=self.kv_counts[pick])
+
 
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:
     """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted)."""

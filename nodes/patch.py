@@ -225,7 +225,8 @@ def selection_picture(selection, n: int, width: int = 256) -> dict:
         if max(grid.shape) > width:  # bound the picture's memory: pool to at most width x width
             grid = torch.nn.functional.adaptive_avg_pool2d(grid[None, None], (min(width, nqb), min(width, nkb)))[0, 0]
         return {"kind": "block", "map": grid}
-    toks, cnt = selection.kv_tokens()[0, 0], selection.kv_counts[0, 0]
+    one = selection.head(0, 0)  # decode one head's lists, not all of them
+    toks, cnt = one.kv_tokens()[0, 0], one.kv_counts[0, 0]
     g = cnt.shape[0]
     bins = min(width, n)
     grid = torch.zeros(g, bins + 1)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
-from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+from comfyui_sparse_attention.engine.cache import Entry, SelectionCache, host_memory
 from comfyui_sparse_attention.engine.policy_static import build_static
+from comfyui_sparse_attention.engine.residual import Residual
 from comfyui_sparse_attention.engine.selection import TokenSelection, block_pairs_fraction
 from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention, rel_l2
 
@@ -143,6 +144,36 @@ def test_residual_lowers_reuse_step_error(problem):
     assert all(a < b for a, b in zip(with_r[2:], without[2:]))
 
 
+def test_fp8_residual_is_half_the_bytes_and_bounded_by_its_rounding():
+    g = torch.Generator().manual_seed(0)
+    diff = torch.randn(2, 3, 500, 64, generator=g) * torch.logspace(-4, 0, 500).view(1, 1, -1, 1)  # rows of any size
+    r = Residual.encode(diff.to(torch.bfloat16), "fp8")
+    assert r.data.dtype == torch.float8_e4m3fn and r.scale.shape == (2, 3, 500, 1)
+    assert r.nbytes == diff.numel() + diff.numel() // 64 * 4  # 1 byte per value + an fp32 scale per row
+    ref = diff.to(torch.bfloat16).float()
+    err = (r.decode(torch.float32) - ref).abs()
+    assert bool((err <= 2**-4 * ref.abs().amax(-1, keepdim=True) + 1e-12).all())  # within e4m3's rounding
+    out = torch.zeros(2, 3, 500, 64, dtype=torch.bfloat16)
+    r.add_to(out)
+    assert torch.allclose(out.float(), r.decode(torch.float32), rtol=1e-2, atol=1e-6)
+    assert torch.equal(r.batch_slice(1, 2).data.view(torch.uint8), r.data[1:2].view(torch.uint8))
+    model = Residual.encode(diff, "model")
+    assert model.scale is None and model.data is diff
+    with pytest.raises(ValueError, match="precision"):
+        Residual.encode(diff, "fp4")
+    with pytest.raises(ValueError, match="residual_precision"):
+        SparseConfig(residual_precision="int8")
+
+
+def test_fp8_residual_keeps_the_reuse_error(problem):
+    full, _ = run_engine(SparseConfig(method="mc_sparse", residual_precision="model", **BASE), problem, 6)
+    fp8, stats = run_engine(SparseConfig(method="mc_sparse", **BASE), problem, 6)
+    without, _ = run_engine(SparseConfig(method="mc_sparse", residual=False, **BASE), problem, 6)
+    assert stats.totals()["reuses"] == 4
+    for a, b, c in zip(full[2:], fp8[2:], without[2:]):
+        assert b < c and abs(b - a) < 0.05 * a  # fp8 storage moves the reuse error by under 5 %
+
+
 def test_density_accounting_is_exact(problem):
     n = problem.n
     cfg = SparseConfig(method="static", **BASE)
@@ -171,13 +202,42 @@ def test_token_selection_compaction_round_trips():
     valid = torch.arange(500) < counts.unsqueeze(-1)
     assert torch.equal(decoded[valid], tokens[valid])
     assert sel.kv_low.element_size() == 2
+    one = sel.head(0, 1)  # one head alone decodes to the same lists
+    assert one.kv_low.shape[:2] == (1, 1) and one.kv_low.data_ptr() == sel.kv_low[0, 1].data_ptr()
+    assert torch.equal(one.kv_tokens()[0, 0][valid[0, 1]], tokens[0, 1][valid[0, 1]])
 
 
-def test_cache_offload_round_trips_exactly_and_falls_back():
+def _entry(seed, n=4096):
+    g = torch.Generator().manual_seed(seed)
+    sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    return Entry(sel, Residual(torch.randn(1, 2, n, 64, generator=g)))
+
+
+def test_cpu_side_leaves_the_host_its_reserve(monkeypatch):
+    import comfyui_sparse_attention.engine.cache as cache_mod
+    e = _entry(0)
+    gib = 2**30
+    cache = SelectionCache(device_budget=0, cpu_budget=10**12, offload=True)
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (40 * gib, 128 * gib))  # reserve: 32 GiB of 128
+    assert cache.put(("a",), e) == "cpu"
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (32 * gib + e.nbytes - 1, 128 * gib))
+    assert cache.put(("b",), _entry(1)) == "none"  # pinning it would eat into the reserve
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (9 * gib, 16 * gib))  # small host: the 8 GiB floor
+    assert cache.put(("c",), _entry(2)) == "cpu"
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)  # unknown: only cpu_budget limits
+    assert cache.put(("d",), _entry(3)) == "cpu"
+    real = host_memory()  # this machine's own reading (Linux: /proc/meminfo)
+    assert real is None or 0 < real[0] <= real[1]
+
+
+def test_cache_offload_round_trips_exactly_and_falls_back(monkeypatch):
+    import comfyui_sparse_attention.engine.cache as cache_mod
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)  # whatever this machine has free
+
     def entry(seed, n=4096):
         g = torch.Generator().manual_seed(seed)
         sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
-        return Entry(sel, torch.randn(1, 2, n, 64, generator=g))
+        return Entry(sel, Residual(torch.randn(1, 2, n, 64, generator=g)))
     e0, e1, e2 = entry(0), entry(1), entry(2)
     size = e0.nbytes
     cache = SelectionCache(device_budget=size + 10, cpu_budget=size + 10, offload=True)
@@ -185,9 +245,9 @@ def test_cache_offload_round_trips_exactly_and_falls_back():
     assert cache.put(("b",), e1) == "cpu"
     assert cache.put(("c",), e2) == "device-no-residual" or cache.put(("c",), e2) == "none"
     back = cache.get(("b",), "cpu")
-    assert torch.equal(back.residual, e1.residual)
+    assert torch.equal(back.residual.data, e1.residual.data)
     assert torch.equal(back.selection.kv_indices, e1.selection.kv_indices)
-    assert back.residual.data_ptr() != e1.residual.data_ptr()  # a real copy was stored
+    assert back.residual.data.data_ptr() != e1.residual.data.data_ptr()  # a real copy was stored
     tiny = SelectionCache(device_budget=10, cpu_budget=10, offload=True)
     assert tiny.put(("d",), entry(3)) == "none"
     assert ("d",) in tiny.fallback_keys and tiny.counters["fallbacks"] == 1
@@ -202,11 +262,11 @@ def test_auto_budget_off_cuda_and_config_forms(monkeypatch):
         with pytest.raises(ValueError, match="cache_budget_mb"):
             SparseConfig(cache_budget_mb=bad)
     sel = build_static(1, 2, 4096, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
-    e = Entry(sel, torch.zeros(1, 2, 4096, 64))
+    e = Entry(sel, Residual(torch.zeros(1, 2, 4096, 64)))
     monkeypatch.setattr(cache_mod, "AUTO_NON_CUDA_BYTES", int(1.5 * e.nbytes))
     cache = SelectionCache(device_budget=None, cpu_budget=0, offload=True)
     assert cache.put(("a",), e) == "device"
-    assert cache.put(("b",), Entry(sel, e.residual.clone())) == "device-no-residual"  # the cap holds
+    assert cache.put(("b",), Entry(sel, Residual(e.residual.data.clone()))) == "device-no-residual"  # the cap holds
 
 
 def _oom_for(eng, monkeypatch, failures: int):
@@ -277,7 +337,7 @@ def test_memory_is_released_after_a_run(problem):
         q, k, v = problem.qkv(s)
         eng.attend(q, k, v, CallContext(layer=0, step=s, layout=problem.layout))
     entry = next(iter(eng.cache.on_device.values()))
-    refs = [weakref.ref(t) for t in entry.selection.tensors()] + [weakref.ref(entry.residual)]
+    refs = [weakref.ref(t) for t in entry.selection.tensors()] + [weakref.ref(t) for t in entry.residual.tensors()]
     del entry
     assert eng.cache.device_bytes > 0
     stats = eng.end_run()
@@ -310,7 +370,7 @@ def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
     def entry(seed, n=4096):
         g = torch.Generator().manual_seed(seed)
         sel = build_static(1, 1, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
-        return Entry(sel, torch.randn(1, 1, n, 64, generator=g))
+        return Entry(sel, Residual(torch.randn(1, 1, n, 64, generator=g)))
     entries = {k: entry(i) for i, k in enumerate(["l0", "l1", "l2"])}
     cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)  # everything lives on the CPU side
     for k, e in entries.items():
@@ -324,4 +384,5 @@ def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
     assert cache.counters["fetched"] == 4  # l0 itself had to be fetched on demand
     got1 = cache.get(("l1",), "cpu")       # served from the prefetch, which in turn starts l2
     assert cache.counters["fetched"] == 4 and ("l2",) in cache.prefetched
-    assert torch.equal(got1.residual, entries["l1"].residual) and torch.equal(got.residual, entries["l0"].residual)
+    assert torch.equal(got1.residual.data, entries["l1"].residual.data)
+    assert torch.equal(got.residual.data, entries["l0"].residual.data)

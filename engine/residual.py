@@ -1,0 +1,99 @@
+"""Cached residuals R = O_dense - O_sparse (seed 003), stored in the model's dtype or in fp8.
+
+The residual is the largest cached tensor (one (B, H, N, D) output per layer: 1.55 GB at Wan 14B 720p
+with CFG), so by default it is stored as float8_e4m3fn with one fp32 scale per (batch, head, token)
+row (amax / 448): half the bytes of bf16 plus 1/32 for the scales. The rounding error (3 mantissa bits,
+≤ 2^-4 of each value) lands on R, itself a few per cent of the output, so the output moves by
+≤ 2^-4 × |R| (docs/decisions.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import RESIDUAL_PRECISIONS as PRECISIONS
+
+log = logging.getLogger(__name__)
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+CHUNK_ELEMS = 1 << 26  # elements converted at a time (bounds the fp32 scratch to 256 MiB)
+_warned = False
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """fp8 storage needs torch's float8_e4m3fn and a CUDA or CPU tensor (elementwise casts)."""
+    return FP8 is not None and device.type in ("cuda", "cpu")
+
+
+def _head_chunks(x: torch.Tensor):
+    """Slices over dim 1 (heads) of a (B, H, N, D) tensor, each at most ~CHUNK_ELEMS elements."""
+    per_head = max(1, x.numel() // max(1, x.shape[1]))
+    step = max(1, CHUNK_ELEMS // per_head)
+    for h0 in range(0, x.shape[1], step):
+        yield slice(h0, h0 + step)
+
+
+@dataclass
+class Residual:
+    """data: (B, H, N, D) in the model's dtype, or float8_e4m3fn; scale: fp32 (B, H, N, 1) per-row scale
+    when data is fp8, else None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @staticmethod
+    def encode(diff: torch.Tensor, precision: str = "fp8") -> "Residual":
+        """Store ``diff`` (B, H, N, D), any float dtype. precision "fp8" (falls back to "model", logged
+        once, where fp8 is unsupported) or "model" (kept as is)."""
+        global _warned
+        if precision not in PRECISIONS:
+            raise ValueError(f"residual precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "model" or not fp8_supported(diff.device):
+            if precision == "fp8" and not _warned:
+                _warned = True
+                log.info("sparse attention: fp8 residuals are not available on %s; stored in %s",
+                         diff.device.type, diff.dtype)
+            return Residual(diff)
+        b, h, n, d = diff.shape
+        data = torch.empty((b, h, n, d), dtype=FP8, device=diff.device)
+        scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device)
+        for sl in _head_chunks(diff):
+            x = diff[:, sl].float()
+            s = x.abs().amax(-1, keepdim=True) / FP8_MAX
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            scale[:, sl] = s
+            data[:, sl] = (x / s).to(FP8)
+        return Residual(data, scale)
+
+    def add_to(self, out: torch.Tensor) -> torch.Tensor:
+        """out (B, H, N, D) += the residual, in place; returns out."""
+        if self.scale is None:
+            return out.add_(self.data)
+        for sl in _head_chunks(out):
+            out[:, sl].addcmul_(self.data[:, sl].to(out.dtype), self.scale[:, sl].to(out.dtype))
+        return out
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        """The residual as a (B, H, N, D) tensor of ``dtype``."""
+        if self.scale is None:
+            return self.data.to(dtype)
+        return (self.data.float() * self.scale).to(dtype)
+
+    def tensors(self):
+        return (self.data,) if self.scale is None else (self.data, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map(self, fn) -> "Residual":
+        """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
+        return Residual(fn(self.data), None if self.scale is None else fn(self.scale))
+
+    def batch_slice(self, start: int, stop: int) -> "Residual":
+        """Batch rows [start, stop) (views)."""
+        return Residual(self.data[start:stop], None if self.scale is None else self.scale[start:stop])
