@@ -82,6 +82,18 @@ HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memo
 HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
 
 
+def cached_pinned_bytes() -> int:
+    """Pinned host memory that torch's host allocator holds but nothing uses (0 where unknown)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return 0
+    try:
+        st = stats()
+        return max(0, int(st.get("allocated_bytes.current", 0)) - int(st.get("active_bytes.current", 0)))
+    except Exception:  # noqa: BLE001 - an older torch without these counters
+        return 0
+
+
 def host_memory() -> tuple[int, int] | None:
     """(available, total) bytes of host memory (Linux /proc/meminfo, else psutil), or None if unknown."""
     try:
@@ -204,6 +216,7 @@ class SelectionCache:
         if host is None:
             return True
         available, total = host
+        available += cached_pinned_bytes()  # pinned blocks freed to torch's host cache are reused first
         return available - size >= max(HOST_RESERVE_BYTES, int(HOST_RESERVE_SHARE * total))
 
     def _device_fits(self, size: int, entry: Entry) -> bool:

@@ -37,7 +37,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     k_img = max(1, round(cfg.image_density * n_img))
     i2t = cfg.densities.image_to_text
     k_txt = n_txt if i2t >= 1.0 else round(i2t * n_txt)
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
     per_head = g * n * 4
     step = max(1, MASS_CHUNK_BYTES // max(1, per_head))
     force = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -55,15 +55,19 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
             if top_txt is not None:
                 mass.scatter_(-1, top_txt, float("inf"))
         else:
-            mass = mass.masked_fill(force, float("inf"))
+            mass.masked_fill_(force, float("inf"))
         hs = mass.shape[1]
         idx, cnt = rows_above_threshold(mass.view(b * hs * g, n), int(want[0, 0, 0]))
-        parts.append((idx.view(b, hs, g, -1), cnt.view(b, hs, g)))
         del mass
+        idx, cnt = idx.view(b, hs, g, -1), cnt.view(b, hs, g)
+        parts.append((*TokenSelection.compact(idx, cnt, n), cnt))  # int16 at once: half the bytes held
+        del idx
     width = max(p[0].shape[-1] for p in parts)
-    tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t, _ in parts], dim=1)
-    counts = torch.cat([c for _, c in parts], dim=1)
+    low = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t, _, _ in parts], dim=1)
+    seg_ends = torch.cat([e for _, e, _ in parts], dim=1)
+    counts = torch.cat([c for _, _, c in parts], dim=1)
+    del parts
     real_q = (groups >= 0).sum(-1).double()
     pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n
     density = pairs / (b * h * n * n)
-    return TokenSelection.build(groups, tokens, counts, text_rows if n_txt else None, density)
+    return TokenSelection(groups, low, seg_ends, counts, text_rows if n_txt else None, density)

@@ -226,6 +226,13 @@ def test_cpu_side_leaves_the_host_its_reserve(monkeypatch):
     assert cache.put(("c",), _entry(2)) == "cpu"
     monkeypatch.setattr(cache_mod, "host_memory", lambda: None)  # unknown: only cpu_budget limits
     assert cache.put(("d",), _entry(3)) == "cpu"
+    # pinned blocks torch's host allocator caches (freed by earlier entries) count as available
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (32 * gib + e.nbytes - 1, 128 * gib))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"allocated_bytes.current": 5 * gib,
+                                                                  "active_bytes.current": 4 * gib}, raising=False)
+    assert cache_mod.cached_pinned_bytes() == gib
+    assert cache._cpu_fits(e.nbytes)
     real = host_memory()  # this machine's own reading (Linux: /proc/meminfo)
     assert real is None or 0 < real[0] <= real[1]
 
