@@ -1,7 +1,9 @@
 """Plot end-to-end results of bench/e2e.py (one or more e2e.json files) as a PNG.
 
     python bench/plot_e2e.py OUT.png RUN1/e2e.json [RUN2/e2e.json ...]
+    python bench/plot_e2e.py --table RUN1/e2e.json [RUN2/e2e.json ...]   # the merged rows as markdown
 
+A (model, mode) measured in several runs is taken from the first file that has it (list newest first).
 Left: projected speedup of the preset's full schedule per model and mode, with the schedule's Amdahl
 ceiling as a tick; right: the speedup of one reuse step (the steady state). Needs matplotlib.
 """
@@ -21,8 +23,31 @@ def load(paths):
             if "skipped" in r or r["mode"] == "dense" or key in seen:
                 continue
             seen.add(key)
-            rows.append(r)
+            rows.append(dict(r, run=Path(p).parent.name))
     return rows
+
+
+def table(rows) -> str:
+    """Markdown rows: model, mode, anchor s, reuse s, steady, projected s, speedup, ceiling, of ceiling,
+    peak GB, cache GPU / CPU MB, fallbacks, run (the folder under docs/bench-runs)."""
+    def f(r, k, fmt):
+        v = r.get(k)
+        return "–" if v is None else format(v, fmt)
+    order = {m: i for i, m in enumerate(["mc_sparse", "block_topk", "sol"])}
+    def key(r):
+        method, dens = r["mode"].split("@")
+        return r["model"], -float(dens), order.get(method, 9)
+    rows = sorted(rows, key=key)
+    out = ["| model | mode | anchor s | reuse s | steady | projected s | speedup | ceiling | of ceiling | peak GB "
+           "| cache GPU / CPU MB | fallback calls | run |", "|" + "---|" * 13]
+    for r in rows:
+        fb = r.get("cache_fallbacks")
+        cache = "–" if "cache_gpu_mb" not in r else f"{r['cache_gpu_mb']:,.0f} / {r['cache_cpu_mb']:,.0f}"
+        out.append(f"| {r['model']} | {r['mode']} | {f(r, 'anchor_s', '.1f')} | {f(r, 'step_s', '.2f')} | "
+                   f"{f(r, 'steady_speedup', '.2f')}× | {f(r, 'projected_s', '.0f')} | **{r['speedup']:.2f}×** | "
+                   f"{f(r, 'ceiling_speedup', '.2f')} | {f(r, 'of_ceiling', '.2f')} | {f(r, 'peak_gb', '.1f')} | "
+                   f"{cache} | {'–' if fb is None else fb} | {r['run']} |")
+    return "\n".join(out)
 
 
 def main():
@@ -30,6 +55,9 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if sys.argv[1] == "--table":
+        sys.stdout.write(table(load(sys.argv[2:])) + "\n")
+        return
     out, paths = sys.argv[1], sys.argv[2:]
     rows = load(paths)
     models = list(dict.fromkeys(r["model"] for r in rows))

@@ -22,3 +22,27 @@ def test_e2e_benchmark_smoke(tmp_path):
     sparse = rows[1]
     assert 0.1 < sparse["density_kept"] < 0.4 and sparse["projected_s"] > 0 and sparse["ceiling_speedup"] >= 1.0
     assert (tmp_path / "e2e.md").read_text().count("| wan13b |") == 2
+
+
+def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
+    """bench/plot_e2e.py --table: runs listed newest first; a (model, mode) comes from the first run holding it."""
+    def run(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "e2e.json").write_text(json.dumps({"meta": "", "rows": rows}))
+        return str(d / "e2e.json")
+    base = dict(model="wan14b", anchor_s=30.0, ceiling_speedup=1.83, of_ceiling=0.9, peak_gb=70.0, cache_gpu_mb=1.0,
+                cache_cpu_mb=0.0, cache_fallbacks=0, steady_speedup=2.0, projected_s=700.0)
+    new = run("new", [dict(base, mode="block_topk@0.15", step_s=10.66, speedup=1.67)])
+    old = run("old", [dict(model="wan14b", mode="dense", step_s=23.0, speedup=1.0),
+                      dict(base, mode="block_topk@0.15", step_s=10.79, speedup=1.64),
+                      dict(model="wan14b", mode="sol@0.15", step_s=12.02, speedup=1.62, steady_speedup=1.91,
+                           projected_s=711.0, peak_gb=41.5),
+                      dict(model="wan14b", mode="mc_sparse@0.1", skipped="budget")])
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "plot_e2e.py"), "--table", new, old],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("| wan14b")]
+    assert len(lines) == 2  # dense and skipped rows are left out
+    assert "10.66" in lines[0] and "| new |" in lines[0] and "10.79" not in proc.stdout
+    assert "sol@0.15" in lines[1] and "| old |" in lines[1]
