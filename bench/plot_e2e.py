@@ -1,7 +1,7 @@
 """Plot end-to-end results of bench/e2e.py (one or more e2e.json files) as a PNG.
 
     python bench/plot_e2e.py OUT.png RUN1/e2e.json [RUN2/e2e.json ...]
-    python bench/plot_e2e.py --table RUN1/e2e.json [RUN2/e2e.json ...]   # the merged rows as markdown
+    python bench/plot_e2e.py --table RUN1/e2e.json [RUN2/e2e.json ...]   # merged rows as markdown (no matplotlib)
 
 A (model, mode) measured in several runs is taken from the first file that has it (list newest first).
 Left: projected speedup of the preset's full schedule per model and mode, with the schedule's Amdahl
@@ -51,13 +51,13 @@ def table(rows) -> str:
 
 
 def main():
+    if sys.argv[1] == "--table":  # no matplotlib needed
+        sys.stdout.write(table(load(sys.argv[2:])) + "\n")
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if sys.argv[1] == "--table":
-        sys.stdout.write(table(load(sys.argv[2:])) + "\n")
-        return
     out, paths = sys.argv[1], sys.argv[2:]
     rows = load(paths)
     models = list(dict.fromkeys(r["model"] for r in rows))
