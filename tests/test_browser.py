@@ -1,7 +1,9 @@
 """Browser test: ComfyUI's server (CPU) with its pinned comfyui-frontend-package and our pack installed,
 driven by Playwright in Debian's headless Chromium (never a browser Playwright downloads; every
 non-loopback request is blocked). Our nodes are in the node library search, one can be added to an empty
-graph, and every bundled workflow loads with no missing-node error. Screenshots go to docs/images/.
+graph, and every bundled workflow loads with no missing-node error. Screenshots go to a temporary folder,
+or to $SPARSE_ATTN_SCREENSHOTS when set (`SPARSE_ATTN_SCREENSHOTS=docs/images` refreshes the README's,
+which come from ComfyUI 0.33.0).
 
 Needs COMFYUI_PATH, the `playwright` package and Debian's chromium (/usr/bin/chromium).
 """
@@ -21,7 +23,6 @@ from conftest import ROOT, comfyui_path
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-IMAGES = ROOT / "docs" / "images"
 NODE_IDS = ["SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report"]
 
 
@@ -80,10 +81,11 @@ def test_server_registers_nodes_and_templates(server):
     assert sorted(templates["comfyui-sparse-attention"]) == sorted(p.stem for p in (ROOT / "workflows").glob("*.json"))
 
 
-def test_frontend_search_add_and_load_workflows(server):
+def test_frontend_search_add_and_load_workflows(server, tmp_path):
     from playwright.sync_api import sync_playwright
 
     url, _ = server
+    IMAGES = Path(os.environ.get("SPARSE_ATTN_SCREENSHOTS") or tmp_path)  # noqa: N806
     IMAGES.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
