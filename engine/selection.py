@@ -73,13 +73,6 @@ class TokenSelection:
     density: float
 
     @staticmethod
-    def build(q_groups, kv_tokens, kv_counts, dense_rows, density, n_tokens: int | None = None) -> "TokenSelection":
-        """Compact int32 sorted token lists (B, H, G, max_k) (-1 past the count). ``n_tokens`` (the key
-        count) fixes the number of segments; by default it follows the largest token id."""
-        low, seg_ends = TokenSelection.compact(kv_tokens, kv_counts, n_tokens)
-        return TokenSelection(q_groups, low, seg_ends, kv_counts, dense_rows, density)
-
-    @staticmethod
     def compact(kv_tokens, kv_counts, n_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 sorted lists (B, H, G, W) -> (kv_low int16 (B, H, G, W), seg_ends int32 (B, H, G, S)).
 
@@ -89,11 +82,10 @@ class TokenSelection:
         if n_tokens is None:
             n_tokens = (int(kv_tokens.max()) + 1) if kv_tokens.numel() else 1
         n_seg = max(1, -(-int(n_tokens) // SEGMENT))
-        b, h = kv_tokens.shape[:2]
+        h = kv_tokens.shape[1]
         low = torch.empty(kv_tokens.shape, dtype=torch.int16, device=kv_tokens.device)
         seg_ends = torch.empty((*kv_tokens.shape[:3], n_seg), dtype=torch.int32, device=kv_tokens.device)
-        per_head = max(1, kv_tokens[0, 0].numel() * b)
-        step = max(1, DECODE_CHUNK // per_head)
+        step = max(1, DECODE_CHUNK // max(1, kv_tokens.numel() // max(1, h)))
         for h0 in range(0, h, step):
             tok = kv_tokens[:, h0:h0 + step].to(torch.int32, copy=True)
             seg = torch.where(tok >= 0, tok // SEGMENT, n_seg)

@@ -197,7 +197,8 @@ def test_token_selection_compaction_round_trips():
     tokens = lists.view(1, 2, 3, 500).to(torch.int32)
     counts = torch.tensor([[[500, 480, 0], [1, 500, 250]]], dtype=torch.int32)
     tokens = torch.where(torch.arange(500) < counts.unsqueeze(-1), tokens, torch.full_like(tokens, -1))
-    sel = TokenSelection.build(torch.zeros(1, 2, 3, 64, dtype=torch.int32), tokens, counts, None, 0.1)
+    sel = TokenSelection(torch.zeros(1, 2, 3, 64, dtype=torch.int32), *TokenSelection.compact(tokens, counts), counts,
+                         None, 0.1)
     decoded = sel.kv_tokens()
     valid = torch.arange(500) < counts.unsqueeze(-1)
     assert torch.equal(decoded[valid], tokens[valid])

@@ -10,8 +10,6 @@ per method: achieved density, time, relative L2 error versus dense at every step
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 import sys
 import time
@@ -23,15 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_pack():
-    """Import the repository as the package ``comfyui_sparse_attention`` (as ComfyUI would)."""
-    name = "comfyui_sparse_attention"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return importlib.import_module(name + ".engine"), importlib.import_module(name + ".engine.synthetic")
+    """The pack's engine and synthetic-problem modules, through bench/_pack.py's loader (the repository
+    imported as the package ``comfyui_sparse_attention``, as ComfyUI would)."""
+    sys.path.insert(0, str(ROOT / "bench"))  # a script beside the pack, not pack code
+    from _pack import load
+    return load("engine"), load("engine.synthetic")
 
 
 METHODS = [
