@@ -46,7 +46,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     want = torch.full((b, 1, g), k_img + k_txt, dtype=torch.long, device=dev)
     for h0 in range(0, h, step):
         sl = slice(h0, h0 + step)
-        mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], groups[:, sl], granularity="token",
+        mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], groups[:, sl],
                                      scale=scale, backend=backend, validate=False)
         if n_txt and i2t < 1.0:
             # separate budgets: the k_txt text tokens of highest mass are forced, other text tokens excluded

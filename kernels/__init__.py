@@ -5,10 +5,10 @@ CUDA when it imports and supports the case, else the PyTorch twin (any torch dev
 """
 
 from .api import (attention_dense, block_sparse_attention, group_kv_mass, group_queries, pooled_block_scores,
-                  token_sparse_attention, topk_per_row)
+                  token_sparse_attention)
 from .backend import BACKENDS, triton_available
 
 __all__ = [
     "BACKENDS", "attention_dense", "block_sparse_attention", "group_kv_mass", "group_queries",
-    "pooled_block_scores", "token_sparse_attention", "topk_per_row", "triton_available",
+    "pooled_block_scores", "token_sparse_attention", "triton_available",
 ]

@@ -58,19 +58,6 @@ def check_scale(scale: float | None, d: int) -> float:
     return scale
 
 
-def check_key_padding_mask(mask: torch.Tensor | None, b: int, nk: int, device: torch.device) -> torch.Tensor | None:
-    """Check a boolean key-padding mask of shape (B, Nk); True marks a key that may be attended."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise ValueError("key_padding_mask must be a bool tensor of shape (B, N_kv) (True = attend)")
-    if tuple(mask.shape) != (b, nk):
-        raise ValueError(f"key_padding_mask must have shape {(b, nk)}, got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
-    return mask
-
-
 def check_block_size(name: str, value: int) -> int:
     """Block sizes are 64 or 128 (the tile sizes of the Triton kernels)."""
     if not isinstance(value, int) or isinstance(value, bool) or value not in BLOCK_SIZES:

@@ -61,16 +61,6 @@ def configs(options: list[dict], interpret_pick: dict) -> list[triton.Config]:
                           num_warps=o.get("num_warps", 4), num_stages=o.get("num_stages", 2)) for o in options]
 
 
-def kpm_arg(mask: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """Key-padding mask as (uint8 tensor (B, Nk), batch stride, present?) for a kernel argument."""
-    if mask is None:
-        return like, 0, False
-    m = mask.to(torch.uint8).contiguous()
-    return m, m.stride(0), True
-
-
-
-
 @triton.jit
 def load_rows(base, rows, stride, valid, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
               CHECK_ROWS: tl.constexpr):
@@ -108,20 +98,14 @@ def last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 
 @triton.jit
-def kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, rows, rows_ok, skn, svn, qk_scale, d,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, MASKED: tl.constexpr):
+def kv_tile(acc, m_i, l_i, q, k_base, v_base, rows, rows_ok, skn, svn, qk_scale, d,
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
     """Attend one tile of KV rows ``rows`` [N] (contiguous or gathered). With MASKED, rows outside
     ``rows_ok`` are skipped (-inf); without it every row is valid and loads carry no row mask."""
     k = load_rows(k_base, rows, skn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         qk = tl.where(rows_ok[None, :], qk, float("-inf"))
-    if HAS_KPM:
-        if MASKED:
-            keep = tl.load(kpm_base + rows, mask=rows_ok, other=0)
-        else:
-            keep = tl.load(kpm_base + rows)
-        qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
     v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
     return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v)
 

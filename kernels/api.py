@@ -51,7 +51,7 @@ def _group_size(q_groups) -> int | None:
     return q_groups.shape[-1] if isinstance(q_groups, torch.Tensor) and q_groups.dim() == 4 else None
 
 
-def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=False, backend="auto"):
+def attention_dense(q, k, v, *, scale=None, return_lse=False, backend="auto"):
     """Dense attention. q: (B,H,Nq,D), k/v: (B,H,Nk,D) -> out (B,H,Nq,D) [+ lse (B,H,Nq) fp32].
 
     ``auto`` on CUDA prefers cuDNN's fused attention (faster than our Triton kernel on Hopper, and it
@@ -60,44 +60,37 @@ def attention_dense(q, k, v, *, scale=None, key_padding_mask=None, return_lse=Fa
     if choose(backend, q, _why_not(q), "attention_dense") == "triton":
         from . import dense_cudnn, dense_triton
         q, k, v = _addressable(q, k, v)
-        if backend == "auto" and dense_cudnn.supported(q, key_padding_mask):
+        if backend == "auto" and dense_cudnn.supported(q):
             from ._checks import check_qkv, check_scale
             res = dense_cudnn.attention_dense(q, k, v, scale=check_scale(scale, check_qkv(q, k, v)[4]),
                                               return_lse=return_lse)
             if res is not None:
                 return res
-        return dense_triton.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
-                                            return_lse=return_lse)
-    return dense_torch.attention_dense(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
-                                       return_lse=return_lse)
+        return dense_triton.attention_dense(q, k, v, scale=scale, return_lse=return_lse)
+    return dense_torch.attention_dense(q, k, v, scale=scale, return_lse=return_lse)
 
 
-def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
-                           key_padding_mask=None, return_lse=False, backend="auto", validate=True):
+def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, backend="auto",
+                           validate=True):
     """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb)."""
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
         q, k, v = _addressable(q, k, v)
-        return block_sparse_triton.block_sparse_attention(
-            q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
-            key_padding_mask=key_padding_mask, return_lse=return_lse, validate=validate)
-    return block_sparse_torch.block_sparse_attention(
-        q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
-        key_padding_mask=key_padding_mask, return_lse=return_lse, validate=validate)
+        return block_sparse_triton.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
+                                                          block_k=block_k, scale=scale, validate=validate)
+    return block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
+                                                     block_k=block_k, scale=scale, validate=validate)
 
 
-def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, key_padding_mask=None,
-                           return_lse=False, backend="auto", validate=True):
+def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, backend="auto", validate=True):
     """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)
-        return token_sparse_triton.token_sparse_attention(
-            q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
-            return_lse=return_lse, validate=validate)
-    return token_sparse_torch.token_sparse_attention(
-        q, k, v, q_groups, kv_tokens, kv_counts, scale=scale, key_padding_mask=key_padding_mask,
-        return_lse=return_lse, validate=validate)
+        return token_sparse_triton.token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, scale=scale,
+                                                          validate=validate)
+    return token_sparse_torch.token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, scale=scale,
+                                                     validate=validate)
 
 
 def group_queries(q, group_size, *, backend="auto"):
@@ -118,18 +111,10 @@ def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):
     return selection_torch.pooled_block_scores(q, k, block_q=block_q, block_k=block_k, scale=scale)
 
 
-def group_kv_mass(q, k, lse, q_groups, *, granularity="token", block_k=None, scale=None,
-                  key_padding_mask=None, backend="auto", validate=True):
-    """Exact per-group KV attention mass -> fp32 (B,H,G,Nk) or (B,H,G,nkb)."""
+def group_kv_mass(q, k, lse, q_groups, *, scale=None, backend="auto", validate=True):
+    """Exact per-group KV attention mass -> fp32 (B,H,G,Nk) (pass 2 of exact selection)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "group_kv_mass") == "triton":
         from . import mass_triton
         q, k = _addressable(q, k)
-        return mass_triton.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
-                                         scale=scale, key_padding_mask=key_padding_mask, validate=validate)
-    return selection_torch.group_kv_mass(q, k, lse, q_groups, granularity=granularity, block_k=block_k,
-                                         scale=scale, key_padding_mask=key_padding_mask, validate=validate)
-
-
-def topk_per_row(scores: torch.Tensor, k=None, mass=None):
-    """Top-k or cumulative-mass selection per row -> (indices int32 sorted, counts int32)."""
-    return selection_torch.topk_per_row(scores, k=k, mass=mass)
+        return mass_triton.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
+    return selection_torch.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ._checks import (check_block_size, check_counts, check_index, check_key_padding_mask, check_qkv,
-                      check_scale, check_sorted_unique_in_range)
+from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
+                      check_sorted_unique_in_range)
 from ._gather import flat_rows, gather_rows, head_offsets
 from ._torch_softmax import attend, rows_per_chunk
 
@@ -36,25 +36,21 @@ def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=Tr
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False,
                            validate: bool = True):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
     kv_indices: int32 (B, H, ceil(Nq/block_q), max_k), the KV block ids of each query block, strictly
     increasing within the first ``kv_counts`` entries (the rest is ignored); kv_counts: int32
-    (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128. key_padding_mask: bool (B, Nk), True = attend.
-    Returns out (B, H, Nq, D) in q's dtype (+ lse (B, H, Nq) fp32 with ``return_lse``). A query with
-    nothing to attend gets out 0 and lse -inf. ``validate=False`` skips the value checks of the lists
-    (for lists the engine built itself).
+    (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128.
+    Returns out (B, H, Nq, D) in q's dtype. A query with nothing to attend gets out 0.
+    ``validate=False`` skips the value checks of the lists (for lists the engine built itself).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
     n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     dev = q.device
     out = torch.zeros((b * h, n_qblk * block_q, d), dtype=torch.float32, device=dev)
-    lse = torch.full((b * h, n_qblk * block_q), float("-inf"), dtype=torch.float32, device=dev)
     if max_k > 0:
         qpad = torch.zeros((b * h, n_qblk * block_q, d), dtype=q.dtype, device=dev)
         qpad[:, :nq] = q.reshape(b * h, nq, d)
@@ -70,19 +66,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
         length = max_k * block_k
         step = rows_per_chunk(block_q * length * 2 + length * d * 2, qblocks.shape[0])
         o_view = out.view(b * h * n_qblk, block_q, d)
-        l_view = lse.view(b * h * n_qblk, block_q)
         for g0 in range(0, qblocks.shape[0], step):
             sl = slice(g0, g0 + step)
             t = tok[sl]
             valid = (slot < cnt[sl]) & (t < nk)
             t = t.clamp(0, nk - 1)
-            if mask is not None:
-                batch = (bh_of_group[sl] // h).view(-1, 1)
-                valid &= mask[batch, t]
-            o, row_lse = attend(qblocks[sl].float(), gather_rows(kr, t + off[sl]), gather_rows(vr, t + off[sl]),
-                          valid, scale)
+            o, _ = attend(qblocks[sl].float(), gather_rows(kr, t + off[sl]), gather_rows(vr, t + off[sl]), valid,
+                          scale)
             o_view[sl] = o
-            l_view[sl] = row_lse
-    out = out[:, :nq].reshape(b, h, nq, d).to(q.dtype)
-    lse = lse[:, :nq].reshape(b, h, nq)
-    return (out, lse) if return_lse else out
+    return out[:, :nq].reshape(b, h, nq, d).to(q.dtype)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
+from ._checks import check_qkv, check_scale
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_rows,
                              seq_bucket, store_rows)
 from .block_sparse_torch import check_block_lists
 
@@ -31,14 +31,14 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "HAS_KPM"],
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
-             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
+def _bsa_fwd(Q, K, V, Out, KV_IDX, KV_CNT, ORDER,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, qk_scale, N_BUCKET,
-             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
+             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
     pid_bh = row // NQB
@@ -57,7 +57,6 @@ def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    kpm_base = KPM + b * s_kpm
     # Lists are sorted, so only the last entry can be the ragged last KV block: its tiles are masked.
     n_iter = count * MULT
     n_full = n_iter
@@ -69,17 +68,15 @@ def _bsa_fwd(Q, K, V, Out, LSE, KPM, KV_IDX, KV_CNT, ORDER,
     for it in range(0, n_full):
         blk = tl.load(idx_base + it // MULT)
         offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, False)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, False)
     for it in range(n_full, n_iter):
         blk = tl.load(idx_base + it // MULT)
         offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, True)
-    out, lse = finish(acc, m_i, l_i)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, True)
+    out, _ = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
-    if WRITE_LSE:
-        tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
 def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
@@ -87,28 +84,23 @@ def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
-def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
-                           key_padding_mask=None, return_lse=False, validate=True):
+def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True):
     """Block-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D); kv_indices int32 (B,H,ceil(Nq/block_q),max_k) sorted per row;
-    kv_counts int32 (B,H,ceil(Nq/block_q)). Returns out (B,H,Nq,D) [+ lse (B,H,Nq) fp32].
+    kv_counts int32 (B,H,ceil(Nq/block_q)). Returns out (B,H,Nq,D).
     ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
     n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     q, k, v = last_dim_contiguous(q, k, v)
     idx = kv_indices.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
-    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
     order = heavy_first_order(cnt)
     _bsa_fwd[(b * h * n_qblk,)](
-        q, k, v, out, lse, kpm, idx, cnt, order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], s_kpm, h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
-        HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse,
-        BLOCK_M=block_q, BLOCK_K=block_k)
-    return (out, lse) if return_lse else out
+        q, k, v, out, idx, cnt, order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *out.stride()[:3], h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
+        HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k)
+    return out

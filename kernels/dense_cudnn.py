@@ -2,7 +2,7 @@
 
 On Hopper cuDNN's attention is the fastest dense kernel available to PyTorch (DESIGN §7: ~570 TF/s
 against ~420 for our Triton kernel, docs/benchmarks.md), so ``backend="auto"`` uses it for dense
-calls it supports (CUDA, fp16/bf16, no key-padding mask) and falls back to the Triton kernel if the
+calls it supports (CUDA, fp16/bf16) and falls back to the Triton kernel if the
 op is missing or refuses the case (logged once).
 """
 
@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 _failed: set[str] = set()
 
 
-def supported(q: torch.Tensor, key_padding_mask) -> bool:
-    """cuDNN path: CUDA tensors in fp16/bf16, head dim <= 128 and a multiple of 8, no mask."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and key_padding_mask is None
+def supported(q: torch.Tensor) -> bool:
+    """cuDNN path: CUDA tensors in fp16/bf16, head dim <= 128 and a multiple of 8."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0 and "op" not in _failed
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
 

@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_key_padding_mask, check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kpm_arg, kv_tile, last_dim_contiguous, load_rows,
-                             seq_bucket, store_rows)
+from ._checks import check_qkv, check_scale
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_rows, seq_bucket,
+                             store_rows)
 
 _CONFIGS = configs(
     # research/triton_kernels.md §0.5: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
@@ -21,13 +21,13 @@ _CONFIGS = configs(
     interpret_pick=dict(BLOCK_M=64, BLOCK_N=64))
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "HAS_KPM"])
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM"])
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
-def _dense_fwd(Q, K, V, Out, LSE, KPM,
-               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, s_kpm,
+def _dense_fwd(Q, K, V, Out, LSE,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                H, N_Q, N_KV, qk_scale, N_BUCKET,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HAS_KPM: tl.constexpr, WRITE_LSE: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WRITE_LSE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -42,16 +42,15 @@ def _dense_fwd(Q, K, V, Out, LSE, KPM,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    kpm_base = KPM + b * s_kpm
     n_full = (N_KV // BLOCK_N) * BLOCK_N
     for start_n in range(0, n_full, BLOCK_N):  # full tiles: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, False)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, False)
     if not EVEN_N:  # the ragged last tile
         offs_n = n_full + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, kpm_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, HAS_KPM, True)
+        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
+                                qk_scale, d, HEAD_DIM, D_PAD, True)
     out, lse = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:
@@ -59,23 +58,21 @@ def _dense_fwd(Q, K, V, Out, LSE, KPM,
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                    key_padding_mask: torch.Tensor | None = None, return_lse: bool = False):
+                    return_lse: bool = False):
     """Dense attention on the Triton kernel. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
 
     Returns out (B,H,Nq,D) in q's dtype [+ lse (B,H,Nq) fp32, natural log, -inf for empty rows].
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
     q, k, v = last_dim_contiguous(q, k, v)
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
-    kpm, s_kpm, has_kpm = kpm_arg(mask, q)
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)
 
-    _dense_fwd[grid](q, k, v, out, lse, kpm, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                     *out.stride()[:3], s_kpm, h, nq, nk, scale * LOG2E, seq_bucket(nk),
-                     HEAD_DIM=d, D_PAD=head_dim_pad(d), HAS_KPM=has_kpm, WRITE_LSE=return_lse)
+    _dense_fwd[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                     *out.stride()[:3], h, nq, nk, scale * LOG2E, seq_bucket(nk),
+                     HEAD_DIM=d, D_PAD=head_dim_pad(d), WRITE_LSE=return_lse)
     return (out, lse) if return_lse else out

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import (check_counts, check_index, check_key_padding_mask, check_qkv, check_scale,
-                      check_sorted_unique_in_range)
+from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
 from ._gather import flat_rows, gather_rows, head_offsets
 from ._torch_softmax import attend, rows_per_chunk
 
@@ -50,24 +49,20 @@ def check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate=True) -> tu
 
 def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                            kv_tokens: torch.Tensor, kv_counts: torch.Tensor, *, scale: float | None = None,
-                           key_padding_mask: torch.Tensor | None = None, return_lse: bool = False,
                            validate: bool = True):
     """Each group of C queries attends its own sorted list of KV tokens; the rest count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
     q_groups: int32 (B, H, G, C) query indices per group (-1 pads); kv_tokens: int32 (B, H, G, max_k)
     strictly increasing KV token ids within the first ``kv_counts`` entries; kv_counts: int32 (B, H, G).
-    key_padding_mask: bool (B, Nk), True = attend. Output is written at each query's own position:
-    out (B, H, Nq, D) in q's dtype (+ lse (B, H, Nq) fp32). Queries in no group, or with nothing to
-    attend, get out 0 and lse -inf. ``validate=False`` skips the value checks (engine-built lists).
+    Output is written at each query's own position: out (B, H, Nq, D) in q's dtype. Queries in no group,
+    or with nothing to attend, get out 0. ``validate=False`` skips the value checks (engine-built lists).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    mask = check_key_padding_mask(key_padding_mask, b, nk, q.device)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
     dev = q.device
     out = torch.zeros((b * h * nq + 1, d), dtype=torch.float32, device=dev)  # last row: sink for pads
-    lse = torch.full((b * h * nq + 1,), float("-inf"), dtype=torch.float32, device=dev)
     if max_k > 0 and g > 0:
         qoff = head_offsets(b, h, nq, dev)
         koff = head_offsets(b, h, nk, dev)
@@ -76,19 +71,12 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         qsrc = (qidx.clamp(min=0) + qoff).view(b * h * g, c)
         tok = kv_tokens.reshape(b * h, g * max_k).long()
         valid = (torch.arange(max_k, device=dev).view(1, -1) < kv_counts.reshape(-1, 1))
-        if mask is not None:
-            batch = (torch.arange(b * h, device=dev) // h).view(-1, 1)
-            valid &= mask[batch, tok.clamp(0, nk - 1)].view(b * h * g, max_k)
         tok = (tok.clamp(0, nk - 1) + koff).view(b * h * g, max_k)
         qr, kr, vr = flat_rows(q), flat_rows(k), flat_rows(v)
         step = rows_per_chunk(c * max_k * 2 + max_k * d * 2, b * h * g)
         for g0 in range(0, b * h * g, step):
             sl = slice(g0, g0 + step)
-            o, row_lse = attend(gather_rows(qr, qsrc[sl]), gather_rows(kr, tok[sl]), gather_rows(vr, tok[sl]),
-                          valid[sl], scale)
-            dst = qdst[sl].reshape(-1)
-            out.index_copy_(0, dst, o.reshape(-1, d))
-            lse.index_copy_(0, dst, row_lse.reshape(-1))
-    out_t = out[:-1].view(b, h, nq, d).to(q.dtype)
-    lse_t = lse[:-1].view(b, h, nq)
-    return (out_t, lse_t) if return_lse else out_t
+            o, _ = attend(gather_rows(qr, qsrc[sl]), gather_rows(kr, tok[sl]), gather_rows(vr, tok[sl]), valid[sl],
+                          scale)
+            out.index_copy_(0, qdst[sl].reshape(-1), o.reshape(-1, d))
+    return out[:-1].view(b, h, nq, d).to(q.dtype)

@@ -42,7 +42,7 @@ def ref_attention(q, k, v, allow, scale=None):
     return torch.matmul(p, v), lse
 
 
-def block_allow(kv_indices, kv_counts, nq, nk, block_q, block_k, key_padding_mask=None):
+def block_allow(kv_indices, kv_counts, nq, nk, block_q, block_k):
     """Dense boolean mask (B,H,Nq,Nk) equivalent to CSR block lists."""
     b, h, nqb, max_k = kv_indices.shape
     nkb = math.ceil(nk / block_k)
@@ -52,12 +52,10 @@ def block_allow(kv_indices, kv_counts, nq, nk, block_q, block_k, key_padding_mas
     blk.scatter_(3, idx, True)
     blk = blk[..., :nkb]
     allow = blk.repeat_interleave(block_q, 2)[:, :, :nq].repeat_interleave(block_k, 3)[..., :nk]
-    if key_padding_mask is not None:
-        allow = allow & key_padding_mask.view(b, 1, 1, nk)
     return allow
 
 
-def token_allow(q_groups, kv_tokens, kv_counts, nq, nk, key_padding_mask=None):
+def token_allow(q_groups, kv_tokens, kv_counts, nq, nk):
     """Dense boolean mask (B,H,Nq,Nk) equivalent to grouped token lists."""
     b, h, g, c = q_groups.shape
     max_k = kv_tokens.shape[-1]
@@ -71,8 +69,6 @@ def token_allow(q_groups, kv_tokens, kv_counts, nq, nk, key_padding_mask=None):
                 rows = torch.where(rows < 0, torch.full_like(rows, nq), rows)
                 allow[bi, hi, rows.view(-1, 1), toks[bi, hi, gi].view(1, -1)] = True
     allow = allow[:, :, :nq, :nk]
-    if key_padding_mask is not None:
-        allow = allow & key_padding_mask.view(b, 1, 1, nk)
     return allow
 
 

@@ -21,17 +21,12 @@ def test_dense_matches_reference(dtype, n, d):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
-def test_dense_key_padding_and_cross_lengths():
+def test_dense_cross_lengths_and_scale():
     q, k, v = structured_qkv(2, 3, 150, 64, nk=77, seed=3)
-    mask = torch.ones(2, 77, dtype=torch.bool)
-    mask[0, 50:] = False
-    mask[1, :] = False  # batch 1 has nothing to attend: zeros and -inf
-    out, lse = attention_dense(q, k, v, key_padding_mask=mask, return_lse=True, scale=0.2)
-    allow = mask.view(2, 1, 1, 77).expand(2, 3, 150, 77)
-    ref, ref_lse = ref_attention(q, k, v, allow, scale=0.2)
-    assert rel_l2(out[0], ref[0]) <= 1e-5
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
+    out, lse = attention_dense(q, k, v, return_lse=True, scale=0.2)
+    ref, ref_lse = ref_attention(q, k, v, torch.ones(2, 3, 150, 77, dtype=torch.bool), scale=0.2)
+    assert rel_l2(out, ref) <= 1e-5
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_dense_chunking_is_exact(monkeypatch):
@@ -50,15 +45,12 @@ def test_block_sparse_matches_reference(dtype, n, bq, bk):
     q, k, v = structured_qkv(1, 2, n, d, dtype=dtype, seed=n)
     nqb, nkb = -(-n // bq), -(-n // bk)
     idx, cnt = random_block_lists(1, 2, nqb, nkb, max(1, nkb // 2), seed=n, empty_rows=(1,), full_rows=(0,))
-    out, lse = block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, return_lse=True)
-    ref, ref_lse = ref_attention(q, k, v, block_allow(idx, cnt, n, n, bq, bk))
+    out = block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk)
+    ref, _ = ref_attention(q, k, v, block_allow(idx, cnt, n, n, bq, bk))
     assert torch.isfinite(out).all()
     assert rel_l2(out, ref) <= TOL[dtype]
     empty = slice(bq, min(2 * bq, n))
     assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
-    assert torch.isneginf(lse[:, :, empty]).all()
-    live = torch.isfinite(ref_lse)
-    assert torch.allclose(lse.double()[live], ref_lse[live], atol=1e-3)
 
 
 def test_block_sparse_density_one_equals_dense():
@@ -68,15 +60,6 @@ def test_block_sparse_density_one_equals_dense():
     cnt = torch.full((2, 2, nqb), nkb, dtype=torch.int32)
     sparse = block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=64)
     assert rel_l2(sparse, attention_dense(q, k, v)) <= 1e-6
-
-
-def test_block_sparse_with_padding_mask():
-    q, k, v = structured_qkv(2, 1, 300, 64, seed=5)
-    mask = torch.rand(2, 300, generator=torch.Generator().manual_seed(0)) > 0.3
-    idx, cnt = random_block_lists(2, 1, 3, 3, 3, seed=2)
-    out = block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, key_padding_mask=mask)
-    ref, _ = ref_attention(q, k, v, block_allow(idx, cnt, 300, 300, 128, 128, mask))
-    assert rel_l2(out, ref) <= 1e-5
 
 
 def test_block_sparse_bad_inputs_name_the_argument():
@@ -98,8 +81,6 @@ def test_block_sparse_bad_inputs_name_the_argument():
         attention_dense(q, k.half(), v)
     with pytest.raises(ValueError, match="q must have layout"):
         attention_dense(q[0], k, v)
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        attention_dense(q, k, v, key_padding_mask=torch.ones(1, 255, dtype=torch.bool))
     with pytest.raises(ValueError, match="backend"):
         attention_dense(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="triton"):
