@@ -1,4 +1,7 @@
-"""Gather helpers of the PyTorch backend: rows of a (B, H, N, D) tensor picked by per-head indices."""
+"""Gather helpers of the PyTorch backend: rows or blocks of a (B, H, N, D) tensor picked by index lists.
+
+Ops: ``reshape``, ``arange``, ``index_select`` with ``out=`` (implemented on CPU, CUDA and Apple MPS).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +18,41 @@ def head_offsets(b: int, h: int, n: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(b * h, device=device, dtype=torch.int64) * n).view(b * h, 1)
 
 
-def gather_rows(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """rows: (R, D); idx: (..., L) int64 in [0, R). Returns (..., L, D) fp32."""
-    flat = idx.reshape(-1)
-    return rows.index_select(0, flat).float().view(*idx.shape, rows.shape[-1])
+def blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, N, D) -> (B*H*ceil(N/block), block, D), the last block of each head zero-padded.
+
+    A view when N is a multiple of ``block`` and x is contiguous; otherwise one copy of x.
+    """
+    b, h, n, d = x.shape
+    nb = -(-n // block)
+    if nb * block == n:
+        return x.reshape(b * h * nb, block, d)
+    pad = torch.zeros((b * h, nb * block, d), dtype=x.dtype, device=x.device)
+    pad[:, :n] = x.reshape(b * h, n, d)
+    return pad.view(b * h * nb, block, d)
+
+
+class Scratch:
+    """Reusable gather buffers, one per name, grown on demand.
+
+    Writing each chunk's gather into the same memory keeps it warm in cache (CPU) and avoids fresh
+    allocations per chunk. Chunks run in device order on one stream, so reuse is safe.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """src: (R, *rest); idx: int64 (n,) in [0, R). Returns src[idx] (n, *rest) in a reused buffer."""
+        shape = (idx.numel(), *src.shape[1:])
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            self._bufs[name] = buf
+        out = buf[:numel].view(shape)
+        torch.index_select(src, 0, idx, out=out)
+        return out

@@ -1,41 +1,162 @@
-"""Masked softmax-attention on gathered rows: the shared core of the PyTorch backend.
+"""Attention core of the PyTorch backend: the device's fused ``scaled_dot_product_attention`` (SDPA).
 
-Only standard tensor operations (matmul, gather, masked fill) so it runs on any torch device
-(seed 001: the backend-agnostic path). Work is chunked so no temporary exceeds ``CHUNK_ELEMS``
-fp32 score elements.
+The sparse twins gather the kept K/V blocks or tokens (in the model's dtype) and run SDPA on them in
+batched chunks; rows of one chunk share one key length, so no mask is needed except where rows of
+different lengths are merged into one chunk (then a boolean key-padding mask, never an all-masked row).
+Ops used here: ``scaled_dot_product_attention`` (4-D, optional boolean mask), ``arange``, comparisons —
+all implemented on CPU, CUDA and Apple MPS.
+
+Memory: a chunk gathers at most ``gather_budget(device)`` elements of K+V, and on devices whose SDPA may
+materialise the scores (``FUSED_SDPA_DEVICES`` lists those that never do) the scores of a chunk stay
+below ``CHUNK_ELEMS``. Nothing of size Nq x Nk is ever built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
-# Upper bound on fp32 score elements held at once (64 Mi elements = 256 MiB).
+# Upper bound on fp32 score elements held at once (64 Mi elements = 256 MiB): group mass chunks, and
+# the scores an unfused SDPA (e.g. Apple MPS's) may materialise.
 CHUNK_ELEMS = 1 << 26
+# Device types whose SDPA runs a fused kernel (flash / memory-efficient / cuDNN on CUDA, the flash
+# kernel on CPU) that never materialises the (Nq, Nk) scores: dense calls go in one piece there.
+FUSED_SDPA_DEVICES = ("cpu", "cuda")
+# Gathered K+V elements per chunk. CPU: a few MiB, so the gather writes stay in cache and the buffers are
+# reused (fresh multi-MiB allocations cost page faults that were measured to exceed the gather itself);
+# GPU: large chunks amortise the launches of each chunk.
+GATHER_ELEMS = {"cpu": 1 << 20}
+GATHER_ELEMS_DEFAULT = 1 << 27
+# fp32 score elements per chunk of the group mass: cache-sized on CPU (its elementwise passes then run
+# in cache), CHUNK_ELEMS elsewhere.
+SCORE_ELEMS = {"cpu": 1 << 20}
+# Chunk planning: a run of at least MIN_RUN_ROWS rows with one list length gets unmasked chunks of its
+# own; shorter runs are merged with the next ones while their length is within MERGE_SLACK of the
+# chunk's longest (so padding wastes at most that fraction) and masked.
+MIN_RUN_ROWS = 8
+MERGE_SLACK = 0.125
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of each query row over its own key rows, fp32 throughout.
+def fused_sdpa(device: torch.device) -> bool:
+    """True when SDPA on this device type never builds the full score matrix."""
+    return device.type in FUSED_SDPA_DEVICES
 
-    q: (G, M, D) fp32; k, v: (G, L, D) fp32; valid: bool (G, L) or (G, M, L) (True = key may be
-    attended) or None. Returns (out (G, M, D) fp32, lse (G, M) fp32, natural log). Rows with no
-    valid key get out = 0 and lse = -inf, never NaN: masked keys count as -inf, not as zeros.
+
+def gather_budget(device: torch.device) -> int:
+    """Gathered K+V elements one chunk may hold on this device (see ``GATHER_ELEMS``)."""
+    return GATHER_ELEMS.get(device.type, GATHER_ELEMS_DEFAULT)
+
+
+def score_budget(device: torch.device) -> int:
+    """fp32 score elements one chunk of the group mass may hold on this device (at most CHUNK_ELEMS)."""
+    return min(CHUNK_ELEMS, SCORE_ELEMS.get(device.type, CHUNK_ELEMS))
+
+
+def chunk_rows(device: torch.device, q_rows: int, length: int, d: int) -> int:
+    """How many independent rows (``q_rows`` queries over ``length`` gathered keys, head dim d) fit in one
+    chunk: gathered K+V within ``gather_budget``, and on unfused devices scores within ``CHUNK_ELEMS``."""
+    rows = gather_budget(device) // max(1, 2 * length * d)
+    if not fused_sdpa(device):
+        rows = min(rows, CHUNK_ELEMS // max(1, q_rows * length))
+    return max(1, rows)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None,
+         scale: float) -> torch.Tensor:
+    """Attention of each batch row's queries over its keys, in the inputs' dtype (fp32 softmax inside).
+
+    q: (R, 1, M, D); k, v: (R, 1, L, D); lengths: int64 (R,) real keys per row (all >= 1; keys past
+    them are masked), or None when every row uses all L keys. Returns (R, 1, M, D) in q's dtype.
     """
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if valid is not None:
-        if valid.dim() == 2:
-            valid = valid.unsqueeze(1)
-        s = s.masked_fill(~valid, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m_safe)
-    denom = p.sum(dim=-1, keepdim=True)
-    empty = denom == 0
-    out = torch.matmul(p, v) / torch.where(empty, torch.ones_like(denom), denom)
-    lse = torch.where(empty, torch.full_like(denom, float("-inf")), m_safe + torch.log(denom))
-    return out, lse.squeeze(-1)
+    mask = None
+    if lengths is not None:
+        mask = (torch.arange(k.shape[2], device=k.device).view(1, -1) < lengths.view(-1, 1)).view(-1, 1, 1,
+                                                                                                   k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def rows_per_chunk(row_cost: int, total_rows: int) -> int:
-    """How many independent rows (each costing ``row_cost`` fp32 elements) fit in one chunk."""
-    return max(1, min(total_rows, CHUNK_ELEMS // max(1, row_cost)))
+def plan_chunks(lengths: list[int], max_rows: Callable[[int], int]) -> list[tuple[int, int, int, bool]]:
+    """Cut rows sorted by list length (descending, all >= 1) into SDPA chunks.
+
+    lengths: the sorted lengths; max_rows(L): most rows of length L one chunk may hold.
+    Returns (start, stop, longest length, mixed) per chunk; ``mixed`` chunks hold rows of different
+    lengths and need a key-padding mask. Runs of one length of at least ``MIN_RUN_ROWS`` rows are never
+    mixed with others; shorter runs merge while within ``MERGE_SLACK`` of the chunk's longest length.
+    """
+    runs: list[tuple[int, int]] = []  # (length, rows)
+    for length in lengths:
+        if runs and runs[-1][0] == length:
+            runs[-1] = (length, runs[-1][1] + 1)
+        else:
+            runs.append((length, 1))
+    chunks: list[tuple[int, int, int, bool]] = []
+
+    def emit(start: int, stop: int) -> None:
+        longest = lengths[start]
+        step = max(1, max_rows(longest))
+        for s in range(start, stop, step):
+            e = min(stop, s + step)
+            chunks.append((s, e, lengths[s], lengths[s] != lengths[e - 1]))
+
+    pos = 0
+    pend: list[int] | None = None  # [start, stop] of a chunk of short runs being merged
+    for length, n in runs:
+        if n >= MIN_RUN_ROWS:
+            if pend:
+                emit(*pend)
+                pend = None
+            emit(pos, pos + n)
+        elif (pend and length >= (1.0 - MERGE_SLACK) * lengths[pend[0]]
+              and pend[1] - pend[0] + n <= max_rows(lengths[pend[0]])):
+            pend[1] += n
+        else:
+            if pend:
+                emit(*pend)
+            pend = [pos, pos + n]
+        pos += n
+    if pend:
+        emit(*pend)
+    return chunks
+
+
+def dense_lse_fallback(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Row LSE of dense attention from fp32 scores, chunked over query rows (at most ``CHUNK_ELEMS``).
+
+    q: (B, H, Nq, D); k: (B, H, Nk, D). Returns fp32 (B, H, Nq), natural log. Ops: matmul, logsumexp.
+    """
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    kt = k.float().transpose(-1, -2)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device)
+    step = max(1, CHUNK_ELEMS // max(1, b * h * nk))
+    for s0 in range(0, nq, step):
+        s = torch.matmul(q[:, :, s0:s0 + step].float(), kt).mul_(scale)
+        lse[:, :, s0:s0 + step] = torch.logsumexp(s, dim=-1)
+    return lse
+
+
+def dense_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """(out, lse) from the device's own SDPA op that returns the LSE, or None when there is none.
+
+    CPU: the flash kernel (``_scaled_dot_product_flash_attention_for_cpu``); CUDA: the flash kernel for
+    fp16/bf16, the memory-efficient kernel otherwise. q: (B, H, Nq, D); k, v: (B, H, Nk, D).
+    """
+    aten = torch.ops.aten
+    nq = q.shape[2]
+    try:
+        if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=scale)[:2]
+        elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
+                and q.shape[-1] <= 256 and hasattr(aten, "_scaled_dot_product_flash_attention"):
+            out, lse = aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+        elif q.device.type == "cuda" and hasattr(aten, "_scaled_dot_product_efficient_attention"):
+            out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
+        else:
+            return None
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    if tuple(lse.shape[:2]) != tuple(q.shape[:2]) or lse.shape[2] < nq:
+        return None
+    return out, lse[:, :, :nq].float()

@@ -15,7 +15,7 @@ import torch
 
 from . import block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
-from .backend import choose
+from .backend import announce, check_backend, choose
 
 
 def _why_not(q, group: int | None = None) -> str | None:
@@ -99,15 +99,15 @@ def group_queries(q, group_size, *, backend="auto"):
     Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are: there
     is no separate Triton kernel, so every backend runs the same code on q's device.
     """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
+    check_backend(backend)
+    announce("group_queries", q, "torch", "one PyTorch implementation for every backend")
     return grouping_torch.group_queries(q, group_size)
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):
     """Softmax of mean-pooled Q vs mean-pooled K -> fp32 (B,H,nqb,nkb) (PyTorch ops on any device)."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
+    check_backend(backend)
+    announce("pooled_block_scores", q, "torch", "one PyTorch implementation for every backend")
     return selection_torch.pooled_block_scores(q, k, block_q=block_q, block_k=block_k, scale=scale)
 
 

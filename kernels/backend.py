@@ -1,6 +1,7 @@
 """Backend choice for the attention primitives: Triton on CUDA when it can run, else PyTorch.
 
 Triton is imported lazily, once; when it is missing the PyTorch twins run and the log says so once.
+Which backend runs each primitive is logged once per (primitive, device type).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
+_announced: set[tuple[str, str]] = set()  # (primitive, device type) pairs already logged
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,16 +40,32 @@ def triton_device_ok(t: torch.Tensor) -> bool:
     return t.is_cuda or (interpreting() and t.device.type == "cpu")
 
 
+def announce(name: str, t, chosen: str, reason: str | None = None) -> None:
+    """Log once per (primitive ``name``, device type of ``t``) which backend runs it, and why not Triton."""
+    dev = getattr(getattr(t, "device", None), "type", "unknown")
+    if (name, dev) in _announced:
+        return
+    _announced.add((name, dev))
+    label = "Triton kernel" if chosen == "triton" else "PyTorch backend"
+    log.info("sparse attention: %s on %s runs on the %s%s", name, dev, label, f" ({reason})" if reason else "")
+
+
+def check_backend(backend: str) -> None:
+    """ValueError unless ``backend`` is one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def choose(backend: str, t: torch.Tensor, why_not: str | None, name: str) -> str:
-    """Pick ``"triton"`` or ``"torch"`` for primitive ``name`` on tensor ``t``.
+    """Pick ``"triton"`` or ``"torch"`` for primitive ``name`` on tensor ``t`` (logged once per device type).
 
     backend: "auto" | "triton" | "torch". why_not: None when the Triton kernel supports this case,
     else the reason it does not (dtype, head dim, block size). An explicit "triton" that cannot run
     raises ValueError with the reason; "auto" falls back to the PyTorch twin.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if backend == "torch":
+        announce(name, t, "torch", "backend='torch' requested")
         return "torch"
     reason = why_not
     # "auto" takes Triton only on CUDA; an explicit "triton" also runs CPU tensors under TRITON_INTERPRET=1
@@ -56,7 +74,11 @@ def choose(backend: str, t: torch.Tensor, why_not: str | None, name: str) -> str
     if reason is None and not triton_available():
         reason = "Triton is not installed or failed to import"
     if reason is None:
+        # api.attention_dense tries cuDNN's fused attention before its Triton kernel under "auto"
+        announce(name, t, "triton", "cuDNN's fused attention first where it takes the case"
+                 if backend == "auto" and name == "attention_dense" else None)
         return "triton"
     if backend == "triton":
         raise ValueError(f"{name}: backend='triton' cannot run: {reason}")
+    announce(name, t, "torch", reason)
     return "torch"

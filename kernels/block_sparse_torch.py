@@ -8,8 +8,8 @@ import torch
 
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
-from ._gather import flat_rows, gather_rows, head_offsets
-from ._torch_softmax import attend, rows_per_chunk
+from ._gather import Scratch, blocks_of
+from ._torch_softmax import chunk_rows, plan_chunks, sdpa
 
 
 def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=True):
@@ -39,39 +39,58 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
                            validate: bool = True):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
-    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32 (SDPA runs in that dtype, softmax in fp32).
     kv_indices: int32 (B, H, ceil(Nq/block_q), max_k), the KV block ids of each query block, strictly
     increasing within the first ``kv_counts`` entries (the rest is ignored); kv_counts: int32
     (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128.
     Returns out (B, H, Nq, D) in q's dtype. A query with nothing to attend gets out 0.
     ``validate=False`` skips the value checks of the lists (for lists the engine built itself).
+
+    How: query blocks are sorted by key length (their count of blocks, less the padding of a ragged last
+    KV block when they hold it); each chunk of equal-length rows gathers its K/V blocks (index_select) and
+    runs one batched SDPA over (query block, gathered keys) without any mask; only merged short runs of
+    different lengths carry a key-padding mask. Empty rows are skipped (zeros, never NaN). Extra memory:
+    one chunk of gathered K/V (``_torch_softmax.gather_budget``) plus padded copies of q/k/v when N is
+    not a multiple of the block. Ops: gather, index_select, argsort (on the CPU copy of the counts),
+    scaled_dot_product_attention, index_put_ — all available on CPU, CUDA and Apple MPS.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    n_qblk, n_kblk, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     dev = q.device
-    out = torch.zeros((b * h, n_qblk * block_q, d), dtype=torch.float32, device=dev)
+    out = torch.zeros((b * h * n_qblk, block_q, d), dtype=q.dtype, device=dev)
     if max_k > 0:
-        qpad = torch.zeros((b * h, n_qblk * block_q, d), dtype=q.dtype, device=dev)
-        qpad[:, :nq] = q.reshape(b * h, nq, d)
-        qblocks = qpad.view(b * h * n_qblk, block_q, d)
-        idx = kv_indices.reshape(b * h * n_qblk, max_k).long()
-        cnt = kv_counts.reshape(b * h * n_qblk, 1).long()
-        # token ids of each group's key list: (G, max_k * block_k)
-        tok = (idx.unsqueeze(-1) * block_k + torch.arange(block_k, device=dev)).view(-1, max_k * block_k)
-        slot = torch.arange(max_k, device=dev).repeat_interleave(block_k).view(1, -1)
-        bh_of_group = torch.arange(b * h, device=dev).repeat_interleave(n_qblk)
-        off = head_offsets(b, h, nk, dev).view(-1)[bh_of_group].view(-1, 1)
-        kr, vr = flat_rows(k), flat_rows(v)
-        length = max_k * block_k
-        step = rows_per_chunk(block_q * length * 2 + length * d * 2, qblocks.shape[0])
-        o_view = out.view(b * h * n_qblk, block_q, d)
-        for g0 in range(0, qblocks.shape[0], step):
-            sl = slice(g0, g0 + step)
-            t = tok[sl]
-            valid = (slot < cnt[sl]) & (t < nk)
-            t = t.clamp(0, nk - 1)
-            o, _ = attend(qblocks[sl].float(), gather_rows(kr, t + off[sl]), gather_rows(vr, t + off[sl]), valid,
-                          scale)
-            o_view[sl] = o
-    return out[:, :nq].reshape(b, h, nq, d).to(q.dtype)
+        idx = kv_indices.reshape(-1, max_k).long()
+        cnt = kv_counts.reshape(-1).long()
+        # key length of each row: its blocks, less the padding of the ragged last KV block when listed
+        # (sorted lists hold that block, if at all, in their last slot)
+        tail = n_kblk * block_k - nk
+        last = idx.gather(1, (cnt - 1).clamp(min=0, max=max_k - 1).unsqueeze(1)).squeeze(1)
+        lens = cnt * block_k - torch.where((cnt > 0) & (last == n_kblk - 1), tail, 0)
+        lens_cpu = lens.cpu()
+        order = torch.argsort(lens_cpu, descending=True, stable=True)
+        n_rows = int((lens_cpu > 0).sum())
+        sorted_lens = lens_cpu[order[:n_rows]].tolist()
+        order = order[:n_rows].to(dev)
+        lens_dev = lens
+        qb, kb, vb = blocks_of(q, block_q), blocks_of(k, block_k), blocks_of(v, block_k)
+        kv_base = torch.div(torch.arange(b * h * n_qblk, device=dev), n_qblk, rounding_mode="floor") * n_kblk
+        scratch = Scratch(q.dtype, dev)
+
+        def max_rows(length: int) -> int:
+            return chunk_rows(dev, block_q, -(-length // block_k) * block_k, d)
+
+        for s0, s1, longest, mixed in plan_chunks(sorted_lens, max_rows):
+            rows = order[s0:s1]
+            nb = -(-longest // block_k)
+            blk = idx.index_select(0, rows)[:, :nb].clamp(0, n_kblk - 1) + kv_base.index_select(0, rows).view(-1, 1)
+            r = rows.numel()
+            qg = scratch.take("q", qb, rows).view(r, 1, block_q, d)
+            kg = scratch.take("k", kb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
+            vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
+            o = sdpa(qg, kg, vg, lens_dev.index_select(0, rows) if mixed else None, scale)
+            out.index_put_((rows,), o.view(r, block_q, d))
+    out = out.view(b * h, n_qblk * block_q, d)
+    if n_qblk * block_q != nq:
+        out = out[:, :nq].contiguous()
+    return out.view(b, h, nq, d)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
-from ._gather import flat_rows, gather_rows, head_offsets
-from ._torch_softmax import attend, rows_per_chunk
+from ._gather import Scratch, flat_rows, head_offsets
+from ._torch_softmax import chunk_rows, plan_chunks, sdpa
 
 
 def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: torch.device,
@@ -52,31 +52,45 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                            validate: bool = True):
     """Each group of C queries attends its own sorted list of KV tokens; the rest count as -inf.
 
-    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32 (SDPA runs in that dtype, softmax in fp32).
     q_groups: int32 (B, H, G, C) query indices per group (-1 pads); kv_tokens: int32 (B, H, G, max_k)
     strictly increasing KV token ids within the first ``kv_counts`` entries; kv_counts: int32 (B, H, G).
     Output is written at each query's own position: out (B, H, Nq, D) in q's dtype. Queries in no group,
     or with nothing to attend, get out 0. ``validate=False`` skips the value checks (engine-built lists).
+
+    How: groups are sorted by list length; each chunk of equal-length groups gathers its C query rows and
+    its K/V tokens (index_select into reused buffers) and runs one batched SDPA, unmasked; merged short
+    runs of different lengths carry a key-padding mask. Empty groups are skipped (zeros, never NaN). Extra
+    memory: one chunk of gathered K/V (``_torch_softmax.gather_budget``). Ops: index_select, argsort (on
+    the CPU copy of the counts), scaled_dot_product_attention, index_put_ (CPU, CUDA and Apple MPS).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
     dev = q.device
-    out = torch.zeros((b * h * nq + 1, d), dtype=torch.float32, device=dev)  # last row: sink for pads
-    if max_k > 0 and g > 0:
+    out = torch.zeros((b * h * nq + 1, d), dtype=q.dtype, device=dev)  # last row: sink for pads
+    if max_k > 0 and g > 0 and c > 0:
+        cnt = kv_counts.reshape(-1).long()
+        cnt_cpu = cnt.cpu()
+        order = torch.argsort(cnt_cpu, descending=True, stable=True)
+        n_rows = int((cnt_cpu > 0).sum())
+        sorted_lens = cnt_cpu[order[:n_rows]].tolist()
+        order = order[:n_rows].to(dev)
         qoff = head_offsets(b, h, nq, dev)
-        koff = head_offsets(b, h, nk, dev)
+        koff = head_offsets(b, h, nk, dev).repeat_interleave(g, dim=0)  # (B*H*G, 1)
         qidx = q_groups.reshape(b * h, g * c).long()
         qdst = torch.where(qidx < 0, b * h * nq, qidx + qoff).view(b * h * g, c)
         qsrc = (qidx.clamp(min=0) + qoff).view(b * h * g, c)
-        tok = kv_tokens.reshape(b * h, g * max_k).long()
-        valid = (torch.arange(max_k, device=dev).view(1, -1) < kv_counts.reshape(-1, 1))
-        tok = (tok.clamp(0, nk - 1) + koff).view(b * h * g, max_k)
+        tok = kv_tokens.reshape(b * h * g, max_k)
         qr, kr, vr = flat_rows(q), flat_rows(k), flat_rows(v)
-        step = rows_per_chunk(c * max_k * 2 + max_k * d * 2, b * h * g)
-        for g0 in range(0, b * h * g, step):
-            sl = slice(g0, g0 + step)
-            o, _ = attend(gather_rows(qr, qsrc[sl]), gather_rows(kr, tok[sl]), gather_rows(vr, tok[sl]), valid[sl],
-                          scale)
-            out.index_copy_(0, qdst[sl].reshape(-1), o.reshape(-1, d))
-    return out[:-1].view(b, h, nq, d).to(q.dtype)
+        scratch = Scratch(q.dtype, dev)
+        for s0, s1, longest, mixed in plan_chunks(sorted_lens, lambda length: chunk_rows(dev, c, length, d)):
+            rows = order[s0:s1]
+            r = rows.numel()
+            t = (tok.index_select(0, rows)[:, :longest].long().clamp(0, nk - 1) + koff.index_select(0, rows)).view(-1)
+            qg = scratch.take("q", qr, qsrc.index_select(0, rows).view(-1)).view(r, 1, c, d)
+            kg = scratch.take("k", kr, t).view(r, 1, longest, d)
+            vg = scratch.take("v", vr, t).view(r, 1, longest, d)
+            o = sdpa(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale)
+            out.index_put_((qdst.index_select(0, rows).view(-1),), o.view(r * c, d))
+    return out[:-1].view(b, h, nq, d)

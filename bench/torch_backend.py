@@ -1,0 +1,196 @@
+"""PyTorch-backend benchmark: every primitive with ``backend="torch"`` against dense SDPA on one device.
+
+Usage:
+    python bench/torch_backend.py [--out DIR]                  # CPU: 4 heads x 8 192 tokens, D 64 and 128
+    python bench/torch_backend.py --device cuda --out DIR      # CUDA: against cuDNN's fused attention
+Options: --tokens N, --heads H, --head-dims 64,128, --densities 0.15,0.25,0.1, --dtype fp32|bf16|fp16,
+--reps R. Prints a table and writes DIR/torch_backend_<device>.json and .md.
+
+Times: the minimum over ``--reps`` runs after one warm-up (CPU: the machine may be shared, the minimum is
+the uncontended time), CUDA events on GPU. ``speedup`` = dense SDPA time / primitive time; ``x d`` =
+speedup times the density kept (1.00 = the ideal 1/d). Sparse lists: random distinct sorted KV blocks
+(or tokens) per query block (or group of 128 queries), equal counts per row ("balanced"), or 10 % of the
+query blocks dense and the rest sized to keep the density ("skew").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _pack import load
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# targets of the PyTorch backend (benchmarks, not tests): speedup x density at d = 0.15
+TARGETS = {("cpu", "block"): 0.6, ("cpu", "token"): 0.4, ("cuda", "block"): 0.5, ("cuda", "token"): 0.5}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def timer(dev: torch.device, reps: int):
+    def run(fn) -> float:
+        fn()  # warm-up (and CUDA lazy init)
+        times = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return min(times)
+    return run
+
+
+def dense_reference(dev: torch.device):
+    """Dense SDPA as the device runs it best: cuDNN on CUDA (fallback: default SDPA), SDPA elsewhere."""
+    if dev.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def run(q, k, v):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v)
+        return run, "cuDNN SDPA"
+    return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v)), "SDPA"
+
+
+def block_lists(h, nqb, nkb, density, skewed, gen, dev):
+    """int32 (1, H, nqb, max_k) sorted distinct random blocks and counts (1, H, nqb)."""
+    count = max(1, round(density * nkb))
+    k = torch.full((1, h, nqb), count, dtype=torch.long)
+    if skewed:
+        dense_rows = torch.rand(1, h, nqb, generator=gen) < 0.1
+        rest = max(1, round((density - 0.1) / 0.9 * nkb)) if density > 0.1 else 1
+        k = torch.where(dense_rows, torch.full_like(k, nkb), torch.full_like(k, rest))
+    order = torch.argsort(torch.rand(1, h, nqb, nkb, generator=gen), dim=-1)
+    chosen = torch.where(torch.arange(nkb) < k.unsqueeze(-1), order, torch.full_like(order, nkb))
+    idx = torch.sort(chosen, dim=-1).values[..., :int(k.max())]
+    idx = torch.where(idx == nkb, torch.full_like(idx, -1), idx)
+    return idx.to(dev, torch.int32).contiguous(), k.to(dev, torch.int32).contiguous()
+
+
+def token_lists(h, g, n, density, gen, dev):
+    count = max(1, round(density * n))
+    toks = torch.sort(torch.argsort(torch.rand(1, h, g, n, generator=gen), dim=-1)[..., :count], dim=-1).values
+    return toks.to(dev, torch.int32).contiguous(), torch.full((1, h, g), count, dtype=torch.int32, device=dev)
+
+
+def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log):
+    gen = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen).to(dev, dtype) for _ in range(3))
+    t = timer(dev, reps)
+    ref, ref_name = dense_reference(dev)
+    dense_ms = t(lambda: ref(q, k, v))
+
+    def add(prim, density, ms, kind=None):
+        speed = dense_ms / ms
+        row = dict(device=dev.type, dtype=str(dtype).replace("torch.", ""), heads=h, tokens=n, head_dim=d,
+                   primitive=prim, density=density, ms=ms, dense_ms=dense_ms, dense=ref_name, speedup=speed,
+                   x_d=speed * density if density else None,
+                   target_x_d=TARGETS.get((dev.type, kind)) if kind and abs(density - 0.15) < 0.02 else None)
+        rows.append(row)
+        log(row)
+
+    add("dense (ours, torch)", 1.0, t(lambda: K.attention_dense(q, k, v, backend="torch")))
+    add("dense + LSE (ours, torch)", 1.0, t(lambda: K.attention_dense(q, k, v, return_lse=True, backend="torch")))
+    bs = 128
+    nb = -(-n // bs)
+    for dens in densities:
+        for skew in (False, True) if abs(dens - 0.15) < 0.02 else (False,):
+            idx, cnt = block_lists(h, nb, nb, dens, skew, gen, dev)
+            kept = float(cnt.double().sum()) / (h * nb * nb)
+            add(f"block-sparse 128{' skew' if skew else ''}", kept,
+                t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
+                                                   validate=False)), "block")
+    c = 128
+    g = -(-n // c)
+    groups = torch.cat([torch.randperm(n, generator=gen), torch.full((g * c - n,), -1, dtype=torch.long)])
+    groups = groups.view(1, 1, g, c).expand(1, h, g, c).to(dev, torch.int32).contiguous()
+    for dens in densities:
+        toks, tcnt = token_lists(h, g, n, dens, gen, dev)
+        add("token-sparse C=128", float(tcnt[0, 0, 0]) / n,
+            t(lambda: K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch", validate=False)),
+            "token")
+    _, lse = K.attention_dense(q, k, v, return_lse=True, backend="torch")
+    add("group KV mass C=128", 1.0, t(lambda: K.group_kv_mass(q, k, lse, groups, backend="torch", validate=False)))
+    add("pooled block scores 128", 1.0, t(lambda: K.pooled_block_scores(q, k, block_q=bs, block_k=bs,
+                                                                         backend="torch")))
+    add("group queries C=128", 1.0, t(lambda: K.group_queries(q, c, backend="torch")))
+
+
+def table(rows) -> str:
+    lines = ["| dtype | H x N | D | primitive | density | ms | dense ms | speedup | x d | target x d |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sparse = r["primitive"].startswith(("block", "token"))
+        xd = f"{r['x_d']:.2f}" if sparse else ""
+        tgt = f"{r['target_x_d']:.1f}" if r["target_x_d"] else ""
+        lines.append(f"| {r['dtype']} | {r['heads']} x {r['tokens']} | {r['head_dim']} | {r['primitive']} | "
+                     f"{r['density']:.3f} | {r['ms']:.1f} | {r['dense_ms']:.1f} | {r['speedup']:.2f}x | {xd} | {tgt} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="default: 8192 on CPU, 32760 on CUDA")
+    ap.add_argument("--heads", type=int, default=None, help="default: 4 on CPU, 12 on CUDA (24 at D = 64)")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--densities", default="0.15,0.25,0.1")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--reps", type=int, default=None, help="default: 3 on CPU, 10 on CUDA")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    n = args.tokens or (32760 if cuda else 8192)
+    reps = args.reps or (10 if cuda else 3)
+    K = load("kernels")
+    rows: list[dict] = []
+
+    def log(r):
+        print(f"{r['dtype']} H={r['heads']} N={r['tokens']} D={r['head_dim']} {r['primitive']:<26} "
+              f"d={r['density']:.3f} {r['ms']:9.2f} ms  dense {r['dense_ms']:9.2f} ms  {r['speedup']:5.2f}x",
+              flush=True)
+
+    t0 = time.perf_counter()
+    for d in (int(x) for x in args.head_dims.split(",")):
+        h = args.heads or ((24 if d == 64 else 12) if cuda else 4)
+        run_shape(K, dev, dtype, h, n, d, [float(x) for x in args.densities.split(",")], reps, rows, log)
+    env = dict(torch=torch.__version__, device=(torch.cuda.get_device_name(dev) if cuda else cpu_model()),
+               threads=torch.get_num_threads(), seconds=time.perf_counter() - t0,
+               command="python bench/torch_backend.py " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                                  for k, v in vars(args).items() if v is not None))
+    text = table(rows)
+    print(text)
+    print(json.dumps(env))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"torch_backend_{dev.type}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+        (args.out / f"torch_backend_{dev.type}.md").write_text(f"{json.dumps(env)}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
