@@ -9,7 +9,8 @@ import torch
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
 from ._gather import Scratch, blocks_of
-from ._torch_softmax import chunk_rows, plan_chunks, sdpa
+from . import _torch_softmax
+from ._torch_softmax import chunk_rows, fused_sdpa, plan_chunks, sdpa
 
 
 def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=True):
@@ -49,7 +50,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     How: query blocks are sorted by key length (their count of blocks, less the padding of a ragged last
     KV block when they hold it); each chunk of equal-length rows gathers its K/V blocks (index_select) and
     runs one batched SDPA over (query block, gathered keys) without any mask; only merged short runs of
-    different lengths carry a key-padding mask. Empty rows are skipped (zeros, never NaN). Extra memory:
+    different lengths carry a key-padding mask. Rows listing every block attend k/v as they are (one SDPA
+    per head, no gather). Empty rows are skipped (zeros, never NaN). Extra memory:
     one chunk of gathered K/V (``_torch_softmax.gather_budget``) plus padded copies of q/k/v when N is
     not a multiple of the block. Ops: gather, index_select, argsort (on the CPU copy of the counts),
     scaled_dot_product_attention, index_put_ — all available on CPU, CUDA and Apple MPS.
@@ -68,14 +70,17 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
         last = idx.gather(1, (cnt - 1).clamp(min=0, max=max_k - 1).unsqueeze(1)).squeeze(1)
         lens = cnt * block_k - torch.where((cnt > 0) & (last == n_kblk - 1), tail, 0)
         lens_cpu = lens.cpu()
-        order = torch.argsort(lens_cpu, descending=True, stable=True)
+        order_cpu = torch.argsort(lens_cpu, descending=True, stable=True)
         n_rows = int((lens_cpu > 0).sum())
-        sorted_lens = lens_cpu[order[:n_rows]].tolist()
-        order = order[:n_rows].to(dev)
-        lens_dev = lens
-        qb, kb, vb = blocks_of(q, block_q), blocks_of(k, block_k), blocks_of(v, block_k)
-        kv_base = torch.div(torch.arange(b * h * n_qblk, device=dev), n_qblk, rounding_mode="floor") * n_kblk
+        n_full = int((lens_cpu == nk).sum())  # rows listing every KV block: they come first in the order
+        qb = blocks_of(q, block_q)
         scratch = Scratch(q.dtype, dev)
+        if n_full:
+            _full_rows(q, k, v, qb, out, order_cpu[:n_full], n_qblk, scale, scratch)
+        sorted_lens = lens_cpu[order_cpu[n_full:n_rows]].tolist()
+        order = order_cpu[n_full:n_rows].to(dev)
+        kb, vb = blocks_of(k, block_k), blocks_of(v, block_k)
+        kv_base = torch.div(torch.arange(b * h * n_qblk, device=dev), n_qblk, rounding_mode="floor") * n_kblk
 
         def max_rows(length: int) -> int:
             return chunk_rows(dev, block_q, -(-length // block_k) * block_k, d)
@@ -88,9 +93,33 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             qg = scratch.take("q", qb, rows).view(r, 1, block_q, d)
             kg = scratch.take("k", kb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
             vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
-            o = sdpa(qg, kg, vg, lens_dev.index_select(0, rows) if mixed else None, scale)
-            out.index_put_((rows,), o.view(r, block_q, d))
+            o = sdpa(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale)
+            out.index_put_((rows,), o.reshape(r, block_q, d))
     out = out.view(b * h, n_qblk * block_q, d)
     if n_qblk * block_q != nq:
         out = out[:, :nq].contiguous()
     return out.view(b, h, nq, d)
+
+
+def _full_rows(q, k, v, qb, out, rows_cpu, n_qblk, scale, scratch):
+    """Query blocks that list every KV block attend k/v of their head as they are (no gather): one SDPA
+    per head holding such rows (capped by ``CHUNK_ELEMS`` scores on unfused devices).
+
+    qb: (B*H*n_qblk, block_q, D) query blocks; out: same shape, written at ``rows_cpu`` (int64, CPU).
+    """
+    h, nk, d = q.shape[1], k.shape[2], q.shape[3]
+    block_q = qb.shape[1]
+    rows_cpu = rows_cpu[torch.argsort(rows_cpu // n_qblk, stable=True)]
+    heads, per_head = torch.unique_consecutive(rows_cpu // n_qblk, return_counts=True)
+    cap = n_qblk if fused_sdpa(q.device) else max(1, _torch_softmax.CHUNK_ELEMS // (block_q * nk))
+    rows_dev = rows_cpu.to(q.device)
+    start = 0
+    for bh, count in zip(heads.tolist(), per_head.tolist()):
+        bi, hi = divmod(bh, h)
+        for s0 in range(start, start + count, cap):
+            rows = rows_dev[s0:min(start + count, s0 + cap)]
+            r = rows.numel()
+            qg = scratch.take("q", qb, rows).view(1, 1, r * block_q, d)
+            o = sdpa(qg, k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], None, scale)
+            out.index_put_((rows,), o.reshape(r, block_q, d))
+        start += count

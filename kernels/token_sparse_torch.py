@@ -92,5 +92,5 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             kg = scratch.take("k", kr, t).view(r, 1, longest, d)
             vg = scratch.take("v", vr, t).view(r, 1, longest, d)
             o = sdpa(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale)
-            out.index_put_((qdst.index_select(0, rows).view(-1),), o.view(r * c, d))
+            out.index_put_((qdst.index_select(0, rows).view(-1),), o.reshape(r * c, d))
     return out[:-1].view(b, h, nq, d)
