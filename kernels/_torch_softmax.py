@@ -24,10 +24,10 @@ CHUNK_ELEMS = 1 << 26
 # Device types whose SDPA runs a fused kernel (flash / memory-efficient / cuDNN on CUDA, the flash
 # kernel on CPU) that never materialises the (Nq, Nk) scores: dense calls go in one piece there.
 FUSED_SDPA_DEVICES = ("cpu", "cuda")
-# Gathered K+V elements per chunk. CPU: a few MiB, so the gather writes stay in cache and the buffers are
-# reused (fresh multi-MiB allocations cost page faults that were measured to exceed the gather itself);
-# GPU: large chunks amortise the launches of each chunk.
-GATHER_ELEMS = {"cpu": 1 << 20}
+# Gathered K+V elements per chunk. CPU: 4 Mi (the fastest of 0.5-16 Mi measured on 2 cores), written
+# into reused buffers (fresh multi-MiB allocations per chunk cost page faults that were measured to exceed
+# the gather itself); GPU: large chunks amortise the launches of each chunk.
+GATHER_ELEMS = {"cpu": 1 << 22}
 GATHER_ELEMS_DEFAULT = 1 << 27
 # fp32 score elements per chunk of the group mass: cache-sized on CPU (its elementwise passes then run
 # in cache), CHUNK_ELEMS elsewhere.
@@ -37,6 +37,12 @@ SCORE_ELEMS = {"cpu": 1 << 20}
 # chunk's longest (so padding wastes at most that fraction) and masked.
 MIN_RUN_ROWS = 8
 MERGE_SLACK = 0.125
+# fp32 on CPU: short rows (one query block or group over its gathered keys) run as cache-resident
+# batched matmuls + softmax instead of SDPA, whose CPU kernel splits such short query runs into
+# 32-query tiles: measured 1.27x (D 64) to 1.3x (D 128) faster on 2 cores (docs/benchmarks.md).
+# bf16/fp16 keep SDPA (its reduced-precision CPU kernel is ~2x faster than fp32 matmuls there).
+CPU_FP32_MATMUL = True
+MATMUL_SCORE_ELEMS = 1 << 20  # fp32 scores per sub-chunk of that path (4 MiB: the best of 1-16 MiB)
 
 
 def fused_sdpa(device: torch.device) -> bool:
@@ -75,6 +81,39 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tenso
         mask = (torch.arange(k.shape[2], device=k.device).view(1, -1) < lengths.view(-1, 1)).view(-1, 1, 1,
                                                                                                    k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """The sparse twins' attention over gathered rows: ``sdpa``, or on CPU in fp32 the cache-resident
+    matmul path (``CPU_FP32_MATMUL``). Same arguments, shapes and result as ``sdpa``."""
+    if CPU_FP32_MATMUL and q.device.type == "cpu" and q.dtype == torch.float32:
+        return _attend_matmul(q, k, v, lengths, scale)
+    return sdpa(q, k, v, lengths, scale)
+
+
+def _attend_matmul(q, k, v, lengths, scale):
+    """fp32 softmax attention by baddbmm / softmax in place / bmm over sub-chunks of at most
+    ``MATMUL_SCORE_ELEMS`` scores. q: (R, 1, M, D); k, v: (R, 1, L, D) (strided views allowed);
+    lengths as in ``sdpa`` (every row keeps >= 1 key, so no row is all -inf). Returns (R, 1, M, D)."""
+    r, _, m, d = q.shape
+    length = k.shape[2]
+    q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]
+    out = torch.empty((r, m, d), dtype=q.dtype, device=q.device)
+    step = max(1, min(MATMUL_SCORE_ELEMS, CHUNK_ELEMS) // (m * length))
+    buf = torch.empty(min(r, step) * m * length, dtype=q.dtype, device=q.device)
+    for r0 in range(0, r, step):
+        n = min(step, r - r0)
+        s = buf[:n * m * length].view(n, m, length)
+        torch.baddbmm(s, q3[r0:r0 + n], k3[r0:r0 + n].transpose(1, 2), beta=0.0, alpha=scale, out=s)
+        if lengths is not None:
+            pad = torch.arange(length, device=q.device).view(1, 1, -1) >= lengths[r0:r0 + n].view(-1, 1, 1)
+            s.masked_fill_(pad, float("-inf"))
+        s.sub_(s.amax(-1, keepdim=True)).exp_()
+        den = s.sum(-1, keepdim=True)
+        torch.bmm(s, v3[r0:r0 + n], out=out[r0:r0 + n])
+        out[r0:r0 + n].div_(den)
+    return out.view(r, 1, m, d)
 
 
 def plan_chunks(lengths: list[int], max_rows: Callable[[int], int]) -> list[tuple[int, int, int, bool]]:

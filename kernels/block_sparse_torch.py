@@ -10,7 +10,7 @@ from ._checks import (check_block_size, check_counts, check_index, check_qkv, ch
                       check_sorted_unique_in_range)
 from ._gather import Scratch, blocks_of
 from . import _torch_softmax
-from ._torch_softmax import chunk_rows, fused_sdpa, plan_chunks, sdpa
+from ._torch_softmax import attend, chunk_rows, fused_sdpa, plan_chunks, sdpa
 
 
 def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=True):
@@ -93,7 +93,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             qg = scratch.take("q", qb, rows).view(r, 1, block_q, d)
             kg = scratch.take("k", kb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
             vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
-            o = sdpa(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale)
+            o = attend(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale)
             out.index_put_((rows,), o.reshape(r, block_q, d))
     out = out.view(b * h, n_qblk * block_q, d)
     if n_qblk * block_q != nq:

@@ -56,6 +56,8 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     holds ``group_size`` queries. Batched over B*H; deterministic; only the last group is padded.
     q: (B, H, N, D) any float dtype. Returns int32 (B, H, ceil(N/group_size), group_size): query
     indices per group, -1 padding the last group.
+    Ops: gather, einsum (batched matmuls), norm, argsort(stable=True), index assignment — on q's device
+    (CPU, CUDA, MPS); fp32 work in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a floating tensor of layout (B, H, N, D)")

@@ -6,7 +6,7 @@ import torch
 
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
 from ._gather import Scratch, flat_rows, head_offsets
-from ._torch_softmax import chunk_rows, plan_chunks, sdpa
+from ._torch_softmax import attend, chunk_rows, plan_chunks
 
 
 def check_query_groups(q_groups: torch.Tensor, b: int, h: int, nq: int, device: torch.device,
@@ -91,6 +91,6 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             qg = scratch.take("q", qr, qsrc.index_select(0, rows).view(-1)).view(r, 1, c, d)
             kg = scratch.take("k", kr, t).view(r, 1, longest, d)
             vg = scratch.take("v", vr, t).view(r, 1, longest, d)
-            o = sdpa(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale)
+            o = attend(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale)
             out.index_put_((qdst.index_select(0, rows).view(-1),), o.reshape(r * c, d))
     return out[:-1].view(b, h, nq, d)

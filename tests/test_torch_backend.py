@@ -59,11 +59,15 @@ def test_plan_chunks_covers_rows_and_masks_only_mixed_chunks(monkeypatch):
     assert all(not m for s, e, _, m in chunks if lengths[s] in (40, 3))
 
 
+@pytest.mark.parametrize("matmul", [True, False])
 @pytest.mark.parametrize("min_run,slack", [(1, 0.125), (8, 0.125), (10**9, 1.0)])
 @pytest.mark.parametrize("n,bq,bk", [(700, 128, 64), (333, 64, 128)])
-def test_block_sparse_skewed_ragged_lists_match_reference(monkeypatch, min_run, slack, n, bq, bk):
+def test_block_sparse_skewed_ragged_lists_match_reference(monkeypatch, matmul, min_run, slack, n, bq, bk):
     """Every row length from empty to full, ragged last query and KV blocks; chunks exact-length only
-    (min_run 1), the default plan, or everything merged into masked chunks (slack 1)."""
+    (min_run 1), the default plan, or everything merged into masked chunks (slack 1); fp32 rows through
+    the CPU matmul path or through SDPA."""
+    monkeypatch.setattr(_torch_softmax, "CPU_FP32_MATMUL", matmul)
+    monkeypatch.setattr(_torch_softmax, "MATMUL_SCORE_ELEMS", 2 * bq * n)  # sub-chunks of ~2 rows
     monkeypatch.setattr(_torch_softmax, "MIN_RUN_ROWS", min_run)
     monkeypatch.setattr(_torch_softmax, "MERGE_SLACK", slack)
     monkeypatch.setitem(_torch_softmax.GATHER_ELEMS, "cpu", 3 * 2 * 64 * 640)  # several chunks per length
@@ -79,8 +83,10 @@ def test_block_sparse_skewed_ragged_lists_match_reference(monkeypatch, min_run, 
     assert torch.equal(out[:, :, :bq], torch.zeros_like(out[:, :, :bq]))  # query block 0 of each head: empty
 
 
+@pytest.mark.parametrize("matmul", [True, False])
 @pytest.mark.parametrize("min_run,slack", [(1, 0.125), (8, 0.125), (10**9, 1.0)])
-def test_token_sparse_skewed_lists_match_reference(monkeypatch, min_run, slack):
+def test_token_sparse_skewed_lists_match_reference(monkeypatch, matmul, min_run, slack):
+    monkeypatch.setattr(_torch_softmax, "CPU_FP32_MATMUL", matmul)
     monkeypatch.setattr(_torch_softmax, "MIN_RUN_ROWS", min_run)
     monkeypatch.setattr(_torch_softmax, "MERGE_SLACK", slack)
     monkeypatch.setitem(_torch_softmax.GATHER_ELEMS, "cpu", 2 * 64 * 300)
