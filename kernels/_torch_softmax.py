@@ -84,24 +84,25 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tenso
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
+           scale: float, scratch) -> torch.Tensor:
     """The sparse twins' attention over gathered rows: ``sdpa``, or on CPU in fp32 the cache-resident
-    matmul path (``CPU_FP32_MATMUL``). Same arguments, shapes and result as ``sdpa``."""
+    matmul path (``CPU_FP32_MATMUL``), whose score and output buffers come from ``scratch``
+    (a ``_gather.Scratch``; the result is only valid until its next use). Otherwise as ``sdpa``."""
     if CPU_FP32_MATMUL and q.device.type == "cpu" and q.dtype == torch.float32:
-        return _attend_matmul(q, k, v, lengths, scale)
+        return _attend_matmul(q, k, v, lengths, scale, scratch)
     return sdpa(q, k, v, lengths, scale)
 
 
-def _attend_matmul(q, k, v, lengths, scale):
+def _attend_matmul(q, k, v, lengths, scale, scratch):
     """fp32 softmax attention by baddbmm / softmax in place / bmm over sub-chunks of at most
     ``MATMUL_SCORE_ELEMS`` scores. q: (R, 1, M, D); k, v: (R, 1, L, D) (strided views allowed);
     lengths as in ``sdpa`` (every row keeps >= 1 key, so no row is all -inf). Returns (R, 1, M, D)."""
     r, _, m, d = q.shape
     length = k.shape[2]
     q3, k3, v3 = q[:, 0], k[:, 0], v[:, 0]
-    out = torch.empty((r, m, d), dtype=q.dtype, device=q.device)
+    out = scratch.buffer("o", r * m * d).view(r, m, d)
     step = max(1, min(MATMUL_SCORE_ELEMS, CHUNK_ELEMS) // (m * length))
-    buf = torch.empty(min(r, step) * m * length, dtype=q.dtype, device=q.device)
+    buf = scratch.buffer("s", min(r, step) * m * length)
     for r0 in range(0, r, step):
         n = min(step, r - r0)
         s = buf[:n * m * length].view(n, m, length)

@@ -8,7 +8,7 @@ import torch
 
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
-from ._gather import Scratch, blocks_of
+from ._gather import Scratch, blocks_of, flat_rows
 from . import _torch_softmax
 from ._torch_softmax import attend, chunk_rows, fused_sdpa, plan_chunks, sdpa
 
@@ -51,16 +51,18 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     KV block when they hold it); each chunk of equal-length rows gathers its K/V blocks (index_select) and
     runs one batched SDPA over (query block, gathered keys) without any mask; only merged short runs of
     different lengths carry a key-padding mask. Rows listing every block attend k/v as they are (one SDPA
-    per head, no gather). Empty rows are skipped (zeros, never NaN). Extra memory:
-    one chunk of gathered K/V (``_torch_softmax.gather_budget``) plus padded copies of q/k/v when N is
-    not a multiple of the block. Ops: gather, index_select, argsort (on the CPU copy of the counts),
-    scaled_dot_product_attention, index_put_ — all available on CPU, CUDA and Apple MPS.
+    per head, no gather). Empty rows are skipped (zeros, never NaN). fp32 on CPU runs the rows as batched
+    matmuls instead of SDPA (``_torch_softmax.attend``). Extra memory: one chunk of gathered K/V
+    (``_torch_softmax.gather_budget``), int64 query ids (B*H*Nq), and padded copies of k/v when Nk is not
+    a multiple of block_k. Ops: gather, index_select, argsort (on the CPU copy of the counts),
+    scaled_dot_product_attention (or baddbmm, amax, exp_, sum, bmm, div_), index_put_ — all on CPU, CUDA
+    and Apple MPS.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     n_qblk, n_kblk, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     dev = q.device
-    out = torch.zeros((b * h * n_qblk, block_q, d), dtype=q.dtype, device=dev)
+    out = torch.zeros((b * h * nq, d), dtype=q.dtype, device=dev)
     if max_k > 0:
         idx = kv_indices.reshape(-1, max_k).long()
         cnt = kv_counts.reshape(-1).long()
@@ -73,14 +75,20 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
         order_cpu = torch.argsort(lens_cpu, descending=True, stable=True)
         n_rows = int((lens_cpu > 0).sum())
         n_full = int((lens_cpu == nk).sum())  # rows listing every KV block: they come first in the order
-        qb = blocks_of(q, block_q)
-        scratch = Scratch(q.dtype, dev)
+        # query token ids of every row (flat over B*H*Nq); the ragged last block repeats its last query,
+        # whose duplicate output lands on that same query (same q, same keys: the same value)
+        row = torch.arange(b * h * n_qblk, device=dev)
+        slot = torch.arange(block_q, device=dev)
+        qtok = (torch.div(row, n_qblk, rounding_mode="floor") * nq).view(-1, 1) \
+            + ((row % n_qblk).view(-1, 1) * block_q + slot).clamp(max=nq - 1)
+        qr = flat_rows(q)
+        scratch = Scratch.get(q.dtype, dev)
         if n_full:
-            _full_rows(q, k, v, qb, out, order_cpu[:n_full], n_qblk, scale, scratch)
+            _full_rows(q, k, v, qr, qtok, out, order_cpu[:n_full], n_qblk, scale, scratch)
         sorted_lens = lens_cpu[order_cpu[n_full:n_rows]].tolist()
         order = order_cpu[n_full:n_rows].to(dev)
         kb, vb = blocks_of(k, block_k), blocks_of(v, block_k)
-        kv_base = torch.div(torch.arange(b * h * n_qblk, device=dev), n_qblk, rounding_mode="floor") * n_kblk
+        kv_base = torch.div(row, n_qblk, rounding_mode="floor") * n_kblk
 
         def max_rows(length: int) -> int:
             return chunk_rows(dev, block_q, -(-length // block_k) * block_k, d)
@@ -90,25 +98,24 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             nb = -(-longest // block_k)
             blk = idx.index_select(0, rows)[:, :nb].clamp(0, n_kblk - 1) + kv_base.index_select(0, rows).view(-1, 1)
             r = rows.numel()
-            qg = scratch.take("q", qb, rows).view(r, 1, block_q, d)
+            tok = qtok.index_select(0, rows).view(-1)
+            qg = scratch.take("q", qr, tok).view(r, 1, block_q, d)
             kg = scratch.take("k", kb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
             vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
-            o = attend(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale)
-            out.index_put_((rows,), o.reshape(r, block_q, d))
-    out = out.view(b * h, n_qblk * block_q, d)
-    if n_qblk * block_q != nq:
-        out = out[:, :nq].contiguous()
+            o = attend(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale, scratch)
+            out.index_put_((tok,), o.reshape(r * block_q, d))
     return out.view(b, h, nq, d)
 
 
-def _full_rows(q, k, v, qb, out, rows_cpu, n_qblk, scale, scratch):
+def _full_rows(q, k, v, qr, qtok, out, rows_cpu, n_qblk, scale, scratch):
     """Query blocks that list every KV block attend k/v of their head as they are (no gather): one SDPA
     per head holding such rows (capped by ``CHUNK_ELEMS`` scores on unfused devices).
 
-    qb: (B*H*n_qblk, block_q, D) query blocks; out: same shape, written at ``rows_cpu`` (int64, CPU).
+    qr: (B*H*Nq, D) query rows; qtok: int64 (B*H*n_qblk, block_q) their ids per query block; out:
+    (B*H*Nq, D), written for the query blocks ``rows_cpu`` (int64, CPU).
     """
     h, nk, d = q.shape[1], k.shape[2], q.shape[3]
-    block_q = qb.shape[1]
+    block_q = qtok.shape[1]
     rows_cpu = rows_cpu[torch.argsort(rows_cpu // n_qblk, stable=True)]
     heads, per_head = torch.unique_consecutive(rows_cpu // n_qblk, return_counts=True)
     cap = n_qblk if fused_sdpa(q.device) else max(1, _torch_softmax.CHUNK_ELEMS // (block_q * nk))
@@ -117,9 +124,8 @@ def _full_rows(q, k, v, qb, out, rows_cpu, n_qblk, scale, scratch):
     for bh, count in zip(heads.tolist(), per_head.tolist()):
         bi, hi = divmod(bh, h)
         for s0 in range(start, start + count, cap):
-            rows = rows_dev[s0:min(start + count, s0 + cap)]
-            r = rows.numel()
-            qg = scratch.take("q", qb, rows).view(1, 1, r * block_q, d)
+            tok = qtok.index_select(0, rows_dev[s0:min(start + count, s0 + cap)]).view(-1)
+            qg = scratch.take("q", qr, tok).view(1, 1, -1, d)
             o = sdpa(qg, k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], None, scale)
-            out.index_put_((rows,), o.reshape(r, block_q, d))
+            out.index_put_((tok,), o.reshape(-1, d))
         start += count

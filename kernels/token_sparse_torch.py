@@ -83,7 +83,7 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         qsrc = (qidx.clamp(min=0) + qoff).view(b * h * g, c)
         tok = kv_tokens.reshape(b * h * g, max_k)
         qr, kr, vr = flat_rows(q), flat_rows(k), flat_rows(v)
-        scratch = Scratch(q.dtype, dev)
+        scratch = Scratch.get(q.dtype, dev)
         for s0, s1, longest, mixed in plan_chunks(sorted_lens, lambda length: chunk_rows(dev, c, length, d)):
             rows = order[s0:s1]
             r = rows.numel()
@@ -91,6 +91,6 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             qg = scratch.take("q", qr, qsrc.index_select(0, rows).view(-1)).view(r, 1, c, d)
             kg = scratch.take("k", kr, t).view(r, 1, longest, d)
             vg = scratch.take("v", vr, t).view(r, 1, longest, d)
-            o = attend(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale)
+            o = attend(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale, scratch)
             out.index_put_((qdst.index_select(0, rows).view(-1),), o.reshape(r * c, d))
     return out[:-1].view(b, h, nq, d)
