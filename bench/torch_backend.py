@@ -4,7 +4,7 @@ Usage:
     python bench/torch_backend.py [--out DIR]                  # CPU: 4 heads x 8 192 tokens, D 64 and 128
     python bench/torch_backend.py --device cuda --out DIR      # CUDA: against cuDNN's fused attention
 Options: --tokens N, --heads H, --head-dims 64,128, --densities 0.15,0.25,0.1, --dtype fp32|bf16|fp16,
---reps R, --threads T. Prints a table and writes DIR/torch_backend_<device>.json and .md.
+--reps R, --threads T, --sweep-gather 26,27,28. Prints a table and writes DIR/torch_backend_<device>.json and .md.
 
 Times: the minimum over ``--reps`` runs after one warm-up (CPU: the machine may be shared, the minimum is
 the uncontended time), CUDA events on GPU; dense SDPA runs again after every primitive and the minimum
@@ -105,7 +105,7 @@ def token_lists(h, g, n, density, gen, dev):
     return toks, torch.full((1, h, g), count, dtype=torch.int32, device=dev)
 
 
-def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log):
+def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log, sweep=()):
     gen = torch.Generator(device=dev).manual_seed(n + d)
     q, k, v = (torch.randn(1, h, n, d, generator=gen, device=dev).to(dtype) for _ in range(3))
     t = timer(dev, reps)
@@ -134,6 +134,19 @@ def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log):
             add(f"block-sparse 128{' skew' if skew else ''}", kept,
                 t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
                                                    validate=False)), "block")
+    core = load("kernels._torch_softmax")
+    default = core.GATHER_ELEMS.get(dev.type)
+    idx, cnt = block_lists(h, nb, nb, densities[0], False, gen, dev)
+    kept = float(cnt.double().sum()) / (h * nb * nb)
+    for e in sweep:  # the gathered K+V per chunk (GATHER_ELEMS) against the default above
+        core.GATHER_ELEMS[dev.type] = 1 << e
+        add(f"block-sparse 128 gather 2^{e}", kept,
+            t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
+                                               validate=False)), "block")
+    if default is None:
+        core.GATHER_ELEMS.pop(dev.type, None)
+    else:
+        core.GATHER_ELEMS[dev.type] = default
     c = 128
     g = -(-n // c)
     groups = torch.cat([torch.randperm(n, generator=gen, device=dev),
@@ -179,6 +192,9 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA")
     ap.add_argument("--reps", type=int, default=None, help="default: 3 on CPU, 10 on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--sweep-gather", default=None,
+                    help="log2 of gathered K+V elements per chunk to try for block-sparse at the first density "
+                         "(default: 26,27,28,29 on CUDA, none on CPU)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,7 +214,9 @@ def main():
     t0 = time.perf_counter()
     for d in (int(x) for x in args.head_dims.split(",")):
         h = args.heads or ((24 if d == 64 else 12) if cuda else 4)
-        run_shape(K, dev, dtype, h, n, d, [float(x) for x in args.densities.split(",")], reps, rows, log)
+        sweep = args.sweep_gather if args.sweep_gather is not None else ("26,27,28,29" if cuda else "")
+        run_shape(K, dev, dtype, h, n, d, [float(x) for x in args.densities.split(",")], reps, rows, log,
+                  [int(x) for x in sweep.split(",") if x])
     env = dict(torch=torch.__version__, device=(torch.cuda.get_device_name(dev) if cuda else cpu_model()),
                threads=torch.get_num_threads(), seconds=time.perf_counter() - t0,
                command="python bench/torch_backend.py " + " ".join(f"--{k.replace('_', '-')} {v}"

@@ -1,10 +1,12 @@
 """Attention core of the PyTorch backend: the device's fused ``scaled_dot_product_attention`` (SDPA).
 
-The sparse twins gather the kept K/V blocks or tokens (in the model's dtype) and run SDPA on them in
-batched chunks; rows of one chunk share one key length, so no mask is needed except where rows of
+The sparse twins gather the kept K/V blocks or tokens (in the model's dtype) and attend them in batched
+chunks; rows of one chunk share one key length, so no mask is needed except where short runs of
 different lengths are merged into one chunk (then a boolean key-padding mask, never an all-masked row).
-Ops used here: ``scaled_dot_product_attention`` (4-D, optional boolean mask), ``arange``, comparisons —
-all implemented on CPU, CUDA and Apple MPS.
+A chunk runs through SDPA, except fp32 on CPU, where cache-resident batched matmuls beat SDPA's CPU kernel
+on rows this short (``attend``). Ops used here: scaled_dot_product_attention (4-D, optional boolean
+mask), baddbmm, bmm, amax, exp_, sum, div_, masked_fill_, matmul, logsumexp, arange — all implemented on
+CPU, CUDA and Apple MPS, none in float64.
 
 Memory: a chunk gathers at most ``gather_budget(device)`` elements of K+V, and on devices whose SDPA may
 materialise the scores (``FUSED_SDPA_DEVICES`` lists those that never do) the scores of a chunk stay
@@ -26,9 +28,10 @@ CHUNK_ELEMS = 1 << 26
 FUSED_SDPA_DEVICES = ("cpu", "cuda")
 # Gathered K+V elements per chunk. CPU: 4 Mi (the fastest of 0.5-16 Mi measured on 2 cores), written
 # into reused buffers (fresh multi-MiB allocations per chunk cost page faults that were measured to exceed
-# the gather itself); GPU: large chunks amortise the launches of each chunk.
+# the gather itself); GPU: large chunks (512 MiB of bf16) so one SDPA call has enough rows (query blocks x
+# heads) to fill the GPU; bench/torch_backend.py --sweep-gather measures the choice.
 GATHER_ELEMS = {"cpu": 1 << 22}
-GATHER_ELEMS_DEFAULT = 1 << 27
+GATHER_ELEMS_DEFAULT = 1 << 28
 # fp32 score elements per chunk of the group mass: cache-sized on CPU (its elementwise passes then run
 # in cache), CHUNK_ELEMS elsewhere.
 SCORE_ELEMS = {"cpu": 1 << 20}

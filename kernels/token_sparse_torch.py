@@ -60,9 +60,11 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
 
     How: groups are sorted by list length; each chunk of equal-length groups gathers its C query rows and
     its K/V tokens (index_select into reused buffers) and runs one batched SDPA, unmasked; merged short
-    runs of different lengths carry a key-padding mask. Empty groups are skipped (zeros, never NaN). Extra
-    memory: one chunk of gathered K/V (``_torch_softmax.gather_budget``). Ops: index_select, argsort (on
-    the CPU copy of the counts), scaled_dot_product_attention, index_put_ (CPU, CUDA and Apple MPS).
+    runs of different lengths carry a key-padding mask. fp32 on CPU runs the rows as batched matmuls
+    instead (``_torch_softmax.attend``). Empty groups are skipped (zeros, never NaN). Extra memory: one
+    chunk of gathered K/V (``_torch_softmax.gather_budget``). Ops: index_select, argsort (on the CPU copy
+    of the counts), scaled_dot_product_attention (or baddbmm, amax, exp_, sum, bmm, div_), index_put_ —
+    all on CPU, CUDA and Apple MPS.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
