@@ -5,7 +5,7 @@ chunks; rows of one chunk share one key length, so no mask is needed except wher
 different lengths are merged into one chunk (then a boolean key-padding mask, never an all-masked row).
 A chunk runs through SDPA, except fp32 on CPU, where cache-resident batched matmuls beat SDPA's CPU kernel
 on rows this short (``attend``). Ops used here: scaled_dot_product_attention (4-D, optional boolean
-mask), baddbmm, bmm, amax, exp_, sum, div_, masked_fill_, matmul, logsumexp, arange — all implemented on
+mask), baddbmm, bmm, softmax (in place), masked_fill_, matmul, logsumexp, arange — all implemented on
 CPU, CUDA and Apple MPS, none in float64.
 
 Memory: a chunk gathers at most ``gather_budget(device)`` elements of K+V, and on devices whose SDPA may
@@ -97,7 +97,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Ten
 
 
 def _attend_matmul(q, k, v, lengths, scale, scratch):
-    """fp32 softmax attention by baddbmm / softmax in place / bmm over sub-chunks of at most
+    """fp32 softmax attention by baddbmm / in-place softmax / bmm over sub-chunks of at most
     ``MATMUL_SCORE_ELEMS`` scores. q: (R, 1, M, D); k, v: (R, 1, L, D) (strided views allowed);
     lengths as in ``sdpa`` (every row keeps >= 1 key, so no row is all -inf). Returns (R, 1, M, D)."""
     r, _, m, d = q.shape
@@ -113,10 +113,9 @@ def _attend_matmul(q, k, v, lengths, scale, scratch):
         if lengths is not None:
             pad = torch.arange(length, device=q.device).view(1, 1, -1) >= lengths[r0:r0 + n].view(-1, 1, 1)
             s.masked_fill_(pad, float("-inf"))
-        s.sub_(s.amax(-1, keepdim=True)).exp_()
-        den = s.sum(-1, keepdim=True)
+        # softmax in place (the CPU kernel reads each row before writing it; tests compare with float64)
+        torch.ops.aten._softmax.out(s, -1, False, out=s)
         torch.bmm(s, v3[r0:r0 + n], out=out[r0:r0 + n])
-        out[r0:r0 + n].div_(den)
     return out.view(r, 1, m, d)
 
 

@@ -55,7 +55,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     matmuls instead of SDPA (``_torch_softmax.attend``). Extra memory: one chunk of gathered K/V
     (``_torch_softmax.gather_budget``), int64 query ids (B*H*Nq), and padded copies of k/v when Nk is not
     a multiple of block_k. Ops: gather, index_select, argsort (on the CPU copy of the counts),
-    scaled_dot_product_attention (or baddbmm, amax, exp_, sum, bmm, div_), index_put_ — all on CPU, CUDA
+    scaled_dot_product_attention (or baddbmm, softmax, bmm), index_put_ — all on CPU, CUDA
     and Apple MPS.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)

@@ -63,7 +63,7 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     runs of different lengths carry a key-padding mask. fp32 on CPU runs the rows as batched matmuls
     instead (``_torch_softmax.attend``). Empty groups are skipped (zeros, never NaN). Extra memory: one
     chunk of gathered K/V (``_torch_softmax.gather_budget``). Ops: index_select, argsort (on the CPU copy
-    of the counts), scaled_dot_product_attention (or baddbmm, amax, exp_, sum, bmm, div_), index_put_ —
+    of the counts), scaled_dot_product_attention (or baddbmm, softmax, bmm), index_put_ —
     all on CPU, CUDA and Apple MPS.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
