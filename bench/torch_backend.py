@@ -134,19 +134,20 @@ def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log, sweep=()):
             add(f"block-sparse 128{' skew' if skew else ''}", kept,
                 t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
                                                    validate=False)), "block")
-    core = load("kernels._torch_softmax")
-    default = core.GATHER_ELEMS.get(dev.type)
-    idx, cnt = block_lists(h, nb, nb, densities[0], False, gen, dev)
-    kept = float(cnt.double().sum()) / (h * nb * nb)
-    for e in sweep:  # the gathered K+V per chunk (GATHER_ELEMS) against the default above
-        core.GATHER_ELEMS[dev.type] = 1 << e
-        add(f"block-sparse 128 gather 2^{e}", kept,
-            t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
-                                               validate=False)), "block")
-    if default is None:
-        core.GATHER_ELEMS.pop(dev.type, None)
-    else:
-        core.GATHER_ELEMS[dev.type] = default
+    if sweep:  # the gathered K+V per chunk (GATHER_ELEMS), tried for block-sparse at the first density
+        core = load("kernels._torch_softmax")
+        default = core.GATHER_ELEMS.get(dev.type)
+        idx, cnt = block_lists(h, nb, nb, densities[0], False, gen, dev)
+        kept = float(cnt.double().sum()) / (h * nb * nb)
+        for e in sweep:
+            core.GATHER_ELEMS[dev.type] = 1 << e
+            add(f"block-sparse 128 gather 2^{e}", kept,
+                t(lambda: K.block_sparse_attention(q, k, v, idx, cnt, block_q=bs, block_k=bs, backend="torch",
+                                                   validate=False)), "block")
+        if default is None:
+            core.GATHER_ELEMS.pop(dev.type, None)
+        else:
+            core.GATHER_ELEMS[dev.type] = default
     c = 128
     g = -(-n // c)
     groups = torch.cat([torch.randperm(n, generator=gen, device=dev),
