@@ -28,15 +28,18 @@ def _split_plan(n_pad: int, c: int) -> list[list[tuple[int, int]]]:
     return levels
 
 
-def _principal_order(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """Order of the points of each segment along its leading principal direction.
 
-    x: (S, L, D) fp32 points; real: bool (S, L), False for padding slots (which sort last).
-    Returns (S, L) int64, a stable argsort of the projections.
+    x: (S, L, D) fp32 points; real: bool (S, L), False for padding slots (which sort last), or None when
+    every slot is a real point (no masking work). Returns (S, L) int64, a stable argsort of the projections.
     """
-    w = real.unsqueeze(-1).float()
-    cnt = w.sum(1, keepdim=True).clamp(min=1.0)
-    xc = (x - (x * w).sum(1, keepdim=True) / cnt) * w
+    if real is None:
+        xc = x - x.mean(1, keepdim=True)
+    else:
+        w = real.unsqueeze(-1).float()
+        cnt = w.sum(1, keepdim=True).clamp(min=1.0)
+        xc = (x - (x * w).sum(1, keepdim=True) / cnt) * w
     # deterministic start: the point farthest from the mean
     far = (xc * xc).sum(-1).argmax(1)
     vec = xc[torch.arange(x.shape[0], device=x.device), far]
@@ -44,7 +47,8 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         vec = torch.einsum("sld,sl->sd", xc, torch.einsum("sld,sd->sl", xc, vec))
         vec = vec / vec.norm(dim=-1, keepdim=True).clamp(min=1e-30)
     proj = torch.einsum("sld,sd->sl", xc, vec)
-    proj = proj.masked_fill(~real, float("inf"))
+    if real is not None:
+        proj = proj.masked_fill(~real, float("inf"))
     return torch.argsort(proj, dim=1, stable=True)
 
 
@@ -76,6 +80,8 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
         nh = x.shape[0]
+        rows = x.reshape(nh * n, d)
+        head_base = (torch.arange(nh, device=dev) * n).view(nh, 1, 1)
         perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
         for segs in plan:
             by_len: dict[int, list[int]] = {}
@@ -85,9 +91,10 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
             for length, starts in by_len.items():
                 pos = (torch.tensor(starts, device=dev).view(-1, 1) + torch.arange(length, device=dev)).view(-1)
                 ids = perm[:, pos].view(nh, len(starts), length)
-                real = ids < n
-                pts = torch.gather(x, 1, ids.clamp(max=n - 1).view(nh, -1, 1).expand(-1, -1, d))
-                order = _principal_order(pts.view(nh * len(starts), length, d), real.view(-1, length))
+                # row gather (index_select) rather than an element-wise gather with an expanded index
+                pts = rows.index_select(0, (ids.clamp(max=n - 1) + head_base).view(-1))
+                real = (ids < n).view(-1, length) if n_pad > n else None  # only a ragged N has padding slots
+                order = _principal_order(pts.view(nh * len(starts), length, d), real)
                 perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(nh, -1)
         perm_all[h0:h0 + nh] = perm
     perm_all = torch.where(perm_all < n, perm_all, torch.full_like(perm_all, -1))
