@@ -40,11 +40,13 @@ SCORE_ELEMS = {"cpu": 1 << 20}
 # chunk's longest (so padding wastes at most that fraction) and masked.
 MIN_RUN_ROWS = 8
 MERGE_SLACK = 0.125
-# fp32 on CPU: short rows (one query block or group over its gathered keys) run as cache-resident
+# fp32 on CPU: rows of 128 queries (a query block or group over its gathered keys) run as cache-resident
 # batched matmuls + softmax instead of SDPA, whose CPU kernel splits such short query runs into
-# 32-query tiles: measured 1.27x (D 64) to 1.3x (D 128) faster on 2 cores (docs/benchmarks.md).
-# bf16/fp16 keep SDPA (its reduced-precision CPU kernel is ~2x faster than fp32 matmuls there).
+# 32-query tiles: measured 1.27x (D 64) to 1.3x (D 128) faster on 2 cores (docs/benchmarks.md); at 64
+# queries per row both run at the same speed and SDPA is kept. bf16/fp16 keep SDPA (its reduced-precision
+# CPU kernel is ~2x faster than fp32 matmuls there).
 CPU_FP32_MATMUL = True
+MATMUL_MIN_QUERIES = 128
 MATMUL_SCORE_ELEMS = 1 << 21  # fp32 scores per sub-chunk of that path (8 MiB: as fast as 4 MiB, fewer ops)
 
 
@@ -88,10 +90,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tenso
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None,
            scale: float, scratch) -> torch.Tensor:
-    """The sparse twins' attention over gathered rows: ``sdpa``, or on CPU in fp32 the cache-resident
-    matmul path (``CPU_FP32_MATMUL``), whose score and output buffers come from ``scratch``
-    (a ``_gather.Scratch``; the result is only valid until its next use). Otherwise as ``sdpa``."""
-    if CPU_FP32_MATMUL and q.device.type == "cpu" and q.dtype == torch.float32:
+    """The sparse twins' attention over gathered rows: ``sdpa``, or on CPU in fp32 with rows of at least
+    ``MATMUL_MIN_QUERIES`` queries the cache-resident matmul path (``CPU_FP32_MATMUL``), whose score and
+    output buffers come from ``scratch`` (a ``_gather.Scratch``; the result is only valid until its next
+    use). Otherwise as ``sdpa``."""
+    cpu_fp32 = q.device.type == "cpu" and q.dtype == torch.float32
+    if CPU_FP32_MATMUL and cpu_fp32 and q.shape[2] >= MATMUL_MIN_QUERIES:
         return _attend_matmul(q, k, v, lengths, scale, scratch)
     return sdpa(q, k, v, lengths, scale)
 

@@ -83,16 +83,16 @@ def test_block_sparse_skewed_ragged_lists_match_reference(monkeypatch, matmul, m
     assert torch.equal(out[:, :, :bq], torch.zeros_like(out[:, :, :bq]))  # query block 0 of each head: empty
 
 
-@pytest.mark.parametrize("matmul", [True, False])
+@pytest.mark.parametrize("matmul,c", [(True, 128), (False, 128), (True, 64)])
 @pytest.mark.parametrize("min_run,slack", [(1, 0.125), (8, 0.125), (10**9, 1.0)])
-def test_token_sparse_skewed_lists_match_reference(monkeypatch, matmul, min_run, slack):
+def test_token_sparse_skewed_lists_match_reference(monkeypatch, matmul, c, min_run, slack):
     monkeypatch.setattr(_torch_softmax, "CPU_FP32_MATMUL", matmul)
     monkeypatch.setattr(_torch_softmax, "MIN_RUN_ROWS", min_run)
     monkeypatch.setattr(_torch_softmax, "MERGE_SLACK", slack)
     monkeypatch.setitem(_torch_softmax.GATHER_ELEMS, "cpu", 2 * 64 * 300)
     n = 300
     q, k, v = structured_qkv(1, 2, n, 64, seed=5)
-    groups = group_queries(q, 64)
+    groups = group_queries(q, c)
     toks, cnt = skewed_token_lists(1, 2, groups.shape[2], n, seed=5)
     out = token_sparse_attention(q, k, v, groups, toks, cnt, backend="torch")
     ref, _ = ref_attention(q, k, v, token_allow(groups, toks, cnt, n, n))
