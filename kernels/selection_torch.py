@@ -126,5 +126,9 @@ def group_kv_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, q_groups:
                     kt, qg = kt.float(), qg.float().mul_(scale)
                     s = _shifted_scores(qg, kt[:, :, j0:j1], scale, neg_lse)
                 s.clamp_(max=0.0).exp_()
-                torch.sum(s.view(h1 - h0, g1 - g0, c, j1 - j0), dim=2, out=out[h0:h1, g0:g1, j0:j1])
+                dst = out[h0:h1, g0:g1, j0:j1]
+                if dst.is_contiguous():  # sum straight into the output (no temporary)
+                    torch.sum(s.view(h1 - h0, g1 - g0, c, j1 - j0), dim=2, out=dst)
+                else:
+                    dst.copy_(s.view(h1 - h0, g1 - g0, c, j1 - j0).sum(2))
     return out.view(b, h, g, nk)

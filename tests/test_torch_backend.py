@@ -231,3 +231,14 @@ def test_group_kv_mass_inconsistent_lse_gives_no_nan():
     only_skipped[~torch.gather(skipped, 2, groups.clamp(min=0).long().view(1, 2, -1)).view(groups.shape)] = -1
     assert torch.equal(group_kv_mass(q, k, bad, only_skipped, backend="torch"), torch.zeros_like(mass))
     assert math.isclose(float(group_kv_mass(q, k, lse, groups, backend="torch").sum()), 2 * n, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [64 * 300 * 3, 64 * 100, 1])
+def test_group_kv_mass_chunking_is_exact(monkeypatch, budget):
+    """Chunks of several groups, of key ranges within one group, and of single keys give the same mass."""
+    q, k, v = structured_qkv(1, 2, 300, 64, seed=6)
+    _, lse = attention_dense(q, k, v, return_lse=True, backend="torch")
+    groups = group_queries(q, 64)
+    whole = group_kv_mass(q, k, lse, groups, backend="torch")
+    monkeypatch.setitem(_torch_softmax.SCORE_ELEMS, "cpu", budget)
+    assert torch.allclose(group_kv_mass(q, k, lse, groups, backend="torch"), whole, atol=1e-6, rtol=1e-5)
