@@ -242,3 +242,27 @@ def test_group_kv_mass_chunking_is_exact(monkeypatch, budget):
     whole = group_kv_mass(q, k, lse, groups, backend="torch")
     monkeypatch.setitem(_torch_softmax.SCORE_ELEMS, "cpu", budget)
     assert torch.allclose(group_kv_mass(q, k, lse, groups, backend="torch"), whole, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_backend_on_cuda_matches_reference(dtype):
+    """The PyTorch backend on CUDA (SDPA's flash / memory-efficient kernels, bmm with fp32 output) against
+    float64 references: skewed ragged block lists, skewed token lists, dense + LSE, group mass."""
+    n, bq, bk = 700, 128, 64
+    q, k, v = structured_qkv(2, 2, n, 64, dtype=dtype, seed=21)
+    idx, cnt = skewed_block_lists(2, 2, -(-n // bq), -(-n // bk), seed=2)
+    groups = group_queries(q, 128)
+    toks, tcnt = skewed_token_lists(2, 2, groups.shape[2], n, seed=2)
+    cu = [t.cuda() for t in (q, k, v, idx, cnt, groups, toks, tcnt)]
+    tol = TOL[dtype] if dtype != torch.float32 else 1e-4  # CUDA fp32 matmuls may use TF32
+    out = block_sparse_attention(*cu[:5], block_q=bq, block_k=bk, backend="torch").cpu()
+    assert rel_l2(out, ref_attention(q, k, v, block_allow(idx, cnt, n, n, bq, bk))[0]) <= tol
+    out = token_sparse_attention(*cu[:3], *cu[5:], backend="torch").cpu()
+    assert rel_l2(out, ref_attention(q, k, v, token_allow(groups, toks, tcnt, n, n))[0]) <= tol
+    out, lse = attention_dense(*cu[:3], return_lse=True, backend="torch")
+    ref, ref_lse = ref_attention(q, k, v, torch.ones(2, 2, n, n, dtype=torch.bool))
+    assert rel_l2(out.cpu(), ref) <= tol and torch.allclose(lse.cpu().double(), ref_lse, atol=2e-3, rtol=1e-3)
+    mass = group_kv_mass(cu[0], cu[1], lse, cu[5], backend="torch").cpu()
+    assert torch.isfinite(mass).all()
+    assert torch.allclose(mass.double().sum(-1), (groups >= 0).sum(-1).double(), rtol=1e-2)
