@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("dense", "static", "block_topk", "mc_sparse", "hybrid")
-BACKENDS = ("auto", "triton", "torch")
+from ..kernels.backend import BACKENDS
+from .policy import method_names
+
 RESIDUAL_PRECISIONS = ("fp8", "model")
 
 
@@ -19,8 +20,9 @@ RESIDUAL_PRECISIONS = ("fp8", "model")
 class Densities:
     """Fraction of keys kept per modality pair (query -> key). None means "use the global density".
 
-    Seed 000 §3: text rows and text columns stay dense by default (text->text, text->image,
-    image->text = 1.0); image->image (video/image/3D tokens among themselves) takes the global density.
+    Text rows and text columns stay dense by default (text->text, text->image, image->text = 1.0;
+    docs/method.md, "Modalities"); image->image (video/image/3D tokens among themselves) takes the global
+    density.
     """
 
     text_to_text: float = 1.0
@@ -71,6 +73,13 @@ class AnchorSchedule:
         if step in self.steps:
             return True
         return self.every > 0 and step >= warmup_steps and (step - warmup_steps) % self.every == 0
+
+    def text(self) -> str:
+        """The widget form: "10,26", "every 5", "4 + every 5" or "" (parse(text()) round-trips)."""
+        parts = [",".join(map(str, self.steps))] if self.steps else []
+        if self.every:
+            parts.append(f"every {self.every}")
+        return " + ".join(parts)
 
     def describe(self) -> str:
         parts = [",".join(map(str, self.steps))] if self.steps else []
@@ -133,7 +142,7 @@ class SparseConfig:
             object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         if isinstance(self.densities, dict):
             object.__setattr__(self, "densities", Densities(**self.densities))
-        _check(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
+        _check(self.method in method_names(), "method", f"must be one of {method_names()}, got {self.method!r}")
         _frac("density", self.density)
         for f in dataclasses.fields(Densities):
             v = getattr(self.densities, f.name)

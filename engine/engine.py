@@ -5,9 +5,10 @@
     out = engine.attend(q, k, v, CallContext(layer=i, step=s, layout=...), dense_fn=model_attention)
     stats = engine.end_run()
 
-Anchors compute dense attention (with its LSE), the new selection and the sparse output with it; they
-return the dense output and cache the selection and R = O_dense - O_sparse. Reuse steps return
-O_sparse(q_t, k_t, v_t; cached selection) + R (seed 003).
+Anchors compute dense attention (with its LSE when the policy asks for it), the new selection and the
+sparse output with it; they return the dense output and cache the selection and R = O_dense - O_sparse.
+Reuse steps return O_sparse(q_t, k_t, v_t; cached selection) + R (docs/method.md, "Anchors, reuse and the
+residual"). What a method needs is said by its Policy object (engine/policy.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import logging
 import torch
 
 from .. import kernels
+from ..kernels._checks import TRITON_HEAD_DIMS
 from .cache import Entry, SelectionCache
 from .config import SparseConfig
 from .context import CallContext
-from .policy_block_topk import build_block_topk
-from .policy_mc_sparse import build_mc_sparse
-from .policy_static import build_static
+from .policy import policy_for
 from .residual import Residual
 from .stats import RunStats
 
@@ -44,6 +44,11 @@ class SparseEngine:
         self._anchored_at: dict[tuple, int] = {}
         self._step: int | None = None
         self.last_stats: RunStats | None = None
+
+    @property
+    def policy(self):
+        """The configured method's Policy (None for ``dense``); read per call, so a changed cfg takes effect."""
+        return policy_for(self.cfg.method)
 
     # run lifecycle
     def begin_run(self) -> None:
@@ -67,6 +72,22 @@ class SparseEngine:
         self._step = None
 
     # decisions
+    def skip_reason(self, ctx: CallContext | None, n_q: int, n_k: int, head_dim: int) -> str | None:
+        """Why a call is not the engine's to make sparse (it then runs the model's own attention and is not
+        counted in the run's per-layer statistics), or None. ``ctx`` may be None (a call whose layer is not
+        known yet). The schedule (warm-up, dense layers) is not a reason here: those calls are the engine's
+        and count as dense calls of their layer."""
+        cfg = self.cfg
+        if cfg.method == "dense":
+            return "method dense"
+        if (ctx is not None and not ctx.is_self) or n_q != n_k:
+            return "cross-attention"
+        if n_q < cfg.min_tokens:
+            return "sequences shorter than min_tokens"
+        if cfg.backend == "triton" and head_dim not in TRITON_HEAD_DIMS:
+            return f"head dim {head_dim} (the Triton kernels take {TRITON_HEAD_DIMS})"
+        return None
+
     def decide(self, ctx: CallContext, n_tokens: int) -> str:
         """dense | anchor | reuse | fallback for a call with ``n_tokens`` query tokens."""
         cfg = self.cfg
@@ -108,9 +129,10 @@ class SparseEngine:
         with self.stats.timed(ctx.layer, "transfer", dev):
             entry = self.cache.get(key, dev)
         selection = entry.selection
-        if self.cfg.method == "block_topk" and self.cfg.select_every_step:
+        policy = self.policy
+        if policy.reselects(self.cfg):
             with self.stats.timed(ctx.layer, "selection", dev):
-                selection = build_block_topk(q, k, ctx.layout, self.cfg, scale=scale)
+                selection = self._select(policy, q, k, None, ctx, scale)
         with self.stats.timed(ctx.layer, "attention", dev):
             out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
             if entry.residual is not None:
@@ -140,15 +162,14 @@ class SparseEngine:
         return kernels.attention_dense(q, k, v, scale=scale, backend=self.cfg.backend)
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
-        cfg, dev = self.cfg, q.device
-        need_lse = cfg.method == "mc_sparse"
+        cfg, dev, policy = self.cfg, q.device, self.policy
         with self.stats.timed(ctx.layer, "attention", dev):
-            if need_lse:
+            if policy.needs_lse:
                 out_d, lse = kernels.attention_dense(q, k, v, scale=scale, return_lse=True, backend=cfg.backend)
             else:
                 out_d, lse = self._dense(q, k, v, scale, dense_fn), None
         with self.stats.timed(ctx.layer, "selection", dev):
-            selection = self._select(q, k, lse, ctx, scale)
+            selection = self._select(policy, q, k, lse, ctx, scale)
         with self.stats.timed(ctx.layer, "attention", dev):
             out_s = selection.run(q, k, v, scale=scale, backend=cfg.backend)
         with self.stats.timed(ctx.layer, "store", dev):
@@ -169,14 +190,12 @@ class SparseEngine:
         self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
         return where
 
-    def _select(self, q, k, lse, ctx, scale):
-        cfg = self.cfg
-        b, h, n, _ = q.shape
-        if cfg.method == "mc_sparse":
-            return build_mc_sparse(q, k, lse, ctx.layout, cfg, scale=scale, backend=cfg.backend)
-        if cfg.method == "static":
+    def _select(self, policy, q, k, lse, ctx, scale):
+        if policy.shape_only:
+            b, h, n, _ = q.shape
             skey = (b, h, n, ctx.layout, str(q.device))
             if skey not in self._static:
-                self._static[skey] = build_static(b, h, n, ctx.layout, cfg, q.device)
+                self._static[skey] = policy.select(q, k, None, ctx.layout, self.cfg, scale=scale,
+                                                   backend=self.cfg.backend)
             return self._static[skey]
-        return build_block_topk(q, k, ctx.layout, cfg, hybrid=cfg.method == "hybrid", scale=scale)
+        return policy.select(q, k, lse, ctx.layout, self.cfg, scale=scale, backend=self.cfg.backend)

@@ -1,5 +1,5 @@
-"""MC-Sparse policy (seed 003): query groups of exactly C similar queries, each with its own exact
-token-level KV selection by group attention mass, computed at anchor steps.
+"""MC-Sparse policy (docs/method.md, "MC-Sparse"): query groups of exactly C similar queries, each with its own
+exact token-level KV selection by group attention mass, computed at anchor steps.
 
 Anchor selection = grouping (principal-direction median splits) + pass 2 (the group mass of every KV
 token, given the row LSE of the dense pass) + top-K per group. Text query rows are computed densely;
@@ -15,6 +15,7 @@ from .. import kernels
 from .block_geometry import rows_above_threshold, token_coords
 from .config import SparseConfig
 from .context import TokenLayout
+from .policy import Policy
 from .selection import TokenSelection
 
 MASS_CHUNK_BYTES = 1 << 30  # fp32 group-mass scratch per pass-2 chunk
@@ -71,3 +72,13 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n
     density = pairs / (b * h * n * n)
     return TokenSelection(groups, low, seg_ends, counts, text_rows if n_txt else None, density)
+
+
+class McSparsePolicy(Policy):
+    """Exact token-level selection per query group; needs the dense pass's row LSE."""
+
+    name = "mc_sparse"
+    needs_lse = True
+
+    def select(self, q, k, lse, layout, cfg, *, scale, backend) -> TokenSelection:
+        return build_mc_sparse(q, k, lse, layout, cfg, scale=scale, backend=backend)
