@@ -1,5 +1,5 @@
 """End-to-end denoising speed of real-dimension models (random bf16 weights) with the patch applied exactly
-as the node applies it (issue 7).
+as the node applies it.
 
     COMFYUI_PATH=/path/to/ComfyUI python bench/e2e.py --out DIR [--models wan13b,flux]
         [--methods mc_sparse,block_topk,sol] [--densities 0.25,0.15,0.1] [--budget-s 540] [--tiny]

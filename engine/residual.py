@@ -1,4 +1,5 @@
-"""Cached residuals R = O_dense - O_sparse (seed 003), stored in the model's dtype or in fp8.
+"""Cached residuals R = O_dense - O_sparse, stored in the model's dtype or in fp8 (docs/method.md, "Anchors,
+reuse and the residual").
 
 The residual is the largest cached tensor (one (B, H, N, D) output per layer: 1.55 GB at Wan 14B 720p
 with CFG), so by default it is stored as float8_e4m3fn with one fp32 scale per (batch, head, token)

@@ -1,7 +1,7 @@
 """Masked softmax-attention on gathered rows: the shared core of the PyTorch backend.
 
 Only standard tensor operations (matmul, gather, masked fill) so it runs on any torch device
-(seed 001: the backend-agnostic path). Work is chunked so no temporary exceeds ``CHUNK_ELEMS``
+(docs/method.md, "Backends"). Work is chunked so no temporary exceeds ``CHUNK_ELEMS``
 fp32 score elements.
 """
 

@@ -1,6 +1,6 @@
 """Block-sparse flash-attention forward in Triton over CSR-like block lists.
 
-The sparse index is laid over the flash tile loop (seed 000 §4.1): each program owns one query block
+The sparse index is laid over the flash tile loop (docs/method.md, "Block selection"): each program owns one query block
 and walks only its active KV blocks, with an online softmax, so skipped blocks count as -inf. Programs
 are issued heaviest row first (longest block list), so long dense rows (text, sinks) start early
 instead of forming the grid's tail. Twin of ``block_sparse_torch.block_sparse_attention``.

@@ -14,7 +14,7 @@ from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last
                              store_rows)
 
 _CONFIGS = configs(
-    # research/triton_kernels.md §0.5: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
+    # docs/kernel_notes.md: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
     [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
      dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
      dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
