@@ -24,6 +24,7 @@ from .config import SparseConfig
 from .context import CallContext
 from .policy import policy_for
 from .residual import Residual
+from .schedule import resolve_warmup
 from .stats import RunStats
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,15 @@ class SparseEngine:
         cfg = self.cfg
         if cfg.method == "dense" or not ctx.is_self or n_tokens < cfg.min_tokens:
             return DENSE
-        if ctx.step < cfg.warmup_steps or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
+        warmup = resolve_warmup(cfg.warmup_steps, ctx.total_steps)
+        if ctx.step < warmup or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
             return DENSE
         key = ctx.key(n_tokens)
         if key in self.cache.fallback_keys:
             return FALLBACK
         if self.cache.lookup(key) is None:
             return ANCHOR
-        if cfg.anchor_steps.is_anchor(ctx.step, cfg.warmup_steps) and self._anchored_at.get(key) != ctx.step:
+        if cfg.anchor_steps.is_anchor(ctx.step, warmup, ctx.total_steps) and self._anchored_at.get(key) != ctx.step:
             return ANCHOR
         return REUSE
 
@@ -121,7 +123,7 @@ class SparseEngine:
         if decision in (DENSE, FALLBACK):
             with self.stats.timed(ctx.layer, "attention", dev):
                 out = self._dense(q, k, v, scale, dense_fn)
-            self.stats.add(ctx.layer, decision, 1.0)
+            self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
         key = ctx.key(n)
         if decision == ANCHOR:
@@ -137,7 +139,7 @@ class SparseEngine:
             out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
             if entry.residual is not None:
                 entry.residual.add_to(out)
-        self.stats.add(ctx.layer, REUSE, selection.density)
+        self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
         return out
 
     def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
@@ -187,7 +189,7 @@ class SparseEngine:
         del diff
         where = self.cache.put(key, Entry(selection, residual))
         self._anchored_at[key] = ctx.step
-        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
+        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity, step=ctx.step)
         return where
 
     def _select(self, policy, q, k, lse, ctx, scale):

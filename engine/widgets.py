@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from .config import SparseConfig, parse_layers
 from .policy import method_names
+from .schedule import warmup_text
 
 DEFAULTS = SparseConfig()
 
@@ -60,16 +61,18 @@ WIDGETS: tuple[Widget, ...] = (
     Widget("query_group_size", "combo", ("group_size",), options=lambda: ("128", "64"), to_config=_int,
            default=lambda c: str(c.group_size),
            tooltip="Queries per group for mc_sparse (the kernel's tile). 128 is faster."),
-    Widget("warmup_steps", "int", ("warmup_steps",), minimum=0, maximum=1000,
-           tooltip="Dense denoising steps at the start of each run (they fix the layout)."),
+    Widget("warmup_steps", "string", ("warmup_steps",), default=lambda c: warmup_text(c.warmup_steps),
+           tooltip="Dense denoising steps at the start of the run (they fix the layout): a step count like '3' "
+                   "or a share of the run like '10%'. Steps count in the whole run, also across split samplers."),
     Widget("warmup_layers", "int", ("warmup_layers",), minimum=0, maximum=1000,
            tooltip="The first N transformer blocks always run dense."),
     Widget("dense_layers", "string", ("dense_layers",), to_config=parse_layers,
            default=lambda c: ",".join(map(str, c.dense_layers)),
            tooltip="Further blocks to keep dense, e.g. '0,1,38-39' (blocks numbered in model order)."),
     Widget("anchor_steps", "string", ("anchor_steps",), default=lambda c: c.anchor_steps.text(),
-           tooltip="Steps that recompute the selection (and residual), e.g. '10,26' or 'every 5'. The first "
-                   "sparse step is always an anchor."),
+           tooltip="Steps that recompute the selection (and residual): steps '10,26', shares of the run "
+                   "'20%,50%', 'every 5' or 'every 25%', or combined '0 + every 10'. The first sparse step is "
+                   "always an anchor, so '' means one anchor there."),
     Widget("residual_caching", "bool", ("residual",),
            tooltip="Cache dense-minus-sparse at anchors and add it back at the other steps (better quality, one "
                    "output-sized tensor per layer of memory)."),

@@ -7,7 +7,7 @@ here and not on every attention call; the token layout is computed once per toke
 
 from __future__ import annotations
 
-from ..engine import CallContext, TokenLayout
+from ..engine import CallContext, RunClock, TokenLayout
 from .families import Family
 
 INFO_KEY = "sparse_attention_forward"
@@ -41,14 +41,40 @@ def chunk_of(transformer_options: dict) -> tuple:
     return chunk
 
 
-class Forward:
-    """One model evaluation: family, latent shape, step, chunk, and the counter of self-attention calls
-    (the layer number of models that do not report ``block_index``)."""
+class StepCounter:
+    """Run steps of a sampler whose sigma schedule is not known: a new step whenever the sigma changes."""
 
-    def __init__(self, family: Family, x_shape, transformer_options: dict, layer_offsets: dict[str, int]):
+    def __init__(self):
+        self.step, self._sigma = -1, None
+
+    def __call__(self, transformer_options: dict) -> int:
+        sigmas = transformer_options.get("sigmas")
+        sigma = None if sigmas is None else float(sigmas.reshape(-1)[0])
+        if self.step < 0 or sigma != self._sigma:
+            self.step += 1
+            self._sigma = sigma
+        return self.step
+
+
+class Forward:
+    """One model evaluation: family, latent shape, run step, chunk, and the counter of self-attention calls
+    (the layer number of models that do not report ``block_index``).
+
+    ``clock`` places this sampler in the whole run (engine/schedule.py): the run step is the clock's offset plus
+    the position of the current sigma in the sampler's schedule. Without a schedule in the options, ``counter``
+    counts steps and the run's length is unknown."""
+
+    def __init__(self, family: Family, x_shape, transformer_options: dict, layer_offsets: dict[str, int],
+                 clock: RunClock | None = None, counter: StepCounter | None = None):
         self.family = family
         self.x_shape = tuple(x_shape) if x_shape is not None else None
-        self.step, self.total = step_index(transformer_options)
+        local, local_total = step_index(transformer_options)
+        if local_total is None and counter is not None:
+            self.step, self.total = counter(transformer_options), None
+        elif clock is not None and clock.total is not None:
+            self.step, self.total = clock.offset + local, clock.total
+        else:
+            self.step, self.total = local, local_total
         self.chunk = chunk_of(transformer_options)
         self.layer_offsets = layer_offsets
         self.calls = 0

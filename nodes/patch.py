@@ -14,10 +14,12 @@ import contextlib
 import importlib
 import logging
 
-from ..engine import SparseConfig, SparseEngine
+
+from ..engine import RunClock, SparseConfig, SparseEngine
 from .call import self_shaped, translate
 from .families import Family, family_of
-from .forward import INFO_KEY, Forward
+from .forward import INFO_KEY, Forward, StepCounter
+from .run_clock import clock_for
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class SparseAttentionPatch:
         self.snapshots: dict[int, dict] = {}
         self.runs = 0
         self.last_stats = None
+        self.clock: RunClock | None = None  # where the current (or last) sampler sits in the whole run
+        self._counter = StepCounter()
         self._logged: set[str] = set()
 
     def __deepcopy__(self, memo):
@@ -107,7 +111,12 @@ class SparseAttentionPatch:
 
     # lifecycle (ComfyUI callbacks and wrappers) -------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
-        """OUTER_SAMPLE wrapper: one sampling run; reset before, free and report after."""
+        """OUTER_SAMPLE wrapper: one sampling run; place it in the whole denoising run and check the schedule
+        against it (before any step runs), reset before, free and report after."""
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        self.clock = self._locate(executor, sigmas)
+        self._check_schedule(self.clock)
+        self._counter = StepCounter()
         self.engine.begin_run()
         self.snapshots = {}
         self.fallbacks = {}
@@ -117,11 +126,27 @@ class SparseAttentionPatch:
             self.last_stats = self.engine.end_run()
             self.runs += 1
 
+    def _locate(self, executor, sigmas) -> RunClock:
+        """The run clock of this sampler (nodes/run_clock.py)."""
+        try:
+            ms = executor.class_obj.model_patcher.get_model_object("model_sampling")
+        except Exception:  # noqa: BLE001 - a guider without a model patcher: the sampler's own steps
+            ms = None
+        return clock_for(sigmas, ms)
+
+    def _check_schedule(self, clock: RunClock) -> None:
+        """Reject, before sampling, anchor steps that lie beyond a run whose length is known exactly."""
+        if clock.exact and clock.total is not None:
+            beyond = [s for s in self.cfg.anchor_steps.steps if s >= clock.total]
+            if beyond:
+                raise ValueError(f"Sparse Attention: anchor_steps: step(s) {beyond} lie beyond this {clock.total}-step "
+                                 "run (steps count from 0); give them as shares of the run, e.g. '20%, 50%'")
+
     def apply_model(self, executor, x, t, *args, **kwargs):
         """APPLY_MODEL wrapper: this forward's facts (step, chunk, latent shape, layer counter), computed once."""
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
-            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets)
+            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter)
             if self.family.bypass_module is not None:
                 with route_module_attention(self.family.bypass_module, to):
                     return executor(x, t, *args, **kwargs)
