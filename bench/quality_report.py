@@ -47,7 +47,11 @@ def project_rows(rows: list[dict], costs: StepCosts) -> list[dict]:
     """Rows with "proj" (bench/quality_costs.py ``project``) added; rows with an error keep proj None."""
     out = []
     for r in rows:
-        proj = None if "error" in r else costs.project(r)
+        try:
+            proj = None if "error" in r else costs.project(r)
+        except ValueError as exc:  # e.g. a method without measured end-to-end costs
+            r = dict(r, no_projection=str(exc))
+            proj = None
         out.append(dict(r, proj=proj))
     return out
 
@@ -147,6 +151,9 @@ def _steps_text(r) -> str:
 def _row_md(r) -> str:
     if "error" in r:
         return f"| {r['label']} | {r['schedule']} | error: {r['error'][:120]} ||||||||"
+    if r.get("proj") is None:
+        return (f"| {r['label']} | {r['schedule']} | {r['psnr_mean']:.2f} ({r['psnr_min']:.2f}) | "
+                f"{r['ssim_mean']:.4f} | – (no step costs) | {_steps_text(r)} | | | {r['time_s']:.1f} |")
     st = r.get("stats") or {}
     fid = st.get("fidelity_mean")
     dens = st.get("density_sparse")
@@ -254,8 +261,8 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
             why.setdefault(s.get("reason", "?"), []).append(s)
         n = len(results["skipped"])
         L += ["", f"Not measured: {n} setting{'s' if n != 1 else ''} of the grid — "
-              + "; ".join(f"{len(v)} for {k} ({v[0].get('detail', '')}; e.g. `{v[0]['id']}`)" for k, v in why.items())
-              + "."]
+              + "; ".join(f"{len(v)} for {k}" + (f" ({v[0]['detail']})" if v[0].get("detail") else "")
+                          + f", e.g. `{v[0]['id']}`" for k, v in why.items()) + "."]
     L += ["", "## Targets", ""]
     names = {"a": f"(a) {TARGET_A[0]} steps: PSNR ≥ {TARGET_A[1]:g} dB with a projected Wan 14B speed-up ≥ "
                   f"{TARGET_A[2]:g}×",

@@ -334,7 +334,7 @@ def test_report_tables_frontier_and_targets(tmp_path, costs):
     assert "error: RuntimeError: boom" in md
     assert "![PSNR against projected speed-up](images/quality-frontier.png)" in md
     assert "matched them in all 9 runs" in md
-    assert "Not measured: 1 setting of the grid — 1 for time budget (9 s needed, 2 s left; e.g. `30|x`)" in md
+    assert "Not measured: 1 setting of the grid — 1 for time budget (9 s needed, 2 s left), e.g. `30|x`." in md
 
 
 def test_choose_prints_preset_snippets(tmp_path, costs):
