@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from quality_costs import FLAG_TEXT, MEASURED_CONFIG, StepCosts
-from quality_grid import ANCHOR, DENSE, REUSE, SCHEDULES, schedule_label
+from quality_grid import ANCHOR, DENSE, REUSE, SCHEDULES, schedule_label, sol_dense_steps
 
 FAMILIES = ("mc_sparse", "block_topk", "block_topk+select", "sol")
 FAMILY_TEXT = {"mc_sparse": "mc_sparse", "block_topk": "block_topk",
@@ -293,7 +293,10 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
     if plot_rel:
         L += ["", f"![PSNR against projected speed-up]({plot_rel})"]
     for steps in step_counts:
-        grid_order = {schedule_label(w, a): i for i, (w, a) in enumerate(SCHEDULES.get(steps, []))}
+        grid_order = {}
+        for i, (w, a) in enumerate(SCHEDULES.get(steps, [])):  # engine schedules and their Sol-Attn dense sets
+            grid_order[schedule_label(w, a)] = i
+            grid_order["dense " + ",".join(map(str, sol_dense_steps(steps, (w, a))))] = i
         sr = _order([r for r in rows if r["steps"] == steps], grid_order)
         L += ["", f"## {steps} steps", "",
               "| setting | schedule | PSNR dB mean (min) | SSIM | projected speed-up | steps d / a / r | "

@@ -271,6 +271,29 @@ def test_adapter_context_and_dense_paths():
         EngineAttention(dict(cfg, density=2.0), 3, context)
 
 
+def test_sol_runs_at_the_steps_outside_its_dense_set():
+    """bench/quality.py's Sol-Attn wrapper: the model's dense attention at the dense steps, Sol-Attn (here a
+    stand-in: comfy_kitchen needs CUDA) at every call of the other steps; counts match expected_calls."""
+    import importlib.util
+
+    from quality_grid import sol_setting
+
+    # by path: a bare "import quality" could find another module or folder of that name
+    spec = importlib.util.spec_from_file_location("quality_bench_cli", BENCH / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+
+    context: dict = {}
+    seen = []
+    attn = quality.SolOnSteps(0.15, [0, 2], context, lambda q, k, v: q * 0 + 1)
+    attn.sol = lambda q, k, v, density: seen.append((context["step"], density)) or q * 0 + 2
+    outs = fake_model_run(attn, context, 5, layers=3)
+    assert [int(o[-1].flatten()[0]) for o in outs] == [1] * 3 + [2] * 3 + [1] * 3 + [2] * 6
+    assert seen == [(s, 0.15) for s in (1, 3, 4) for _ in range(3)]
+    want = quality.expected_calls(sol_setting(5, 0.15, [0, 2], 1), layers=3, chunks=1)
+    assert {k: attn.stats[k] for k in want} == want == {"dense": 6, "sol": 9}
+
+
 # ---- report -----------------------------------------------------------------------------------------------
 
 def synthetic_results(tmp_path):
