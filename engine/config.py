@@ -15,6 +15,7 @@ from .policy import method_names
 from .schedule import AnchorSchedule, parse_warmup
 
 RESIDUAL_PRECISIONS = ("fp8", "model")
+GROUPINGS = ("pca", "cuboid")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class SparseConfig:
     density: fraction of query-key pairs kept among image tokens (0 < density <= 1).
     block_q, block_k: 64 or 128 (block granularity of block masks).
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
+    grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or
+        "cuboid" (neighbouring tiles of the latent grid: free, the same for every head).
     warmup_steps: dense steps at the start of the run: a step count, or a fraction of the run (0.1 or "10%").
     warmup_layers / dense_layers: computed densely (layers numbered in model order).
     anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
@@ -65,6 +68,7 @@ class SparseConfig:
     block_q: int = 128
     block_k: int = 128
     group_size: int = 128
+    grouping: str = "pca"
     warmup_steps: int | float = 0
     warmup_layers: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -117,6 +121,7 @@ class SparseConfig:
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
                    f"must be a number >= 0{alt}, got {v!r}")
+        _check(self.grouping in GROUPINGS, "grouping", f"must be one of {GROUPINGS}, got {self.grouping!r}")
         _check(self.residual_precision in RESIDUAL_PRECISIONS, "residual_precision",
                f"must be one of {RESIDUAL_PRECISIONS}, got {self.residual_precision!r}")
         _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
