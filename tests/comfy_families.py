@@ -320,7 +320,11 @@ def _minimax_h3(seed):
     video = torch.randn(1, 24, 3, 12, 16, generator=_g(seed + 1))   # 3 x 6 x 8 = 144 video tokens (patch 1x2x2)
     audio = torch.randn(1, 32, 2, 10, generator=_g(seed + 4))       # stereo: 2 x 10 = 20 audio tokens
     pos, neg = _pair(seed, 7, 48)
-    return _finish(cfg, seed), comfy.nested_tensor.NestedTensor([video, audio]), pos, neg
+    model = _finish(cfg, seed)
+    # the RoPE frequencies are a torch.empty buffer until a checkpoint loads: the standard 1 / 10000^(i/n)
+    inv = model.model.diffusion_model.rope.inv_freq
+    inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.shape[0], dtype=torch.float32) / inv.shape[0]))
+    return model, comfy.nested_tensor.NestedTensor([video, audio]), pos, neg
 
 
 def _trellis2_config():
