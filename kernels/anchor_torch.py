@@ -35,6 +35,4 @@ def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
 
 def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str):
     """Residual pair of dense - sparse ((B, H, N, D) each), encoded as ``precision``, in dense's dtype."""
-    diff = dense.float()
-    diff -= sparse.float()
-    return encode_residual(diff, precision, dense.dtype)
+    return encode_residual(dense.float() - sparse.float(), precision, dense.dtype)
