@@ -6,6 +6,8 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -49,12 +51,29 @@ def head_dim_pad(d: int) -> int:
 
 
 def seq_bucket(n: int) -> int:
-    """Autotune key bucket for a sequence length: next power of two (never one compile per length)."""
-    return triton.next_power_of_2(max(1, n))
+    """Autotune key bucket for a sequence length: next power of two, capped at 32768 (never one tuning
+    per length; from 32k tokens on the best tiling no longer changes, so one tuning serves all long
+    shapes and saves compile time)."""
+    return min(triton.next_power_of_2(max(1, n)), 32768)
+
+
+def tune_first() -> bool:
+    """SPARSE_ATTN_TUNE=first: every autotuned kernel uses its first (default) config only; for test runs,
+    which would otherwise compile every config of every specialisation they touch."""
+    return os.environ.get("SPARSE_ATTN_TUNE", "") == "first"
+
+
+def pick(candidates: list, interpret: list) -> list:
+    """The autotune candidates to use: ``interpret`` under the interpreter, the first one under
+    SPARSE_ATTN_TUNE=first, else all."""
+    if interpreting():
+        return interpret
+    return candidates[:1] if tune_first() else candidates
 
 
 def configs(options: list[dict], interpret_pick: dict) -> list[triton.Config]:
     """Autotune configs; under the CPU interpreter a single one (it would run every config serially)."""
+    options = pick(options, [interpret_pick])
     if interpreting():
         options = [interpret_pick]
     return [triton.Config({k: v for k, v in o.items() if k not in ("num_warps", "num_stages")},

@@ -24,9 +24,8 @@ import triton
 import triton.language as tl
 
 from . import _hopper
-from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, load_rows, online_softmax_step,
+from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, load_rows, online_softmax_step, pick,
                              residual_launch_args, residual_mode, seq_bucket, store_residual_out, store_rows)
-from .backend import interpreting
 
 MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
 
@@ -155,14 +154,13 @@ def _cfg(bn, w, s, per_sm=1, maxnreg=None):
 # spill (the 128 x 128 fp32 accumulator takes 128 registers a thread) while 8 warps fit (156-216
 # registers); capped at 128 registers, two 8-warp programs share an SM. Stages: indirect loads are
 # pipelined only from 3 stages; the masked tail is unrolled so it takes no buffers of its own.
-SPARSE_CONFIGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 3),
-                  _cfg(32, 4, 4), _cfg(128, 4, 3)]
-DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2), _cfg(64, 4, 3), _cfg(128, 8, 3)]
-ANCHOR_CONFIGS = [_cfg(64, 8, 3), _cfg(128, 8, 3), _cfg(64, 8, 2), _cfg(64, 4, 3)]
-PERSISTENT_CONFIGS = [_cfg(64, 8, 3, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1), _cfg(64, 4, 3, 1),
-                      _cfg(64, 4, 3, 2)]
+SPARSE_CONFIGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(64, 4, 3), _cfg(128, 8, 2),
+                  _cfg(128, 4, 3)]
+DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2)]
+ANCHOR_CONFIGS = [_cfg(64, 8, 3), _cfg(128, 8, 3), _cfg(64, 8, 2)]
+PERSISTENT_CONFIGS = [_cfg(64, 8, 3, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1)]
 # Triton 3.6 leaves Hopper loops unspecialised at 8 warps and fails to compile them at 4 (kernel notes)
-WARP_SPEC_CONFIGS = [_cfg(64, 8, 3), _cfg(128, 8, 3), _cfg(64, 8, 2)]
+WARP_SPEC_CONFIGS = [_cfg(64, 8, 3)]
 INTERPRET_CONFIG = [_cfg(32, 4, 1)]
 
 
@@ -173,10 +171,11 @@ def _prune(configs_, named_args, **kwargs):
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
     kept = [c for c in configs_ if c.kwargs["BLOCK_N"] <= bk and not (bm == 64 and c.num_warps == 8)
             and not (bm == 128 and c.num_warps == 4 and c.kwargs["BLOCK_N"] == 128)]
-    return kept or [configs_[0]]
+    return kept or [_cfg(min(64, bk), 4, 3)]
 
 
-_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "RESIDUAL", "RES_OUT", "WRITE_LSE"]
+# residual and LSE flags are not in the key: their variants reuse the tiling tuned without them
+_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE"]
 _HEUR = {"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0}
 _tuned: dict[str, object] = {}
 
@@ -184,9 +183,8 @@ _tuned: dict[str, object] = {}
 def _kernel(kind: str):
     """The autotuned kernel of ``kind`` (sparse, dense, anchor, persistent, warp_spec), built on first use."""
     if kind not in _tuned:
-        configs = INTERPRET_CONFIG if interpreting() else {
-            "sparse": SPARSE_CONFIGS, "dense": DENSE_CONFIGS, "anchor": ANCHOR_CONFIGS,
-            "persistent": PERSISTENT_CONFIGS, "warp_spec": WARP_SPEC_CONFIGS}[kind]
+        configs = pick({"sparse": SPARSE_CONFIGS, "dense": DENSE_CONFIGS, "anchor": ANCHOR_CONFIGS,
+                        "persistent": PERSISTENT_CONFIGS, "warp_spec": WARP_SPEC_CONFIGS}[kind], INTERPRET_CONFIG)
         extra = {"reset_to_zero": ["COUNTER"]} if kind == "persistent" else {}
         _tuned[kind] = triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune},
                                        **extra)(triton.heuristics(_HEUR)(_attn_tma))

@@ -23,8 +23,7 @@ import triton.language as tl
 
 from . import _hopper
 from ._checks import triton_group_problem
-from ._triton_common import LOG2E, head_dim_pad, last_dim_contiguous, load_rows, seq_bucket
-from .backend import interpreting
+from ._triton_common import LOG2E, head_dim_pad, last_dim_contiguous, load_rows, pick, seq_bucket
 from .selection_torch import check_mass_args
 
 
@@ -32,8 +31,7 @@ def _cfg(bn, w, s, split=1, poly=0):
     return triton.Config({"BLOCK_N": bn, "SPLIT": split, "POLY": poly}, num_warps=w, num_stages=s)
 
 
-CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1),
-           _cfg(64, 4, 2), _cfg(128, 4, 3)]
+CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1)]
 INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
 
 
@@ -99,8 +97,7 @@ def _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT: tl.constexpr,
     return m
 
 
-@triton.autotune(configs=INTERPRET_CONFIGS if interpreting() else CONFIGS, key=["N_BUCKET", "HEAD_DIM", "GROUP",
-                                                                                  "USE_TMA"],
+@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit

@@ -20,15 +20,15 @@ from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad,
                              load_group, residual_launch_args, residual_mode, seq_bucket, store_rows)
 from .token_sparse_torch import check_token_lists
 
-# Gathered (index-dependent) loads are pipelined only with >= 3 stages; 4 warps beat 8 for gathers on
-# Hopper (docs/kernel_notes.md), BLOCK_N 128 with 8 warps is the candidate for the larger tile.
+# Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
+# sm_90 compiler report (docs/kernel_notes.md): with 128 queries and D = 128, 4 warps spill ~200 bytes
+# (BLOCK_N 64) while 8 warps fit in 176-248 registers; 4 warps measured best before, so both are tried.
 _CONFIGS = configs(
     [dict(BLOCK_N=64, num_warps=4, num_stages=3),
-     dict(BLOCK_N=64, num_warps=4, num_stages=4),
-     dict(BLOCK_N=64, num_warps=4, num_stages=5),
-     dict(BLOCK_N=32, num_warps=4, num_stages=4),
+     dict(BLOCK_N=64, num_warps=8, num_stages=3),
+     dict(BLOCK_N=64, num_warps=8, num_stages=5),
      dict(BLOCK_N=128, num_warps=8, num_stages=3),
-     dict(BLOCK_N=64, num_warps=8, num_stages=4)],
+     dict(BLOCK_N=32, num_warps=4, num_stages=4)],
     interpret_pick=dict(BLOCK_N=32))
 
 
@@ -38,7 +38,7 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "RESIDUAL"],
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
