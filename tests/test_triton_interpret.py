@@ -94,9 +94,9 @@ spec.loader.exec_module(pack)
 sys.path.insert(0, sys.argv[1] + "/tests")
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
-from comfyui_sparse_attention.kernels import (_hopper, anchor_torch, anchor_triton, attention_hopper, block_sparse_torch,
-                                              block_sparse_triton, dense_torch, dense_triton, mass_triton,
-                                              selection_torch, token_sparse_torch, token_sparse_triton)
+from comfyui_sparse_attention.kernels import (_hopper, anchor_torch, anchor_triton, attention_hopper,
+                                              block_sparse_torch, block_sparse_triton, dense_torch, dense_triton,
+                                              mass_triton, selection_torch, token_sparse_torch, token_sparse_triton)
 from comfyui_sparse_attention.kernels._residual import encode_residual
 results, flags = {}, {}
 
@@ -159,7 +159,8 @@ for dtype in (torch.float16, torch.float32):
             ref = token_sparse_torch.token_sparse_attention(q, k, v, lost, toks, tcnt, residual=res)
             rel(f"token-res-{kind}-" + tag, out, ref)
             rows = groups[0, 1, 0].long(); rows = rows[rows >= 0]
-            flags[f"token-nogroup-exact-{kind}-" + tag] = bool(torch.equal(out[0, 1, rows], decode(res)[0, 1, rows].to(dtype)))
+            want = decode(res)[0, 1, rows].to(dtype)
+            flags[f"token-nogroup-exact-{kind}-" + tag] = bool(torch.equal(out[0, 1, rows], want))
         _, lse = dense_torch.attention_dense(q, k, v, return_lse=True)
         lse[0, 0, :5] = float("-inf")
         ref = selection_torch.group_kv_mass(q, k, lse, groups)
