@@ -18,7 +18,7 @@ from . import _hopper
 from ._checks import check_qkv, check_scale
 from ._residual import check_residual, contiguous_residual
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
-                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows)
+                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
 from .block_sparse_torch import check_block_lists
 
 _CONFIGS = configs(
@@ -36,7 +36,7 @@ def _prune(configs_, named_args, **kwargs):
 
 
 @triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
