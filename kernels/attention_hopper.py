@@ -157,7 +157,7 @@ def _cfg(bn, w, s, per_sm=1, maxnreg=None):
 # pipelined only from 3 stages; the masked tail is unrolled so it takes no buffers of its own.
 SPARSE_CONFIGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(64, 4, 3), _cfg(128, 8, 2),
                   _cfg(128, 4, 3)]
-DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2)]
+DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 2, maxnreg=128), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2)]
 ANCHOR_CONFIGS = [_cfg(64, 8, 3), _cfg(128, 8, 3), _cfg(64, 8, 2)]
 PERSISTENT_CONFIGS = [_cfg(64, 8, 3, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1)]
 # Triton 3.6 leaves Hopper loops unspecialised at 8 warps and fails to compile them at 4 (kernel notes)
