@@ -189,7 +189,7 @@ class Shape:
         tag = "flex128_skew" if skewed else "flex128"
         for dens in densities:
             idx, cnt, real = self.block_lists(dens, skewed)
-            if not self.budget.ok(f"{self.name} {tag} {dens}", need=5.0):
+            if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # a first call compiles (~30 s)
                 return
             try:
                 run = self.flex(q, k, v, idx, cnt, 128)
@@ -406,7 +406,16 @@ def main():
             torch.cuda.empty_cache()
         step(name, what, *a)
     save()
-    (out_dir / "resources.json").write_text(json.dumps(resources(mods), indent=1))
+    try:
+        res = resources(mods)
+    except Exception as exc:  # Triton's cache layout differs between versions: report, do not fail
+        res = [dict(error=f"{type(exc).__name__}: {exc}")]
+    (out_dir / "resources.json").write_text(json.dumps(res, indent=1))
+    say(f"compiled kernels: {len(res)} (registers / spill bytes / shared bytes, warps, stages)")
+    for r in res:
+        if "n_regs" in r:
+            print(f"    {r['kernel']:13s} regs {r['n_regs']:3d} spills {r['n_spills']:4d} shared {r['shared']:6d} "
+                  f"w{r['num_warps']} s{r['num_stages']} maxnreg {r['maxnreg']}")
     md = table(meta, rows, tests, budget)
     (out_dir / "hopper.md").write_text(md)
     say("done")
