@@ -152,16 +152,18 @@ def _cfg(bn, w, s, per_sm=1, maxnreg=None):
 
 
 # Candidates, from the sm_90 compiler reports (docs/kernel_notes.md): with BLOCK_M 128 and D 128, 4 warps
-# spill (the 128 x 128 fp32 accumulator takes 128 registers a thread) while 8 warps fit (156-216
-# registers); capped at 128 registers, two 8-warp programs share an SM. Stages: indirect loads are
-# pipelined only from 3 stages; the masked tail is unrolled so it takes no buffers of its own.
-SPARSE_CONFIGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(64, 4, 3), _cfg(128, 8, 2),
+# spill (the 128 x 128 fp32 accumulator takes 128 registers a thread) while 8 warps fit (149-229
+# registers); capped at 128 registers, two 8-warp programs share an SM. Stages: the pipeliner splits its
+# latency budget over the index load and the K/V loads that depend on it, so block lists need 5 stages for
+# K/V two tiles ahead (3 and 4 give one); dense tiles are one load deep. The masked tail is unrolled so it
+# takes no buffers of its own.
+SPARSE_CONFIGS = [_cfg(64, 8, 5), _cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(64, 4, 5),
                   _cfg(128, 4, 3)]
 DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 2, maxnreg=128), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2)]
-ANCHOR_CONFIGS = [_cfg(64, 8, 3), _cfg(128, 8, 3), _cfg(64, 8, 2)]
-PERSISTENT_CONFIGS = [_cfg(64, 8, 3, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1)]
+ANCHOR_CONFIGS = [_cfg(64, 8, 5), _cfg(64, 8, 3), _cfg(128, 8, 3)]
+PERSISTENT_CONFIGS = [_cfg(64, 8, 5, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1)]
 # Triton 3.6 leaves Hopper loops unspecialised at 8 warps and fails to compile them at 4 (kernel notes)
-WARP_SPEC_CONFIGS = [_cfg(64, 8, 3)]
+WARP_SPEC_CONFIGS = [_cfg(64, 8, 5)]
 INTERPRET_CONFIG = [_cfg(32, 4, 1)]
 
 
