@@ -8,8 +8,8 @@ import torch
 
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
-from ._residual import add_residual_, check_residual
 from ._gather import flat_rows, gather_rows, head_offsets
+from ._residual import add_residual_, check_residual
 from ._torch_softmax import attend, rows_per_chunk
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
-from ._residual import add_residual_, check_residual
 from ._gather import flat_rows, gather_rows, head_offsets
+from ._residual import add_residual_, check_residual
 from ._torch_softmax import attend, rows_per_chunk
 
 
