@@ -9,6 +9,7 @@ import torch
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
 from ._gather import flat_rows, gather_rows, head_offsets
+from ._residual import add_residual_, check_residual
 from ._torch_softmax import attend, rows_per_chunk
 
 
@@ -36,7 +37,7 @@ def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=Tr
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           validate: bool = True):
+                           validate: bool = True, residual=None):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32, fp32 accumulation.
@@ -45,10 +46,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128.
     Returns out (B, H, Nq, D) in q's dtype. A query with nothing to attend gets out 0.
     ``validate=False`` skips the value checks of the lists (for lists the engine built itself).
+    residual: None or a (data, scale) pair (kernels/_residual.py): out = attention + data * scale in fp32,
+    cast once; a query with nothing to attend gets exactly the residual.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    res = check_residual(residual, q)
     dev = q.device
     out = torch.zeros((b * h, n_qblk * block_q, d), dtype=torch.float32, device=dev)
     if max_k > 0:
@@ -74,4 +78,5 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             o, _ = attend(qblocks[sl].float(), gather_rows(kr, t + off[sl]), gather_rows(vr, t + off[sl]), valid,
                           scale)
             o_view[sl] = o
-    return out[:, :nq].reshape(b, h, nq, d).to(q.dtype)
+    out = out[:, :nq].reshape(b, h, nq, d)
+    return add_residual_(out, res).to(q.dtype)
