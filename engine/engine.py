@@ -23,7 +23,8 @@ from .cache import Entry, SelectionCache
 from .config import SparseConfig
 from .context import CallContext
 from .policy import policy_for
-from .residual import Residual
+from .residual import Residual, residual_precision
+from .selection import BlockSelection
 from .schedule import resolve_warmup
 from .stats import RunStats
 
@@ -135,10 +136,8 @@ class SparseEngine:
         if policy.reselects(self.cfg):
             with self.stats.timed(ctx.layer, "selection", dev):
                 selection = self._select(policy, q, k, None, ctx, scale)
-        with self.stats.timed(ctx.layer, "attention", dev):
-            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
-            if entry.residual is not None:
-                entry.residual.add_to(out)
+        with self.stats.timed(ctx.layer, "attention", dev):  # the residual is added in the kernel's epilogue
+            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend, residual=entry.residual)
         self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
         return out
 
@@ -165,6 +164,17 @@ class SparseEngine:
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
         cfg, dev, policy = self.cfg, q.device, self.policy
+        if not policy.needs_lse:  # block selections come from q and k alone: select first, then one fused pass
+            with self.stats.timed(ctx.layer, "selection", dev):
+                selection = self._select(policy, q, k, None, ctx, scale)
+            if isinstance(selection, BlockSelection):
+                with self.stats.timed(ctx.layer, "attention", dev):
+                    precision = cfg.residual_precision if cfg.residual else "model"
+                    out_d, (r_data, r_scale) = selection.anchor(q, k, v, scale=scale, backend=cfg.backend,
+                                                                precision=residual_precision(precision, dev))
+                with self.stats.timed(ctx.layer, "store", dev):
+                    self._store_residual(key, selection, out_d, Residual(r_data, r_scale), ctx)
+                return out_d
         with self.stats.timed(ctx.layer, "attention", dev):
             if policy.needs_lse:
                 out_d, lse = kernels.attention_dense(q, k, v, scale=scale, return_lse=True, backend=cfg.backend)
@@ -180,6 +190,17 @@ class SparseEngine:
             log.debug("layer %s: selection not cached", ctx.layer)
         return out_d
 
+    def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
+        """Cache an anchor's selection with a residual the kernel already encoded."""
+        nr, no = residual.norm(), float(torch.linalg.vector_norm(out_d).float())
+        self.cache_entry(key, selection, residual if self.cfg.residual else None, nr / max(no, 1e-30), ctx)
+
+    def cache_entry(self, key, selection, residual, fidelity: float, ctx) -> str:
+        where = self.cache.put(key, Entry(selection, residual))
+        self._anchored_at[key] = ctx.step
+        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity, step=ctx.step)
+        return where
+
     def _store(self, key, selection, out_d, out_s, ctx) -> str:
         diff = out_d - out_s
         # norms accumulate in fp32 inside the reduction (no fp32 copies of two (B, H, N, D) tensors)
@@ -187,10 +208,7 @@ class SparseEngine:
         fidelity = nd / max(no, 1e-30)
         residual = Residual.encode(diff, self.cfg.residual_precision) if self.cfg.residual else None
         del diff
-        where = self.cache.put(key, Entry(selection, residual))
-        self._anchored_at[key] = ctx.step
-        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity, step=ctx.step)
-        return where
+        return self.cache_entry(key, selection, residual, fidelity, ctx)
 
     def _select(self, policy, q, k, lse, ctx, scale):
         if policy.shape_only:

@@ -30,6 +30,18 @@ def fp8_supported(device: torch.device) -> bool:
     return FP8 is not None and device.type in ("cuda", "cpu")
 
 
+def residual_precision(precision: str, device: torch.device) -> str:
+    """The storage a residual gets on ``device``: "fp8" where supported (else "model", logged once)."""
+    global _warned
+    if precision == "fp8" and not fp8_supported(device):
+        if not _warned:
+            _warned = True
+            log.info("sparse attention: fp8 residuals are not available on %s; stored in the model's dtype",
+                     device.type)
+        return "model"
+    return precision
+
+
 def _head_chunks(x: torch.Tensor):
     """Slices over dim 1 (heads) of a (B, H, N, D) tensor, each at most ~CHUNK_ELEMS elements."""
     per_head = max(1, x.numel() // max(1, x.shape[1]))
@@ -77,6 +89,16 @@ class Residual:
         for sl in _head_chunks(out):
             out[:, sl].addcmul_(self.data[:, sl].to(out.dtype), self.scale[:, sl].to(out.dtype))
         return out
+
+    def norm(self) -> float:
+        """L2 norm of the decoded residual, accumulated in fp32 one head chunk at a time."""
+        total = 0.0
+        for sl in _head_chunks(self.data):
+            x = self.data[:, sl].float()
+            if self.scale is not None:
+                x = x * self.scale[:, sl]
+            total += float(torch.linalg.vector_norm(x)) ** 2
+        return total ** 0.5
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The residual as a (B, H, N, D) tensor of ``dtype``."""

@@ -34,11 +34,19 @@ class BlockSelection:
     block_k: int
     density: float
 
-    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
-        """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks."""
+    def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks, plus ``residual`` (a Residual or None)
+        added in the kernel's epilogue."""
         return kernels.block_sparse_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
                                               block_k=self.block_k, scale=scale, backend=backend,
-                                              validate=False)
+                                              validate=False, residual=residual)
+
+    def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8"):
+        """The anchor step in one pass (kernels.block_anchor_attention): (out_dense (B, H, N, D), residual
+        (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or "model")."""
+        return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
+                                              block_k=self.block_k, scale=scale, residual_precision=precision,
+                                              backend=backend, validate=False)
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +128,11 @@ class TokenSelection:
             out.add_((slot >= self.seg_ends[..., s:s + 1]).to(torch.int32).mul_(SEGMENT))
         return out
 
-    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
-        """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows, dense text rows."""
+    def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows plus ``residual`` (a Residual or None,
+        added in the kernel's epilogue), dense text rows."""
         out = kernels.token_sparse_attention(q, k, v, self.q_groups, self.kv_tokens(), self.kv_counts, scale=scale,
-                                             backend=backend, validate=False)
+                                             backend=backend, validate=False, residual=residual)
         if self.dense_rows is not None and self.dense_rows.numel():
             rows = self.dense_rows
             out[:, :, rows] = kernels.attention_dense(q[:, :, rows], k, v, scale=scale, backend=backend)
