@@ -232,10 +232,11 @@ def sdpa_call_seconds(shape, dtype, device, reps=5):
 
 
 def schedule_counts(preset, total: int) -> tuple[int, int]:
-    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps (the first sparse step is
-    always an anchor)."""
-    warm = min(preset.warmup_steps, total)
-    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm))
+    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps, resolved as the engine does
+    (shares of the run against ``total``; the first sparse step is always an anchor)."""
+    from _pack import load
+    warm = min(load("engine.schedule").resolve_warmup(preset.warmup_steps, total), total)
+    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm, total))
     return warm, anchors
 
 
