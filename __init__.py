@@ -14,7 +14,7 @@ NODE_CLASS_MAPPINGS = {}
 NODE_DISPLAY_NAME_MAPPINGS = {}
 
 try:
-    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
+    from .nodes.registry import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
 except ImportError as exc:  # outside ComfyUI (tests, tools): no `comfy` package to patch
     log.debug("sparse attention: nodes not registered (%s)", exc)
 

@@ -6,15 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${COMFYUI_PATH:?set COMFYUI_PATH to a ComfyUI source tree}"
-grep -qx "/.carry/" .git/info/exclude 2>/dev/null || echo "/.carry/" >> .git/info/exclude
+source bench/wheels.sh
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$work/whl" comfy-kitchen==0.2.40 torchsde==0.2.6 trampoline==0.1.2
-mkdir -p "$work/x/site"
-for w in "$work"/whl/*.whl; do (cd "$work/x/site" && python3 -m zipfile -e "$w" .); done
-rm -rf "$work/x/site/comfy_kitchen/backends/hip"  # 150 MB of ROCm code the H200 does not need
+fetch_wheels "$work/x/site" comfy-kitchen==0.2.40 torchsde==0.2.6 trampoline==0.1.2
 cp -r "$COMFYUI_PATH" "$work/x/comfyui"
 (cd "$work/x/comfyui" && rm -rf tests tests-unit comfy_api_nodes script_examples .git \
   && find . -name __pycache__ -prune -exec rm -rf {} +)

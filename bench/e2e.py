@@ -1,5 +1,5 @@
 """End-to-end denoising speed of real-dimension models (random bf16 weights) with the patch applied exactly
-as the node applies it (issue 7).
+as the node applies it.
 
     COMFYUI_PATH=/path/to/ComfyUI python bench/e2e.py --out DIR [--models wan13b,flux]
         [--methods mc_sparse,block_topk,sol] [--densities 0.25,0.15,0.1] [--budget-s 540] [--tiny]
@@ -178,7 +178,7 @@ def shape_recorder(shapes: list):
 def sol_override(density: float, min_tokens: int, counter: dict):
     """ComfyUI's experimental sparse node's use of comfy_kitchen.sol_attn (top-k ratio = density): dense for
     masks, cross-attention, head dims other than 128, non-CUDA tensors and short sequences."""
-    import comfy_kitchen as ck
+    from sol_attention import sol_attention
 
     def override(func, q, k, v, heads, mask=None, *args, **kwargs):
         skip, skip_out = kwargs.get("skip_reshape", False), kwargs.get("skip_output_reshape", False)
@@ -188,14 +188,11 @@ def sol_override(density: float, min_tokens: int, counter: dict):
             counter["dense"] = counter.get("dense", 0) + 1
             return func(q, k, v, heads, mask, *args, **kwargs)
         counter["sol"] = counter.get("sol", 0) + 1
-        dt = qh.dtype if qh.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        qt, kt, vt = (t.transpose(1, 2).to(dt).contiguous() for t in (qh, kh, vh))  # (B, N, H, D)
-        extra = {"scale": kwargs["scale"]} if kwargs.get("scale") is not None else {}
-        out = ck.sol_attn(qt, kt, vt, topk_ratio=density, **extra).to(qh.dtype)
+        out = sol_attention(qh, kh, vh, density, kwargs.get("scale"))  # (B, H, N, D)
         if skip_out:
-            return out.transpose(1, 2)
-        b, n, h, d = out.shape
-        return out.reshape(b, n, h * d)
+            return out
+        b, h, n, d = out.shape
+        return out.transpose(1, 2).reshape(b, n, h * d)
     return override
 
 
@@ -235,10 +232,11 @@ def sdpa_call_seconds(shape, dtype, device, reps=5):
 
 
 def schedule_counts(preset, total: int) -> tuple[int, int]:
-    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps (the first sparse step is
-    always an anchor)."""
-    warm = min(preset.warmup_steps, total)
-    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm))
+    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps, resolved as the engine does
+    (shares of the run against ``total``; the first sparse step is always an anchor)."""
+    from _pack import load
+    warm = min(load("engine.schedule").resolve_warmup(preset.warmup_steps, total), total)
+    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm, total))
     return warm, anchors
 
 
@@ -347,11 +345,12 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
 
 
 def bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense, total, warm, sched):
-    try:
-        import comfy_kitchen  # noqa: F401
-    except ImportError as exc:
-        log.warning("sol skipped: comfy_kitchen is not importable (%s)", exc)
-        return dict(model=name, mode=f"sol@{dens}", skipped=str(exc))
+    from sol_attention import sol_unavailable
+
+    why = sol_unavailable()
+    if why:
+        log.warning("sol skipped: %s", why)
+        return dict(model=name, mode=f"sol@{dens}", skipped=why)
     counter: dict = {}
     sm = with_override(model, sol_override(dens, min_tokens, counter))
     times, peak = timed_run(sm, latent, pos, neg, cfg, n_timed + 1, device)

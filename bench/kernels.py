@@ -40,16 +40,17 @@ def bench(fn, rep_ms=60):
 
 def block_lists(h, nqb, nkb, density, skewed, gen):
     """Random distinct sorted KV blocks per query block. Skewed: 10 % of query blocks dense, the rest
-    sized so the overall density stays ``density`` (at least one block each)."""
-    scores = torch.rand(1, h, nqb, nkb, device="cuda", generator=gen)
+    sized so the overall density stays ``density`` (at least one block each). On ``gen``'s device."""
+    dev = gen.device
+    scores = torch.rand(1, h, nqb, nkb, device=dev, generator=gen)
     count = max(1, round(density * nkb))
-    k = torch.full((1, h, nqb), count, device="cuda")
+    k = torch.full((1, h, nqb), count, device=dev)
     if skewed and density < 1.0:
-        dense_rows = torch.rand(1, h, nqb, device="cuda", generator=gen) < 0.1
+        dense_rows = torch.rand(1, h, nqb, device=dev, generator=gen) < 0.1
         rest = max(1, round((density - 0.1) / 0.9 * nkb)) if density > 0.1 else 1
         k = torch.where(dense_rows, torch.full_like(k, nkb), torch.full_like(k, rest))
     order = torch.argsort(scores, dim=-1, descending=True)
-    keep = torch.arange(nkb, device="cuda") < k.unsqueeze(-1)
+    keep = torch.arange(nkb, device=dev) < k.unsqueeze(-1)
     chosen = torch.where(keep, order, torch.full_like(order, nkb))
     idx = torch.sort(chosen, dim=-1).values
     width = int(k.max())
@@ -61,7 +62,7 @@ def block_lists(h, nqb, nkb, density, skewed, gen):
 def kept_fraction(cnt, n, bq, bk):
     """Exact fraction of (q, k) pairs computed, counting ragged last blocks."""
     nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
-    q_rows = torch.full((nqb,), bq, device="cuda", dtype=torch.float64)
+    q_rows = torch.full((nqb,), bq, device=cnt.device, dtype=torch.float64)
     q_rows[-1] = n - (nqb - 1) * bq
     # ragged last KV block: approximate each kept block as full (the last block is 1 of nkb)
     frac = (cnt.double() * q_rows.view(1, 1, -1)).sum() * bk / (cnt.shape[1] * n * nkb * bk)

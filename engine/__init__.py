@@ -4,10 +4,11 @@ Public: SparseConfig (validated settings), CallContext / TokenLayout (what a cal
 (decide dense / anchor / reuse, select, compute, compensate), RunStats (per-run statistics).
 """
 
-from .config import AnchorSchedule, Densities, SparseConfig, parse_layers
+from .config import Densities, SparseConfig, parse_layers
 from .context import CallContext, TokenLayout
 from .engine import SparseEngine
+from .schedule import AnchorSchedule, Coordinate, RunClock, locate_run
 from .stats import RunStats
 
-__all__ = ["AnchorSchedule", "CallContext", "Densities", "RunStats", "SparseConfig", "SparseEngine", "TokenLayout",
-           "parse_layers"]
+__all__ = ["AnchorSchedule", "CallContext", "Coordinate", "Densities", "RunClock", "RunStats", "SparseConfig",
+           "SparseEngine", "TokenLayout", "locate_run", "parse_layers"]

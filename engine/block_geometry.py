@@ -1,6 +1,6 @@
 """Block-level geometry of a token layout: which blocks hold text, where image blocks sit in (F, H, W).
 
-Used by the block policies: text rows/columns stay dense (seed 000 §3) and local windows are measured
+Used by the block policies: text rows/columns stay dense (docs/method.md, "Modalities") and local windows are measured
 between block centroids in the latent grid.
 """
 

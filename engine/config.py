@@ -10,73 +10,27 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("dense", "static", "block_topk", "mc_sparse", "hybrid")
-BACKENDS = ("auto", "triton", "torch")
+from ..kernels.backend import BACKENDS
+from .policy import method_names
+from .schedule import AnchorSchedule, parse_warmup
+
 RESIDUAL_PRECISIONS = ("fp8", "model")
+GROUPINGS = ("pca", "cuboid")
 
 
 @dataclass(frozen=True)
 class Densities:
     """Fraction of keys kept per modality pair (query -> key). None means "use the global density".
 
-    Seed 000 §3: text rows and text columns stay dense by default (text->text, text->image,
-    image->text = 1.0); image->image (video/image/3D tokens among themselves) takes the global density.
+    Text rows and text columns stay dense by default (text->text, text->image, image->text = 1.0;
+    docs/method.md, "Modalities"); image->image (video/image/3D tokens among themselves) takes the global
+    density.
     """
 
     text_to_text: float = 1.0
     text_to_image: float = 1.0
     image_to_text: float = 1.0
     image_to_image: float | None = None
-
-
-@dataclass(frozen=True)
-class AnchorSchedule:
-    """Anchor steps: an explicit list of step indices, or every ``every`` steps after warm-up."""
-
-    steps: tuple[int, ...] = ()
-    every: int = 0
-
-    @staticmethod
-    def parse(value) -> "AnchorSchedule":
-        """Accepts "10,26", [10, 26], "every 5", "every:5", {"every": 5}, 5 (= every 5) or "" (none)."""
-        if isinstance(value, AnchorSchedule):
-            return value
-        if value is None or value == "" or value == []:
-            return AnchorSchedule()
-        if isinstance(value, dict):
-            return AnchorSchedule(steps=tuple(int(s) for s in value.get("steps", ())), every=int(value.get("every", 0)))
-        if isinstance(value, bool):
-            raise ValueError("anchor_steps: expected a list of steps or 'every N', got a boolean")
-        if isinstance(value, int):
-            return AnchorSchedule(every=value)
-        if isinstance(value, str):
-            text = value.strip().lower()
-            if text.startswith("every"):
-                num = text[5:].strip(" :=")
-                if not num.isdigit():
-                    raise ValueError(f"anchor_steps: cannot read {value!r} (expected 'every N')")
-                return AnchorSchedule(every=int(num))
-            parts = [p.strip() for p in text.replace(";", ",").split(",") if p.strip()]
-            if not all(p.isdigit() for p in parts):
-                raise ValueError(f"anchor_steps: cannot read {value!r} (expected e.g. '10,26' or 'every 5')")
-            return AnchorSchedule(steps=tuple(sorted(int(p) for p in parts)))
-        if isinstance(value, (list, tuple)):
-            try:
-                return AnchorSchedule(steps=tuple(sorted(int(s) for s in value)))
-            except (TypeError, ValueError):
-                raise ValueError(f"anchor_steps: expected integers, got {value!r}") from None
-        raise ValueError(f"anchor_steps: unsupported value {value!r}")
-
-    def is_anchor(self, step: int, warmup_steps: int) -> bool:
-        if step in self.steps:
-            return True
-        return self.every > 0 and step >= warmup_steps and (step - warmup_steps) % self.every == 0
-
-    def describe(self) -> str:
-        parts = [",".join(map(str, self.steps))] if self.steps else []
-        if self.every:
-            parts.append(f"every {self.every}")
-        return " + ".join(parts) or "first sparse step only"
 
 
 @dataclass(frozen=True)
@@ -87,8 +41,12 @@ class SparseConfig:
     density: fraction of query-key pairs kept among image tokens (0 < density <= 1).
     block_q, block_k: 64 or 128 (block granularity of block masks).
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
-    warmup_steps / warmup_layers / dense_layers: computed densely.
-    anchor_steps: when selection (and residual) are recomputed; see AnchorSchedule.
+    grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or
+        "cuboid" (neighbouring tiles of the latent grid: free, the same for every head).
+    warmup_steps: dense steps at the start of the run: a step count, or a fraction of the run (0.1 or "10%").
+    warmup_layers / dense_layers: computed densely (layers numbered in model order).
+    anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
+        steps / every fraction (engine/schedule.py, AnchorSchedule).
     residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
     residual_precision: "fp8" (default: float8 with a per-row scale, half the bytes; the model's dtype
         where fp8 is unavailable) or "model" (the model's dtype).
@@ -110,7 +68,8 @@ class SparseConfig:
     block_q: int = 128
     block_k: int = 128
     group_size: int = 128
-    warmup_steps: int = 0
+    grouping: str = "pca"
+    warmup_steps: int | float = 0
     warmup_layers: int = 0
     dense_layers: tuple[int, ...] = ()
     anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
@@ -129,11 +88,12 @@ class SparseConfig:
     def __post_init__(self):
         # friendly forms: anchor_steps="10,26", dense_layers="0-2", densities={...}
         object.__setattr__(self, "anchor_steps", AnchorSchedule.parse(self.anchor_steps))
+        object.__setattr__(self, "warmup_steps", parse_warmup(self.warmup_steps))
         if not isinstance(self.dense_layers, tuple) or any(not isinstance(x, int) for x in self.dense_layers):
             object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         if isinstance(self.densities, dict):
             object.__setattr__(self, "densities", Densities(**self.densities))
-        _check(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
+        _check(self.method in method_names(), "method", f"must be one of {method_names()}, got {self.method!r}")
         _frac("density", self.density)
         for f in dataclasses.fields(Densities):
             v = getattr(self.densities, f.name)
@@ -142,7 +102,7 @@ class SparseConfig:
         for name in ("block_q", "block_k"):
             _check(getattr(self, name) in (64, 128), name, f"must be 64 or 128, got {getattr(self, name)!r}")
         _check(self.group_size in (64, 128), "group_size", f"must be 64 or 128, got {self.group_size!r}")
-        for name in ("warmup_steps", "warmup_layers", "sink_blocks", "min_tokens"):
+        for name in ("warmup_layers", "sink_blocks", "min_tokens"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name,
                    f"must be a non-negative integer, got {v!r}")
@@ -161,6 +121,7 @@ class SparseConfig:
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
                    f"must be a number >= 0{alt}, got {v!r}")
+        _check(self.grouping in GROUPINGS, "grouping", f"must be one of {GROUPINGS}, got {self.grouping!r}")
         _check(self.residual_precision in RESIDUAL_PRECISIONS, "residual_precision",
                f"must be one of {RESIDUAL_PRECISIONS}, got {self.residual_precision!r}")
         _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")

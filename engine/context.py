@@ -34,7 +34,9 @@ class CallContext:
     layer: index of the transformer block (per forward; counted when the model does not say).
     is_self: self-attention (query and key sequences are the same tokens).
     chunk: identity of the batch chunk (e.g. cond/uncond order), part of every cache key.
-    step: denoising step index within this sampling run (0-based); total_steps when known.
+    step: denoising step index within the whole run (0-based; a sampler that continues a run split across
+        samplers starts at the step where the run stands, engine/schedule.py); total_steps: the run's step
+        count when known (fractions of the run in the schedule resolve against it).
     """
 
     layer: int

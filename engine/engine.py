@@ -5,9 +5,10 @@
     out = engine.attend(q, k, v, CallContext(layer=i, step=s, layout=...), dense_fn=model_attention)
     stats = engine.end_run()
 
-Anchors compute dense attention (with its LSE), the new selection and the sparse output with it; they
-return the dense output and cache the selection and R = O_dense - O_sparse. Reuse steps return
-O_sparse(q_t, k_t, v_t; cached selection) + R (seed 003).
+Anchors compute dense attention (with its LSE when the policy asks for it), the new selection and the
+sparse output with it; they return the dense output and cache the selection and R = O_dense - O_sparse.
+Reuse steps return O_sparse(q_t, k_t, v_t; cached selection) + R (docs/method.md, "Anchors, reuse and the
+residual"). What a method needs is said by its Policy object (engine/policy.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import logging
 import torch
 
 from .. import kernels
+from ..kernels._checks import TRITON_HEAD_DIMS
 from .cache import Entry, SelectionCache
 from .config import SparseConfig
 from .context import CallContext
-from .policy_block_topk import build_block_topk
-from .policy_mc_sparse import build_mc_sparse
-from .policy_static import build_static
-from .residual import Residual
+from .policy import policy_for
+from .residual import Residual, residual_precision
+from .selection import BlockSelection
+from .schedule import resolve_warmup
 from .stats import RunStats
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,11 @@ class SparseEngine:
         self._anchored_at: dict[tuple, int] = {}
         self._step: int | None = None
         self.last_stats: RunStats | None = None
+
+    @property
+    def policy(self):
+        """The configured method's Policy (None for ``dense``); read per call, so a changed cfg takes effect."""
+        return policy_for(self.cfg.method)
 
     # run lifecycle
     def begin_run(self) -> None:
@@ -67,19 +74,36 @@ class SparseEngine:
         self._step = None
 
     # decisions
+    def skip_reason(self, ctx: CallContext | None, n_q: int, n_k: int, head_dim: int) -> str | None:
+        """Why a call is not the engine's to make sparse (it then runs the model's own attention and is not
+        counted in the run's per-layer statistics), or None. ``ctx`` may be None (a call whose layer is not
+        known yet). The schedule (warm-up, dense layers) is not a reason here: those calls are the engine's
+        and count as dense calls of their layer."""
+        cfg = self.cfg
+        if cfg.method == "dense":
+            return "method dense"
+        if (ctx is not None and not ctx.is_self) or n_q != n_k:
+            return "cross-attention"
+        if n_q < cfg.min_tokens:
+            return "sequences shorter than min_tokens"
+        if cfg.backend == "triton" and head_dim not in TRITON_HEAD_DIMS:
+            return f"head dim {head_dim} (the Triton kernels take {TRITON_HEAD_DIMS})"
+        return None
+
     def decide(self, ctx: CallContext, n_tokens: int) -> str:
         """dense | anchor | reuse | fallback for a call with ``n_tokens`` query tokens."""
         cfg = self.cfg
         if cfg.method == "dense" or not ctx.is_self or n_tokens < cfg.min_tokens:
             return DENSE
-        if ctx.step < cfg.warmup_steps or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
+        warmup = resolve_warmup(cfg.warmup_steps, ctx.total_steps)
+        if ctx.step < warmup or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
             return DENSE
         key = ctx.key(n_tokens)
         if key in self.cache.fallback_keys:
             return FALLBACK
         if self.cache.lookup(key) is None:
             return ANCHOR
-        if cfg.anchor_steps.is_anchor(ctx.step, cfg.warmup_steps) and self._anchored_at.get(key) != ctx.step:
+        if cfg.anchor_steps.is_anchor(ctx.step, warmup, ctx.total_steps) and self._anchored_at.get(key) != ctx.step:
             return ANCHOR
         return REUSE
 
@@ -100,7 +124,7 @@ class SparseEngine:
         if decision in (DENSE, FALLBACK):
             with self.stats.timed(ctx.layer, "attention", dev):
                 out = self._dense(q, k, v, scale, dense_fn)
-            self.stats.add(ctx.layer, decision, 1.0)
+            self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
         key = ctx.key(n)
         if decision == ANCHOR:
@@ -108,14 +132,13 @@ class SparseEngine:
         with self.stats.timed(ctx.layer, "transfer", dev):
             entry = self.cache.get(key, dev)
         selection = entry.selection
-        if self.cfg.method == "block_topk" and self.cfg.select_every_step:
+        policy = self.policy
+        if policy.reselects(self.cfg):
             with self.stats.timed(ctx.layer, "selection", dev):
-                selection = build_block_topk(q, k, ctx.layout, self.cfg, scale=scale)
-        with self.stats.timed(ctx.layer, "attention", dev):
-            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend)
-            if entry.residual is not None:
-                entry.residual.add_to(out)
-        self.stats.add(ctx.layer, REUSE, selection.density)
+                selection = self._select(policy, q, k, None, ctx, scale)
+        with self.stats.timed(ctx.layer, "attention", dev):  # the residual is added in the kernel's epilogue
+            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend, residual=entry.residual)
+        self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
         return out
 
     def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
@@ -140,15 +163,25 @@ class SparseEngine:
         return kernels.attention_dense(q, k, v, scale=scale, backend=self.cfg.backend)
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
-        cfg, dev = self.cfg, q.device
-        need_lse = cfg.method == "mc_sparse"
+        cfg, dev, policy = self.cfg, q.device, self.policy
+        if not policy.needs_lse:  # block selections come from q and k alone: select first, then one fused pass
+            with self.stats.timed(ctx.layer, "selection", dev):
+                selection = self._select(policy, q, k, None, ctx, scale)
+            if isinstance(selection, BlockSelection):
+                with self.stats.timed(ctx.layer, "attention", dev):
+                    precision = cfg.residual_precision if cfg.residual else "model"
+                    out_d, (r_data, r_scale) = selection.anchor(q, k, v, scale=scale, backend=cfg.backend,
+                                                                precision=residual_precision(precision, dev))
+                with self.stats.timed(ctx.layer, "store", dev):
+                    self._store_residual(key, selection, out_d, Residual(r_data, r_scale), ctx)
+                return out_d
         with self.stats.timed(ctx.layer, "attention", dev):
-            if need_lse:
+            if policy.needs_lse:
                 out_d, lse = kernels.attention_dense(q, k, v, scale=scale, return_lse=True, backend=cfg.backend)
             else:
                 out_d, lse = self._dense(q, k, v, scale, dense_fn), None
         with self.stats.timed(ctx.layer, "selection", dev):
-            selection = self._select(q, k, lse, ctx, scale)
+            selection = self._select(policy, q, k, lse, ctx, scale)
         with self.stats.timed(ctx.layer, "attention", dev):
             out_s = selection.run(q, k, v, scale=scale, backend=cfg.backend)
         with self.stats.timed(ctx.layer, "store", dev):
@@ -157,6 +190,17 @@ class SparseEngine:
             log.debug("layer %s: selection not cached", ctx.layer)
         return out_d
 
+    def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
+        """Cache an anchor's selection with a residual the kernel already encoded."""
+        nr, no = residual.norm(), float(torch.linalg.vector_norm(out_d).float())
+        self.cache_entry(key, selection, residual if self.cfg.residual else None, nr / max(no, 1e-30), ctx)
+
+    def cache_entry(self, key, selection, residual, fidelity: float, ctx) -> str:
+        where = self.cache.put(key, Entry(selection, residual))
+        self._anchored_at[key] = ctx.step
+        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity, step=ctx.step)
+        return where
+
     def _store(self, key, selection, out_d, out_s, ctx) -> str:
         diff = out_d - out_s
         # norms accumulate in fp32 inside the reduction (no fp32 copies of two (B, H, N, D) tensors)
@@ -164,19 +208,14 @@ class SparseEngine:
         fidelity = nd / max(no, 1e-30)
         residual = Residual.encode(diff, self.cfg.residual_precision) if self.cfg.residual else None
         del diff
-        where = self.cache.put(key, Entry(selection, residual))
-        self._anchored_at[key] = ctx.step
-        self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity)
-        return where
+        return self.cache_entry(key, selection, residual, fidelity, ctx)
 
-    def _select(self, q, k, lse, ctx, scale):
-        cfg = self.cfg
-        b, h, n, _ = q.shape
-        if cfg.method == "mc_sparse":
-            return build_mc_sparse(q, k, lse, ctx.layout, cfg, scale=scale, backend=cfg.backend)
-        if cfg.method == "static":
+    def _select(self, policy, q, k, lse, ctx, scale):
+        if policy.shape_only:
+            b, h, n, _ = q.shape
             skey = (b, h, n, ctx.layout, str(q.device))
             if skey not in self._static:
-                self._static[skey] = build_static(b, h, n, ctx.layout, cfg, q.device)
+                self._static[skey] = policy.select(q, k, None, ctx.layout, self.cfg, scale=scale,
+                                                   backend=self.cfg.backend)
             return self._static[skey]
-        return build_block_topk(q, k, ctx.layout, cfg, hybrid=cfg.method == "hybrid", scale=scale)
+        return policy.select(q, k, lse, ctx.layout, self.cfg, scale=scale, backend=self.cfg.backend)

@@ -1,7 +1,8 @@
-"""block_topk and hybrid policies: pooled block scores (seed 000), top-k or cumulative mass per query block.
+"""block_topk policy: pooled block scores, top-k or cumulative mass per query block (docs/method.md,
+"Block selection").
 
-hybrid unites the static structure (window + sinks + text, with half the budget) with dynamic top-k on
-pooled scores for the rest of the budget (seed 000 §2.3).
+``build_block_topk(..., hybrid=True)`` is also the hybrid policy's selection (policy_hybrid.py): the static
+structure (window + sinks + text, with half the budget) united with dynamic top-k for the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from .. import kernels
 from .block_geometry import rows_topk
 from .config import SparseConfig
 from .context import TokenLayout
+from .policy import Policy
 from .policy_static import static_scores
 from .selection import BlockSelection, block_pairs_fraction
 
@@ -46,3 +48,15 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
     idx, cnt = rows_topk(scores, counts.contiguous())
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
                           block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
+
+
+class BlockTopkPolicy(Policy):
+    """Pooled block scores at anchors (or at every step with ``select_every_step``)."""
+
+    name = "block_topk"
+
+    def reselects(self, cfg: SparseConfig) -> bool:
+        return cfg.select_every_step
+
+    def select(self, q, k, lse, layout, cfg, *, scale, backend) -> BlockSelection:
+        return build_block_topk(q, k, layout, cfg, scale=scale)

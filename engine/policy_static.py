@@ -13,6 +13,7 @@ import torch
 from .block_geometry import block_summary, rows_topk
 from .config import SparseConfig
 from .context import TokenLayout
+from .policy import Policy
 from .selection import BlockSelection, block_pairs_fraction
 
 
@@ -52,3 +53,14 @@ def build_static(b: int, h: int, n: int, layout: TokenLayout, cfg: SparseConfig,
     cnt = cnt.view(1, 1, -1).expand(b, h, -1).contiguous()
     return BlockSelection(idx, cnt, cfg.block_q, cfg.block_k,
                           block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
+
+
+class StaticPolicy(Policy):
+    """Shape-only windows: built once per (B, H, N, layout, device) and reused by the engine."""
+
+    name = "static"
+    shape_only = True
+
+    def select(self, q, k, lse, layout, cfg, *, scale, backend) -> BlockSelection:
+        b, h, n, _ = q.shape
+        return build_static(b, h, n, layout, cfg, q.device)

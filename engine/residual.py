@@ -1,4 +1,5 @@
-"""Cached residuals R = O_dense - O_sparse (seed 003), stored in the model's dtype or in fp8.
+"""Cached residuals R = O_dense - O_sparse, stored in the model's dtype or in fp8 (docs/method.md, "Anchors,
+reuse and the residual").
 
 The residual is the largest cached tensor (one (B, H, N, D) output per layer: 1.55 GB at Wan 14B 720p
 with CFG), so by default it is stored as float8_e4m3fn with one fp32 scale per (batch, head, token)
@@ -27,6 +28,18 @@ _warned = False
 def fp8_supported(device: torch.device) -> bool:
     """fp8 storage needs torch's float8_e4m3fn and a CUDA or CPU tensor (elementwise casts)."""
     return FP8 is not None and device.type in ("cuda", "cpu")
+
+
+def residual_precision(precision: str, device: torch.device) -> str:
+    """The storage a residual gets on ``device``: "fp8" where supported (else "model", logged once)."""
+    global _warned
+    if precision == "fp8" and not fp8_supported(device):
+        if not _warned:
+            _warned = True
+            log.info("sparse attention: fp8 residuals are not available on %s; stored in the model's dtype",
+                     device.type)
+        return "model"
+    return precision
 
 
 def _head_chunks(x: torch.Tensor):
@@ -76,6 +89,16 @@ class Residual:
         for sl in _head_chunks(out):
             out[:, sl].addcmul_(self.data[:, sl].to(out.dtype), self.scale[:, sl].to(out.dtype))
         return out
+
+    def norm(self) -> float:
+        """L2 norm of the decoded residual, accumulated in fp32 one head chunk at a time."""
+        total = 0.0
+        for sl in _head_chunks(self.data):
+            x = self.data[:, sl].float()
+            if self.scale is not None:
+                x = x * self.scale[:, sl]
+            total += float(torch.linalg.vector_norm(x)) ** 2
+        return total ** 0.5
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The residual as a (B, H, N, D) tensor of ``dtype``."""

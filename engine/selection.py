@@ -2,8 +2,9 @@
 
 BlockSelection holds CSR-like block lists (the block-sparse kernel's input); TokenSelection holds query
 groups and per-group KV token lists (the token-sparse kernel's input) plus the query rows computed
-densely (text rows). Both know the exact fraction of query-key pairs they compute, their size in
-bytes, and how to move themselves between devices (for the cache's offload).
+densely (text rows). Both offer the same interface — ``run``, ``density`` (the exact fraction of query-key
+pairs computed), ``nbytes``, ``map``/``tensors`` (device moves for the cache's offload), ``batch_slice`` and
+``picture`` (the report's map) — so nothing outside this file tells them apart.
 """
 
 from __future__ import annotations
@@ -33,11 +34,19 @@ class BlockSelection:
     block_k: int
     density: float
 
-    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
-        """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks."""
+    def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks, plus ``residual`` (a Residual or None)
+        added in the kernel's epilogue."""
         return kernels.block_sparse_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
                                               block_k=self.block_k, scale=scale, backend=backend,
-                                              validate=False)
+                                              validate=False, residual=residual)
+
+    def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8"):
+        """The anchor step in one pass (kernels.block_anchor_attention): (out_dense (B, H, N, D), residual
+        (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or "model")."""
+        return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
+                                              block_k=self.block_k, scale=scale, residual_precision=precision,
+                                              backend=backend, validate=False)
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +62,21 @@ class BlockSelection:
     def batch_slice(self, start: int, stop: int) -> "BlockSelection":
         """The selection of batch rows [start, stop) (views)."""
         return self.map(lambda t: t[start:stop])
+
+    def picture(self, n: int, width: int = 256) -> dict:
+        """Batch 0, head 0 as a map for the report: {"kind": "block", "map": float (rows, cols) in [0, 1]},
+        query blocks by KV blocks, average-pooled to at most ``width`` x ``width``."""
+        idx, cnt = self.kv_indices[0, 0], self.kv_counts[0, 0]
+        nqb = cnt.shape[0]
+        nkb = -(-n // self.block_k)
+        grid = torch.zeros(nqb, nkb + 1)
+        valid = torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
+        cols = torch.where(valid, idx.long(), nkb).cpu()
+        grid.scatter_(1, cols, 1.0)
+        grid = grid[:, :nkb]
+        if max(grid.shape) > width:  # bound the picture's memory
+            grid = torch.nn.functional.adaptive_avg_pool2d(grid[None, None], (min(width, nqb), min(width, nkb)))[0, 0]
+        return {"kind": "block", "map": grid}
 
 
 @dataclass
@@ -104,10 +128,11 @@ class TokenSelection:
             out.add_((slot >= self.seg_ends[..., s:s + 1]).to(torch.int32).mul_(SEGMENT))
         return out
 
-    def run(self, q, k, v, *, scale=None, backend="auto") -> torch.Tensor:
-        """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows, dense text rows."""
+    def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
+        """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows plus ``residual`` (a Residual or None,
+        added in the kernel's epilogue), dense text rows."""
         out = kernels.token_sparse_attention(q, k, v, self.q_groups, self.kv_tokens(), self.kv_counts, scale=scale,
-                                             backend=backend, validate=False)
+                                             backend=backend, validate=False, residual=residual)
         if self.dense_rows is not None and self.dense_rows.numel():
             rows = self.dense_rows
             out[:, :, rows] = kernels.attention_dense(q[:, :, rows], k, v, scale=scale, backend=backend)
@@ -131,6 +156,20 @@ class TokenSelection:
         """The selection of batch rows [start, stop) (views; the dense rows are shared by every row)."""
         return dataclasses.replace(self, q_groups=self.q_groups[start:stop], kv_low=self.kv_low[start:stop],
                                    seg_ends=self.seg_ends[start:stop], kv_counts=self.kv_counts[start:stop])
+
+    def picture(self, n: int, width: int = 256) -> dict:
+        """Batch 0, head 0 as a map for the report: {"kind": "token", "map": float (groups, bins) in [0, 1]},
+        the share of each of ``min(width, n)`` token bins that each query group keeps. Decodes one head only."""
+        one = self.head(0, 0)
+        toks, cnt = one.kv_tokens()[0, 0], one.kv_counts[0, 0]
+        g = cnt.shape[0]
+        bins = min(width, n)
+        grid = torch.zeros(g, bins + 1)
+        valid = torch.arange(toks.shape[-1], device=toks.device) < cnt.unsqueeze(-1)
+        cols = torch.where(valid, (toks.long() * bins) // n, bins).cpu()
+        grid.scatter_add_(1, cols, torch.ones_like(cols, dtype=grid.dtype))
+        per_bin = max(1, n // bins)
+        return {"kind": "token", "map": (grid[:, :bins] / per_bin).clamp(max=1.0)}
 
     def head(self, b: int, h: int) -> "TokenSelection":
         """The selection of batch row ``b``, head ``h`` alone, shapes (1, 1, G, ...) (views): decoding it

@@ -36,6 +36,7 @@ class RunStats:
 
     def __init__(self):
         self.layers: dict[int, LayerStats] = {}
+        self.steps: dict[int, dict[str, int]] = {}  # run step -> calls per kind (dense/anchor/reuse/fallback)
         self._pending: list[tuple[int, str, object, object]] = []
         self.cache: dict = {}
         self.finished = False
@@ -43,8 +44,12 @@ class RunStats:
     def layer(self, idx: int) -> LayerStats:
         return self.layers.setdefault(idx, LayerStats())
 
-    def add(self, layer: int, kind: str, density: float, fidelity: float | None = None) -> None:
-        """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback)."""
+    def add(self, layer: int, kind: str, density: float, fidelity: float | None = None,
+            step: int | None = None) -> None:
+        """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback); step: the run step."""
+        if step is not None:
+            per = self.steps.setdefault(step, {})
+            per[kind] = per.get(kind, 0) + 1
         s = self.layer(layer)
         s.calls += 1
         s.density_sum += density
@@ -105,9 +110,22 @@ class RunStats:
             seconds={p: sum(s.seconds[p] for s in self.layers.values()) for p in PHASES},
         )
 
+    def step_kinds(self) -> dict[int, str]:
+        """Per run step, what its calls were: "anchor" if any call anchored, else "reuse" if any reused, else
+        "dense" (warm-up or dense-only steps)."""
+        out = {}
+        for step, kinds in sorted(self.steps.items()):
+            out[step] = "anchor" if kinds.get("anchor") else "reuse" if kinds.get("reuse") else "dense"
+        return out
+
+    def schedule_line(self) -> str:
+        """The run's steps as a string of letters: D dense, A anchor, r reuse (e.g. "DDArrrArr")."""
+        kinds = self.step_kinds()
+        return "".join({"anchor": "A", "reuse": "r", "dense": "D"}[k] for k in kinds.values())
+
     def as_dict(self) -> dict:
-        """Structured form for a report node: totals, per-layer rows, cache figures."""
-        return dict(totals=self.totals(), cache=self.cache, layers={
+        """Structured form for a report node: totals, per-layer rows, per-step kinds, cache figures."""
+        return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), layers={
             i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,
                     density=s.density, fidelity=(sum(s.fidelity) / len(s.fidelity)) if s.fidelity else None,
                     seconds=dict(s.seconds)) for i, s in sorted(self.layers.items())})

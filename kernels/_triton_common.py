@@ -6,6 +6,8 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -49,12 +51,47 @@ def head_dim_pad(d: int) -> int:
 
 
 def seq_bucket(n: int) -> int:
-    """Autotune key bucket for a sequence length: next power of two (never one compile per length)."""
-    return triton.next_power_of_2(max(1, n))
+    """Autotune key bucket for a sequence length: next power of two, capped at 32768 (never one tuning
+    per length; from 32k tokens on the best tiling no longer changes, so one tuning serves all long
+    shapes and saves compile time)."""
+    return min(triton.next_power_of_2(max(1, n)), 32768)
+
+
+def tune_first() -> bool:
+    """SPARSE_ATTN_TUNE=first: every autotuned kernel uses its first (default) config only; for test runs,
+    which would otherwise compile every config of every specialisation they touch."""
+    return os.environ.get("SPARSE_ATTN_TUNE", "") == "first"
+
+
+def pick(candidates: list, interpret: list) -> list:
+    """The autotune candidates to use: ``interpret`` under the interpreter, the first one under
+    SPARSE_ATTN_TUNE=first, else all."""
+    if interpreting():
+        return interpret
+    return candidates[:1] if tune_first() else candidates
+
+
+def tune_bench(kernel_call, quantiles=None):
+    """Autotuner timing for long kernels: one warm-up call (compiles), then timed calls until ~40 ms or
+    25 calls, median. Triton's default spends ~8 calls per config even on a 200 ms kernel. Returns
+    [median, min, max] as the autotuner expects."""
+    kernel_call()
+    torch.cuda.synchronize()
+    times = []
+    while len(times) < 25 and (len(times) < 2 or sum(times) < 40.0):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel_call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return [times[len(times) // 2], times[0], times[-1]]
 
 
 def configs(options: list[dict], interpret_pick: dict) -> list[triton.Config]:
     """Autotune configs; under the CPU interpreter a single one (it would run every config serially)."""
+    options = pick(options, [interpret_pick])
     if interpreting():
         options = [interpret_pick]
     return [triton.Config({k: v for k, v in o.items() if k not in ("num_warps", "num_stages")},
@@ -124,3 +161,63 @@ def load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM: tl.constexpr, D_PAD: tl.
     qi = tl.where(q_ok, qi, 0)
     q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
     return q, qi, q_ok, row, b, h, pid_bh
+
+
+# Residual modes of the fused epilogue (constexpr RESIDUAL): none, data in the model's dtype, fp8 data with
+# an fp32 per-row scale (kernels/_residual.py states the semantics).
+RES_NONE, RES_MODEL, RES_FP8 = 0, 1, 2
+
+
+def residual_mode(res) -> int:
+    """RESIDUAL constexpr for a checked residual pair (or None)."""
+    if res is None:
+        return RES_NONE
+    return RES_MODEL if res[1] is None else RES_FP8
+
+
+def residual_launch_args(res, out: torch.Tensor) -> tuple:
+    """(data, scale, 3 data strides, 3 scale strides) for the kernels; ``out`` stands in when absent."""
+    if res is None:
+        return (out, out, 0, 0, 0, 0, 0, 0)
+    data, scale = res
+    sc = scale if scale is not None else out
+    return (data, sc, *data.stride()[:3], *(sc.stride()[:3] if scale is not None else (0, 0, 0)))
+
+
+@triton.jit
+def add_residual(out, R, RS, b, h, rows, row_ok, srb, srh, srn, ssb, ssh, ssn, d,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr):
+    """out [M, D_PAD] fp32 plus the residual rows ``rows`` of head (b, h): data (RESIDUAL 1), or fp8 data
+    times its per-row scale (RESIDUAL 2), decoded in registers. Rows outside ``row_ok`` add 0."""
+    if RESIDUAL != 0:
+        r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
+        if RESIDUAL == 2:
+            s = tl.load(RS + b * ssb + h * ssh + rows * ssn, mask=row_ok, other=0.0)
+            r = r * s[:, None]
+        out = out + r
+    return out
+
+
+@triton.jit
+def fp8_grid(x):
+    """fp32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in fp32: the
+    cast that follows is then exact on the GPU and under the interpreter (whose own fp32 -> fp8 cast
+    misrounds where rounding carries into the next binade)."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # keep 3 mantissa bits
+    sub = (x + 24576.0) - 24576.0  # below 2**-6 the grid is 2**-9: 1.5 * 2**14 has that ulp
+    return tl.where(tl.abs(x) < 0.015625, sub, normal)
+
+
+@triton.jit
+def store_residual_out(RO, ROS, b, h, pid_bh, rows, row_ok, srb, srh, srn, N_Q, r, d,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8_OUT: tl.constexpr):
+    """Store a residual tile r [M, D_PAD] fp32: as RO's dtype, or (FP8_OUT) as float8_e4m3fn with an fp32
+    per-row scale amax / 448 (1 for all-zero rows) into ROS, contiguous (B*H, N_Q)."""
+    if FP8_OUT:
+        s = tl.max(tl.abs(r), 1) / 448.0
+        s = tl.where(s > 0, s, 1.0)
+        tl.store(ROS + pid_bh.to(tl.int64) * N_Q + rows, s, mask=row_ok)
+        r = fp8_grid(r / s[:, None])
+    store_rows(RO + b * srb + h * srh, rows, srn, row_ok, d, r.to(RO.dtype.element_ty), HEAD_DIM, D_PAD)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
+from . import anchor_torch, block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
+from ._residual import check_residual
 from .backend import announce, check_backend, choose
 
 
@@ -70,27 +71,83 @@ def attention_dense(q, k, v, *, scale=None, return_lse=False, backend="auto"):
     return dense_torch.attention_dense(q, k, v, scale=scale, return_lse=return_lse)
 
 
+def _addressable_residual(residual, q):
+    """The checked residual pair with tensors the kernels can address (see ``_addressable``)."""
+    res = check_residual(residual, q)
+    if res is None:
+        return None
+    data, scale = res
+    return (*_addressable(data), None if scale is None else _addressable(scale)[0])
+
+
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, backend="auto",
-                           validate=True):
-    """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb)."""
+                           validate=True, residual=None):
+    """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb).
+
+    residual: None or a (data, scale) pair added to the output in the kernel's epilogue: data (B,H,Nq,D)
+    in q's dtype with scale None, or float8_e4m3fn data with an fp32 (B,H,Nq,1) per-row scale
+    (kernels/_residual.py). Rows with nothing to attend get exactly the residual.
+    """
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
         q, k, v = _addressable(q, k, v)
         return block_sparse_triton.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
-                                                          block_k=block_k, scale=scale, validate=validate)
+                                                          block_k=block_k, scale=scale, validate=validate,
+                                                          residual=_addressable_residual(residual, q))
     return block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
-                                                     block_k=block_k, scale=scale, validate=validate)
+                                                     block_k=block_k, scale=scale, validate=validate,
+                                                     residual=residual)
 
 
-def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, backend="auto", validate=True):
-    """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k)."""
+def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, backend="auto", validate=True,
+                           residual=None):
+    """Token-sparse attention of query groups (B,H,G,C) over KV token lists (B,H,G,max_k).
+
+    residual: None or a (data, scale) pair added to the output (as in ``block_sparse_attention``);
+    queries in no group, or with nothing to attend, get exactly the residual.
+    """
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)
         return token_sparse_triton.token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, scale=scale,
-                                                          validate=validate)
+                                                          validate=validate,
+                                                          residual=_addressable_residual(residual, q))
     return token_sparse_torch.token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, scale=scale,
-                                                     validate=validate)
+                                                     validate=validate, residual=residual)
+
+
+def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
+                           residual_precision="model", return_lse=False, backend="auto", validate=True):
+    """Anchor step of a block selection: dense output plus the residual R = dense - block-sparse.
+
+    Returns (out_dense (B,H,Nq,D), (r_data, r_scale)) or with ``return_lse`` (out_dense, lse (B,H,Nq) fp32,
+    (r_data, r_scale)); residual_precision "model" (R in q's dtype, scale None) or "fp8" (float8_e4m3fn R,
+    fp32 (B,H,Nq,1) scale). Semantics of ``anchor_torch.block_anchor_attention``. On Hopper ``auto`` and
+    ``triton`` run the fused one-pass kernel; elsewhere the dense and block-sparse primitives are composed
+    (cuDNN dense where available).
+    """
+    if choose(backend, q, _why_not(q), "block_anchor_attention") == "triton":
+        from . import anchor_triton
+        q, k, v = _addressable(q, k, v)
+        if anchor_triton.supported(k, v):
+            try:
+                return anchor_triton.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
+                                                            block_k=block_k, scale=scale,
+                                                            residual_precision=residual_precision,
+                                                            return_lse=return_lse, validate=validate)
+            except (torch.OutOfMemoryError, ValueError):
+                raise
+            except Exception as exc:  # a compile failure: logged once, the composed path runs from now on
+                from . import _hopper
+                _hopper.mark_broken("anchor", exc)
+        out, lse = attention_dense(q, k, v, scale=scale, return_lse=True, backend=backend)
+        sparse = block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
+                                        scale=scale, backend=backend, validate=validate)
+        res = anchor_torch.residual_of(out, sparse, residual_precision)
+        return (out, lse, res) if return_lse else (out, res)
+    return anchor_torch.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
+                                               scale=scale, residual_precision=residual_precision,
+                                               return_lse=return_lse, validate=validate)
 
 
 def group_queries(q, group_size, *, backend="auto"):

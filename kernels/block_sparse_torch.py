@@ -9,6 +9,7 @@ import torch
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
 from ._gather import Scratch, blocks_of, flat_rows
+from ._residual import add_residual_, check_residual
 from . import _torch_softmax
 from ._torch_softmax import attend, chunk_rows, fused_sdpa, plan_chunks, sdpa
 
@@ -37,7 +38,7 @@ def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=Tr
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           validate: bool = True):
+                           validate: bool = True, residual=None):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32 (SDPA runs in that dtype, softmax in fp32).
@@ -46,6 +47,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     (B, H, ceil(Nq/block_q)). block_q, block_k: 64 or 128.
     Returns out (B, H, Nq, D) in q's dtype. A query with nothing to attend gets out 0.
     ``validate=False`` skips the value checks of the lists (for lists the engine built itself).
+    residual: None or a (data, scale) pair (kernels/_residual.py): out = attention + data * scale in fp32,
+    cast once; a query with nothing to attend gets exactly the residual.
 
     How: query blocks are sorted by key length (their count of blocks, less the padding of a ragged last
     KV block when they hold it); each chunk of equal-length rows gathers its K/V blocks (index_select) and
@@ -61,6 +64,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     n_qblk, n_kblk, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    res = check_residual(residual, q)
     dev = q.device
     out = torch.zeros((b * h * nq, d), dtype=q.dtype, device=dev)
     if max_k > 0:
@@ -104,7 +108,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
             o = attend(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale, scratch)
             out.index_put_((tok,), o.reshape(r * block_q, d))
-    return out.view(b, h, nq, d)
+    out = out.view(b, h, nq, d)
+    return out if res is None else add_residual_(out.float(), res).to(q.dtype)
 
 
 def _full_rows(q, k, v, qr, qtok, out, rows_cpu, n_qblk, scale, scratch):

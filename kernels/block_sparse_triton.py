@@ -1,9 +1,11 @@
 """Block-sparse flash-attention forward in Triton over CSR-like block lists.
 
-The sparse index is laid over the flash tile loop (seed 000 §4.1): each program owns one query block
+The sparse index is laid over the flash tile loop (docs/method.md, "Block selection"): each program owns one query block
 and walks only its active KV blocks, with an online softmax, so skipped blocks count as -inf. Programs
 are issued heaviest row first (longest block list), so long dense rows (text, sinks) start early
-instead of forming the grid's tail. Twin of ``block_sparse_torch.block_sparse_attention``.
+instead of forming the grid's tail. A residual (kernels/_residual.py) is added in the epilogue. On Hopper
+the TMA kernel of ``attention_hopper`` runs instead (kernels/_hopper.py says when). Twin of
+``block_sparse_torch.block_sparse_attention``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _hopper
 from ._checks import check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_rows,
-                             seq_bucket, store_rows)
+from ._residual import check_residual, contiguous_residual
+from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
+                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
 from .block_sparse_torch import check_block_lists
 
 _CONFIGS = configs(
@@ -32,13 +36,13 @@ def _prune(configs_, named_args, **kwargs):
 
 
 @triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _bsa_fwd(Q, K, V, Out, KV_IDX, KV_CNT, ORDER,
-             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, qk_scale, N_BUCKET,
-             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
     pid_bh = row // NQB
@@ -70,12 +74,14 @@ def _bsa_fwd(Q, K, V, Out, KV_IDX, KV_CNT, ORDER,
         offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, False)
-    for it in range(n_full, n_iter):
-        blk = tl.load(idx_base + it // MULT)
-        offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, True)
+    for j in tl.static_range(MULT):  # the masked tail, unrolled: a loop here would get its own pipeline buffers
+        if n_full + j < n_iter:
+            blk = tl.load(idx_base + (n_full + j) // MULT)
+            offs_n = blk * BLOCK_K + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
+                                    qk_scale, d, HEAD_DIM, D_PAD, True)
     out, _ = finish(acc, m_i, l_i)
+    out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
 
 
@@ -84,23 +90,50 @@ def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
 
 
-def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True):
-    """Block-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
+PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")
+
+
+def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True,
+                           residual=None, path="auto"):
+    """Block-sparse attention on the Triton kernels; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D); kv_indices int32 (B,H,ceil(Nq/block_q),max_k) sorted per row;
-    kv_counts int32 (B,H,ceil(Nq/block_q)). Returns out (B,H,Nq,D).
+    kv_counts int32 (B,H,ceil(Nq/block_q)); residual: None or (data, scale) added in the epilogue
+    (kernels/_residual.py). Returns out (B,H,Nq,D).
     ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
+    path: "auto" (TMA kernel on Hopper when kernels/_hopper.py allows, else pointer loads), or one
+    variant: "pointer", "tma", "persistent" (TMA, persistent grid), "warp_spec" (TMA, warp-specialised).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    res = contiguous_residual(check_residual(residual, q))
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     q, k, v = last_dim_contiguous(q, k, v)
     idx = kv_indices.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
     order = heavy_first_order(cnt)
+    auto = path == "auto"
+    if auto:
+        path = "tma" if _hopper.use_tma("sparse", k, v) else "pointer"
+    if path != "pointer":
+        from . import attention_hopper
+        kind = "sparse" if path == "tma" else path
+        try:
+            return attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
+                                           mode=attention_hopper.MODE_BLOCKS, res=res, idx=idx, cnt=cnt,
+                                           order=order)
+        except (torch.OutOfMemoryError, ValueError):
+            raise
+        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
+            if not auto:
+                raise
+            _hopper.mark_broken(kind, exc)
     _bsa_fwd[(b * h * n_qblk,)](
-        q, k, v, out, idx, cnt, order, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
-        HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k)
+        q, k, v, out, *residual_launch_args(res, out)[:2], idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, n_qblk,
+        triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
+        HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k)
     return out

@@ -1,6 +1,6 @@
 """Dense attention through cuDNN's fused SDPA, which also returns the row LSE.
 
-On Hopper cuDNN's attention is the fastest dense kernel available to PyTorch (DESIGN §7: ~570 TF/s
+On Hopper cuDNN's attention is the fastest dense kernel available to PyTorch (docs/benchmarks.md: ~570 TF/s
 against ~420 for our Triton kernel, docs/benchmarks.md), so ``backend="auto"`` uses it for dense
 calls it supports (CUDA, fp16/bf16) and falls back to the Triton kernel if the
 op is missing or refuses the case (logged once).

@@ -1,6 +1,7 @@
 """Dense flash-attention forward in Triton, optionally returning the row LSE (pass 1 of exact selection).
 
-Twin of ``dense_torch.attention_dense`` (same signature and semantics).
+Twin of ``dense_torch.attention_dense`` (same signature and semantics). On Hopper the TMA kernel of
+``attention_hopper`` runs instead (kernels/_hopper.py says when).
 """
 
 from __future__ import annotations
@@ -9,19 +10,20 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _hopper
 from ._checks import check_qkv, check_scale
 from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_rows, seq_bucket,
-                             store_rows)
+                             store_rows, tune_bench)
 
 _CONFIGS = configs(
-    # research/triton_kernels.md §0.5: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
+    # docs/kernel_notes.md: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
     [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
      dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
      dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)],
     interpret_pick=dict(BLOCK_M=64, BLOCK_N=64))
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM"])
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM"], do_bench=tune_bench)
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _dense_fwd(Q, K, V, Out, LSE,
@@ -57,17 +59,40 @@ def _dense_fwd(Q, K, V, Out, LSE,
         tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
+PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")
+
+
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                    return_lse: bool = False):
-    """Dense attention on the Triton kernel. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
+                    return_lse: bool = False, path: str = "auto"):
+    """Dense attention on the Triton kernels. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
 
     Returns out (B,H,Nq,D) in q's dtype [+ lse (B,H,Nq) fp32, natural log, -inf for empty rows].
+    path: "auto" (TMA kernel on Hopper when kernels/_hopper.py allows, else pointer loads) or one variant
+    ("pointer", "tma", "persistent", "warp_spec"); an explicit variant that fails raises.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     q, k, v = last_dim_contiguous(q, k, v)
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    auto = path == "auto"
+    if auto:
+        path = "tma" if _hopper.use_tma("dense", k, v) else "pointer"
+    if path != "pointer":
+        from . import attention_hopper
+        kind = "dense" if path == "tma" else path
+        try:
+            attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=128, block_k=128,
+                                    mode=attention_hopper.MODE_DENSE, lse=lse if return_lse else None)
+            return (out, lse) if return_lse else out
+        except (torch.OutOfMemoryError, ValueError):
+            raise
+        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
+            if not auto:
+                raise
+            _hopper.mark_broken(kind, exc)
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)

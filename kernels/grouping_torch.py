@@ -1,4 +1,4 @@
-"""Query grouping: principal-direction divisive partitioning with median splits (seed 003)."""
+"""Query grouping: principal-direction divisive partitioning with median splits (docs/method.md, "MC-Sparse")."""
 
 from __future__ import annotations
 

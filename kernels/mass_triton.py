@@ -3,6 +3,16 @@
 mass[b,h,g,j] = sum_{i in group g} exp(scale * q_i . k_j - lse_i), with the row LSE from pass 1. One
 program per (group, head) streams all KV tiles; scores never reach memory, only the (G, N) fp32 result.
 Twin of ``selection_torch.group_kv_mass``.
+
+The kernel is bound by the exponentials (one per score, as in attention, but with half its matmul work),
+so it is written to spend as little as possible around them (docs/kernel_notes.md):
+
+- transposed tiles: scores are computed as K . Q^T ([keys, queries]), so the per-key sum runs along a
+  tile row (in-thread adds and two lane shuffles) instead of across warps through shared memory;
+- part of the exponentials can run on the FMA pipe instead of the special-function unit: the group's
+  queries are split into SPLIT column parts, and the last POLY of them use ``exp2_poly`` (Cody-Waite
+  range reduction and a degree-4 polynomial, relative error 3e-6), so both units work at once;
+- on Hopper, K tiles come through a TMA descriptor (the ragged last tile is zero-filled by the hardware).
 """
 
 from __future__ import annotations
@@ -11,66 +21,168 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _hopper
 from ._checks import triton_group_problem
-from ._triton_common import LOG2E, configs, head_dim_pad, last_dim_contiguous, load_group, load_rows, seq_bucket
+from ._triton_common import LOG2E, head_dim_pad, last_dim_contiguous, load_rows, pick, seq_bucket, tune_bench
 from .selection_torch import check_mass_args
 
-_CONFIGS = configs(
-    [dict(BLOCK_N=64, num_warps=4, num_stages=3),
-     dict(BLOCK_N=128, num_warps=8, num_stages=3),
-     dict(BLOCK_N=128, num_warps=4, num_stages=3)],
-    interpret_pick=dict(BLOCK_N=64))
+
+def _cfg(bn, w, s, split=1, poly=0):
+    return triton.Config({"BLOCK_N": bn, "SPLIT": split, "POLY": poly}, num_warps=w, num_stages=s)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "GROUP"])
+CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1)]
+INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
+
+
+def _prune(configs_, named_args, **kwargs):
+    """Parts are at least 16 queries wide (the smallest dot tile)."""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    kept = [c for c in configs_ if group // c.kwargs["SPLIT"] >= 16]
+    first = configs_[0]
+    return kept or [triton.Config({**first.kwargs, "SPLIT": 1, "POLY": 0}, num_warps=first.num_warps,
+                                  num_stages=first.num_stages)]
+
+
+@triton.jit
+def exp2_poly(x):
+    """2**x for fp32 x <= 0 on the FMA pipe: x = j + f with j = round(x) taken from the mantissa of
+    x + 1.5 * 2**23, 2**f by a degree-4 polynomial on [-0.5, 0.5], j added to the exponent bits. Below
+    -125 the result is 0 (a true 2**x there is below 3e-38)."""
+    xc = tl.maximum(x, -125.0)
+    t = xc + 12582912.0
+    f = xc - (t - 12582912.0)
+    p = 0.009560510206479118 * f + 0.05591703917486793
+    p = p * f + 0.24024981109537327
+    p = p * f + 0.693121967696061
+    p = p * f + 0.9999991908565828
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return tl.where(x < -125.0, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, part: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+    """Queries [GROUP // SPLIT, D_PAD] of column part ``part`` and their base-2 LSE (+inf for padded
+    slots and empty rows, so they contribute nothing)."""
+    GP: tl.constexpr = GROUP // SPLIT
+    qi = tl.load(QG + row * GROUP + part * GP + tl.arange(0, GP))
+    q_ok = qi >= 0
+    qi = tl.where(q_ok, qi, 0)
+    q = load_rows(Q + b * sqb + h * sqh, qi, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * N_Q + qi, mask=q_ok, other=float("inf")) * 1.4426950408889634
+    return q, tl.where(lse2 == float("-inf"), float("inf"), lse2)
+
+
+@triton.jit
+def _part_mass(k, q, lse2, qk_scale, POLY: tl.constexpr):
+    """Per-key mass [BLOCK_N] of one query part: scores as K . Q^T so the sum runs along tile rows."""
+    x = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+    if POLY:
+        p = exp2_poly(x)
+    else:
+        p = tl.exp2(x)
+    return tl.sum(p, 1)
+
+
+@triton.jit
+def _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT: tl.constexpr, POLY: tl.constexpr):
+    """Mass of one K tile over all parts; part j uses the polynomial when j >= SPLIT - POLY."""
+    m = _part_mass(k, q0, l0, qk_scale, SPLIT - POLY <= 0)
+    if SPLIT >= 2:
+        m += _part_mass(k, q1, l1, qk_scale, SPLIT - POLY <= 1)
+    if SPLIT == 4:
+        m += _part_mass(k, q2, l2, qk_scale, SPLIT - POLY <= 2)
+        m += _part_mass(k, q3, l3, qk_scale, SPLIT - POLY <= 3)
+    return m
+
+
+@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
+@triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _mass_fwd(Q, K, LSE, QG, OUT,
               sqb, sqh, sqn, skb, skh, skn,
               H, N_Q, N_KV, G, qk_scale, N_BUCKET,
-              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, USE_TMA: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, POLY: tl.constexpr, EVEN_N: tl.constexpr):
+    gid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    row = pid_bh.to(tl.int64) * G + gid
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
-    lse2 = tl.load(LSE + pid_bh.to(tl.int64) * N_Q + qi, mask=q_ok, other=float("inf")) * 1.4426950408889634
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty rows contribute nothing
+    q0, l0 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, GROUP, SPLIT)
+    q1, l1 = q0, l0
+    q2, l2 = q0, l0
+    q3, l3 = q0, l0
+    if SPLIT >= 2:
+        q1, l1 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, GROUP, SPLIT)
+    if SPLIT == 4:
+        q2, l2 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 2, HEAD_DIM, D_PAD, GROUP, SPLIT)
+        q3, l3 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 3, HEAD_DIM, D_PAD, GROUP, SPLIT)
     k_base = K + b * skb + h * skh
     out_base = OUT + row * N_KV
     n_full = (N_KV // BLOCK_N) * BLOCK_N
-    for start_n in range(0, n_full, BLOCK_N):  # full tiles: no masks
-        _mass_tile(q, lse2, k_base, out_base, start_n, N_KV, skn, qk_scale, d, HEAD_DIM, D_PAD, BLOCK_N, False)
-    if n_full < N_KV:
-        _mass_tile(q, lse2, k_base, out_base, n_full, N_KV, skn, qk_scale, d, HEAD_DIM, D_PAD, BLOCK_N, True)
-
-
-@triton.jit
-def _mass_tile(q, lse2, k_base, out_base, start_n, N_KV, skn, qk_scale, d,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Column sums of exp2(s2 - lse2) for one KV tile, stored per token."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_KV
-    k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, MASKED)
-    s2 = tl.dot(q, tl.trans(k)) * qk_scale
-    p = tl.exp2(s2 - lse2[:, None])
-    if MASKED:
-        p = tl.where(n_ok[None, :], p, 0.0)
-        tl.store(out_base + offs_n, tl.sum(p, 0), mask=n_ok)
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
+        for start in tl.range(0, n_full, BLOCK_N):
+            k = k_desc.load([start, 0])
+            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
+            tl.store(out_base + start + tl.arange(0, BLOCK_N), m)
+        if not EVEN_N:  # zero-filled rows past N_KV are computed, not stored
+            offs_n = n_full + tl.arange(0, BLOCK_N)
+            m = _tile_mass(k_desc.load([n_full, 0]), q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
+            tl.store(out_base + offs_n, m, mask=offs_n < N_KV)
     else:
-        tl.store(out_base + offs_n, tl.sum(p, 0))
+        for start in tl.range(0, n_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k = load_rows(k_base, offs_n, skn, offs_n < N_KV, d, HEAD_DIM, D_PAD, False)
+            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
+            tl.store(out_base + offs_n, m)
+        if not EVEN_N:
+            offs_n = n_full + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N_KV
+            k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
+            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
+            tl.store(out_base + offs_n, m, mask=n_ok)
 
 
-def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True):
+PATHS = ("auto", "pointer", "tma")
+
+
+def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"):
     """Exact group KV mass on the Triton kernel; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C). Returns fp32 (B,H,G,Nk).
+    path: "auto" (K through TMA on Hopper when kernels/_hopper.py allows), "pointer" or "tma".
     """
     b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, scale, validate)
     why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     q, k = last_dim_contiguous(q, k)
     out = torch.empty((b, h, g, nk), dtype=torch.float32, device=q.device)
-    if g > 0:
-        _mass_fwd[(g, b * h)](
-            q, k, lse.float().contiguous(), q_groups.to(torch.int32).contiguous(), out,
-            *q.stride()[:3], *k.stride()[:3], h, nq, nk, g, scale * LOG2E, seq_bucket(nk),
-            HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
+    if g == 0:
+        return out
+    auto = path == "auto"
+    use_tma = _hopper.use_tma("mass", k) if auto else path == "tma"
+    args = (q, k, lse.float().contiguous(), q_groups.to(torch.int32).contiguous(), out,
+            *q.stride()[:3], *k.stride()[:3], h, nq, nk, g, scale * LOG2E, seq_bucket(nk))
+    meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
+    if use_tma:
+        try:
+            _hopper.set_allocator(q.device)
+            _mass_fwd[(g, b * h)](*args, USE_TMA=True, **meta)
+            return out
+        except (torch.OutOfMemoryError, ValueError):
+            raise
+        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
+            if not auto:
+                raise
+            _hopper.mark_broken("mass", exc)
+    _mass_fwd[(g, b * h)](*args, USE_TMA=False, **meta)
     return out

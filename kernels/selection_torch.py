@@ -28,7 +28,7 @@ def _block_means(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def pooled_block_scores(q: torch.Tensor, k: torch.Tensor, *, block_q: int, block_k: int,
                         scale: float | None = None) -> torch.Tensor:
-    """Cheap block-importance estimate: softmax of mean-pooled Q against mean-pooled K.
+    """Cheap block-importance estimate: softmax of mean-pooled Q against mean-pooled K (docs/method.md).
 
     q: (B, H, Nq, D); k: (B, H, Nk, D). Ragged last blocks are averaged over their real tokens.
     Returns fp32 (B, H, ceil(Nq/block_q), ceil(Nk/block_k)); each row sums to 1.

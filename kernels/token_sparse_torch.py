@@ -6,6 +6,7 @@ import torch
 
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
 from ._gather import Scratch, flat_rows, head_offsets
+from ._residual import add_residual_, check_residual
 from ._torch_softmax import attend, chunk_rows, plan_chunks
 
 
@@ -49,7 +50,7 @@ def check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate=True) -> tu
 
 def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                            kv_tokens: torch.Tensor, kv_counts: torch.Tensor, *, scale: float | None = None,
-                           validate: bool = True):
+                           validate: bool = True, residual=None):
     """Each group of C queries attends its own sorted list of KV tokens; the rest count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32 (SDPA runs in that dtype, softmax in fp32).
@@ -57,6 +58,8 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     strictly increasing KV token ids within the first ``kv_counts`` entries; kv_counts: int32 (B, H, G).
     Output is written at each query's own position: out (B, H, Nq, D) in q's dtype. Queries in no group,
     or with nothing to attend, get out 0. ``validate=False`` skips the value checks (engine-built lists).
+    residual: None or a (data, scale) pair (kernels/_residual.py): out = attention + data * scale in fp32,
+    cast once; queries in no group, or with nothing to attend, get exactly the residual.
 
     How: groups are sorted by list length; each chunk of equal-length groups gathers its C query rows and
     its K/V tokens (index_select into reused buffers) and runs one batched SDPA, unmasked; merged short
@@ -69,6 +72,7 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
+    res = check_residual(residual, q)
     dev = q.device
     out = torch.zeros((b * h * nq + 1, d), dtype=q.dtype, device=dev)  # last row: sink for pads
     if max_k > 0 and g > 0 and c > 0:
@@ -95,4 +99,5 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             vg = scratch.take("v", vr, t).view(r, 1, longest, d)
             o = attend(qg, kg, vg, cnt.index_select(0, rows) if mixed else None, scale, scratch)
             out.index_put_((qdst.index_select(0, rows).view(-1),), o.reshape(r * c, d))
-    return out[:-1].view(b, h, nq, d)
+    out = out[:-1].view(b, h, nq, d)
+    return out if res is None else add_residual_(out.float(), res).to(q.dtype)

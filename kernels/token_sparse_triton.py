@@ -2,7 +2,9 @@
 
 One program holds a tile of C grouped queries (gathered by index) and walks its own sorted KV token
 list in chunks of BLOCK_N, gathering K/V rows by index inside the loop: gathered K/V never exist in
-memory. Outputs are written back at the queries' original positions. Twin of
+memory. Outputs are written back at the queries' original positions, plus the residual when one is
+given (kernels/_residual.py). Gathered rows cannot use TMA on Hopper (its TMA has no row gather), so this
+kernel stays on pointer loads; its configs are tuned for Hopper (docs/kernel_notes.md). Twin of
 ``token_sparse_torch.token_sparse_attention``.
 """
 
@@ -13,23 +15,36 @@ import triton
 import triton.language as tl
 
 from ._checks import check_qkv, check_scale, triton_group_problem
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_group,
-                             seq_bucket, store_rows)
+from ._residual import check_residual, contiguous_residual, decode_into
+from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
+                             load_group, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
 from .token_sparse_torch import check_token_lists
 
+# Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
+# sm_90 compiler report (docs/kernel_notes.md): with 128 queries and D = 128, 4 warps spill ~200 bytes
+# (BLOCK_N 64) while 8 warps fit in 176-248 registers; 4 warps measured best before, so both are tried.
 _CONFIGS = configs(
     [dict(BLOCK_N=64, num_warps=4, num_stages=3),
-     dict(BLOCK_N=64, num_warps=4, num_stages=2),
-     dict(BLOCK_N=128, num_warps=4, num_stages=3)],
+     dict(BLOCK_N=64, num_warps=8, num_stages=3),
+     dict(BLOCK_N=64, num_warps=8, num_stages=5),
+     dict(BLOCK_N=128, num_warps=8, num_stages=3),
+     dict(BLOCK_N=32, num_warps=4, num_stages=4)],
     interpret_pick=dict(BLOCK_N=32))
 
 
-@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP"])
+def _prune(configs_, named_args, **kwargs):
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    kept = [c for c in configs_ if not (group <= 64 and c.num_warps == 8)]
+    return kept or [configs_[0]]
+
+
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
 @triton.jit
-def _token_fwd(Q, K, V, Out, QG, TOK, CNT,
-               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     d = tl.arange(0, D_PAD)
     q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
@@ -53,14 +68,16 @@ def _token_fwd(Q, K, V, Out, QG, TOK, CNT,
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, t_ok, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, True)
     out, _ = finish(acc, m_i, l_i)
+    out = add_residual(out, R, RS, b, h, qi, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL)
     store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
 
 
-def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, validate=True):
+def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, validate=True, residual=None):
     """Token-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D); q_groups int32 (B,H,G,C) (-1 pads); kv_tokens int32
-    (B,H,G,max_k) sorted; kv_counts int32 (B,H,G). Returns out (B,H,Nq,D); queries in no group get 0.
+    (B,H,G,max_k) sorted; kv_counts int32 (B,H,G); residual None or a (data, scale) pair. Returns out
+    (B,H,Nq,D); queries in no group get 0, or exactly the residual when one is given.
     ``validate=False`` skips the index checks for trusted lists.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
@@ -69,14 +86,21 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
+    res = contiguous_residual(check_residual(residual, q))
     q, k, v = last_dim_contiguous(q, k, v)
     qg = q_groups.to(torch.int32).contiguous()
     tok = kv_tokens.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
-    out = torch.zeros((b, h, nq, d), dtype=q.dtype, device=q.device)  # queries in no group stay 0
+    # queries in no group keep this: 0, or the residual (a decode pass, as cheap as the zero fill it replaces)
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    if res is None:
+        out.zero_()
+    else:
+        decode_into(out, res)
     if g > 0:
         _token_fwd[(g, b * h)](
-            q, k, v, out, qg, tok, cnt, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *out.stride()[:3], h, nq, nk, g, max(1, max_k), scale * LOG2E, seq_bucket(max(1, max_k)),
-            HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
+            q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
+            scale * LOG2E, seq_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
+            RESIDUAL=residual_mode(res), GROUP=c)
     return out

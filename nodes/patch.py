@@ -1,10 +1,11 @@
-"""The model patch: an attention override that routes long self-attention through the engine.
+"""The model patch: an attention override that hands long self-attention to the engine.
 
-Installed on ``model.clone()`` as ``transformer_options["optimized_attention_override"]``. It chains to
-an override that was installed before it (SageAttention, another pack) and uses it — or the model's own
-``func`` — for every dense call. ComfyUI callbacks/wrappers (keyed, so removing the node removes them)
-reset the engine at the start of each sampling run, free its caches at the end, record the latent shape
-of each forward, and re-assert the override before every model evaluation.
+Installed on ``model.clone()`` as ``transformer_options["optimized_attention_override"]``. Each call is
+translated (nodes/call.py), given its per-forward facts (nodes/forward.py) and passed to the engine, which
+decides; the calls it does not take run the override installed before ours (SageAttention, another pack) or
+the model's own ``func``, with their arguments untouched. ComfyUI callbacks/wrappers (keyed, so removing the
+node removes them) reset the engine at the start of each sampling run, free its caches at the end, record
+each forward's facts, and re-assert the override before every model evaluation.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import contextlib
 import importlib
 import logging
 
-import torch
 
-from ..engine import CallContext, SparseConfig, SparseEngine
-from ..kernels._checks import TRITON_HEAD_DIMS
-from .adapters import INFO_KEY, family_of, forward_info, layer_index, layout_for, step_index
+from ..engine import RunClock, SparseConfig, SparseEngine
+from .call import self_shaped, translate
+from .families import Family, family_of
+from .forward import INFO_KEY, Forward, StepCounter
+from .run_clock import clock_for
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,19 @@ class SparseAttentionPatch:
     so every clone of the patched model shares one engine.
     """
 
-    def __init__(self, cfg: SparseConfig, previous=None, family=None):
+    def __init__(self, cfg: SparseConfig, previous=None, family: Family | None = None,
+                 layer_offsets: dict[str, int] | None = None):
         self.cfg = cfg
         self.engine = SparseEngine(cfg)
         self.previous = previous
-        self.family = family
+        self.family = family if family is not None else family_of(object())
+        self.layer_offsets = dict(layer_offsets or {})
         self.fallbacks: dict[str, int] = {}
         self.snapshots: dict[int, dict] = {}
         self.runs = 0
         self.last_stats = None
+        self.clock: RunClock | None = None  # where the current (or last) sampler sits in the whole run
+        self._counter = StepCounter()
         self._logged: set[str] = set()
 
     def __deepcopy__(self, memo):
@@ -61,73 +67,31 @@ class SparseAttentionPatch:
 
     # the override ----------------------------------------------------------------------------------
     def __call__(self, func, *args, **kwargs):
-        """ComfyUI's override contract: ``fn(func, q, k, v, heads, mask=None, attn_precision=None,
-        skip_reshape=False, skip_output_reshape=False, **kwargs)``; q/k/v are (B, N, H*D) unless
-        ``skip_reshape`` (then (B, H, N, D)); the output is (B, N, H*D) unless ``skip_output_reshape``."""
-        if len(args) < 3:
-            return self._fallback("an unexpected call signature", func, args, kwargs)
-        q, k, v = args[:3]
-        heads = args[3] if len(args) > 3 else kwargs.get("heads")
-        mask = args[4] if len(args) > 4 else kwargs.get("mask")
+        """ComfyUI's override contract (nodes/call.py)."""
         to = kwargs.get("transformer_options") or {}
-        skip_reshape = kwargs.get("skip_reshape", False)
-        skip_out = kwargs.get("skip_output_reshape", False)
-        info = to.get(INFO_KEY)
-        # layer index: from the model, else the position of this self-attention call in the forward
-        layer = layer_index(to)
-        if info is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
-            token_dim = 2 if skip_reshape else 1
-            if q.dim() > token_dim and k.dim() > token_dim and q.shape[token_dim] == k.shape[token_dim]:
-                if layer is None:
-                    layer = info["calls"]
-                info["calls"] += 1
-        if self.cfg.method == "dense":
-            return self._dense(func, args, kwargs)
-        if heads is None or not isinstance(q, torch.Tensor):
-            return self._fallback("an unexpected call signature", func, args, kwargs)
-        if mask is not None:
-            return self._fallback("calls with an attention mask", func, args, kwargs)
-        if kwargs.get("enable_gqa") and k.shape[-3 if skip_reshape else -1] != q.shape[-3 if skip_reshape else -1]:
-            return self._fallback("grouped-query attention", func, args, kwargs)
-        if skip_reshape:
-            qh, kh, vh = q, k, v
-        else:
-            b, n, hd = q.shape
-            if hd % heads:
-                return self._fallback("an unexpected call signature", func, args, kwargs)
-            d = hd // heads
-            qh = q.view(b, -1, heads, d).transpose(1, 2)
-            kh = k.view(b, -1, heads, d).transpose(1, 2)
-            vh = v.view(b, -1, heads, d).transpose(1, 2)
-        nq, nk = qh.shape[2], kh.shape[2]
-        if nq != nk:
-            return self._fallback("cross-attention", func, args, kwargs)
-        if self.cfg.backend == "triton" and qh.shape[-1] not in TRITON_HEAD_DIMS:
-            return self._fallback(f"head dim {qh.shape[-1]} (the Triton kernels take {TRITON_HEAD_DIMS})", func,
-                                  args, kwargs)
-        if nq < self.cfg.min_tokens:
-            return self._fallback("sequences shorter than min_tokens", func, args, kwargs)
-        if layer is None:
-            return self._fallback("calls outside a tracked forward", func, args, kwargs)
-        step, total = step_index(to)
-        chunk = tuple(int(c) for c in to.get("cond_or_uncond", ()) or ())
-        window = to.get("context_window")
-        if window is not None and hasattr(window, "index_list"):
-            chunk = chunk + (tuple(window.index_list[:1]) + tuple(window.index_list[-1:]),)
-        family = info["family"] if info is not None else self.family
-        layout = layout_for(nq, to, family) if family is not None else None
-        ctx = CallContext(layer=layer, step=step, is_self=True, chunk=chunk, total_steps=total,
-                          **({"layout": layout} if layout is not None else {}))
+        forward = to.get(INFO_KEY)
+        layer = forward.next_layer(to) if forward is not None and self_shaped(args, kwargs) else None
+        call = translate(args, kwargs)
+        if isinstance(call, str):
+            return self._fallback(call, func, args, kwargs)
+        q, k, v = call.q, call.k, call.v
+        nq = q.shape[2]
+        ctx = forward.context(layer, nq, to) if layer is not None else None
+        reason = self.engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
+        if reason is None and ctx is None:
+            reason = "calls outside a tracked forward"
+        if reason is not None:
+            return self._fallback(reason, func, args, kwargs)
 
         def dense_fn(dq, dk, dv):
             kw = dict(kwargs)
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
-            return self._dense(func, (dq, dk, dv, heads), kw)
+            return self._dense(func, (dq, dk, dv, call.heads), kw)
 
         try:
-            out = self.engine.attend(qh, kh, vh, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
+            out = self.engine.attend(q, k, v, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
         except (RuntimeError, ValueError) as exc:  # out of memory, a backend refusing the case, ...
             # never fail a sampling run: this call goes dense; the reason is counted and logged once
             kind = f"an engine error ({type(exc).__name__})"
@@ -135,23 +99,24 @@ class SparseAttentionPatch:
                 log.warning("sparse attention: %s: %s", kind, str(exc).splitlines()[0][:300])
             return self._fallback(kind, func, args, kwargs)
         self._snapshot(ctx, nq)
-        if skip_out:
-            return out
-        b, h, n, d = out.shape
-        return out.transpose(1, 2).reshape(b, n, h * d)
+        return call.output(out)
 
     def _snapshot(self, ctx, n):
         """Keep a small picture of each layer's first selection of the run (for the report node)."""
         if ctx.layer in self.snapshots:
             return
         entry = self.engine.cache.peek(ctx.key(n))
-        if entry is None:
-            return
-        self.snapshots[ctx.layer] = selection_picture(entry.selection, n)
+        if entry is not None:
+            self.snapshots[ctx.layer] = entry.selection.picture(n)
 
     # lifecycle (ComfyUI callbacks and wrappers) -------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
-        """OUTER_SAMPLE wrapper: one sampling run; reset before, free and report after."""
+        """OUTER_SAMPLE wrapper: one sampling run; place it in the whole denoising run and check the schedule
+        against it (before any step runs), reset before, free and report after."""
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        self.clock = self._locate(executor, sigmas)
+        self._check_schedule(self.clock)
+        self._counter = StepCounter()
         self.engine.begin_run()
         self.snapshots = {}
         self.fallbacks = {}
@@ -161,14 +126,29 @@ class SparseAttentionPatch:
             self.last_stats = self.engine.end_run()
             self.runs += 1
 
+    def _locate(self, executor, sigmas) -> RunClock:
+        """The run clock of this sampler (nodes/run_clock.py)."""
+        try:
+            ms = executor.class_obj.model_patcher.get_model_object("model_sampling")
+        except Exception:  # noqa: BLE001 - a guider without a model patcher: the sampler's own steps
+            ms = None
+        return clock_for(sigmas, ms)
+
+    def _check_schedule(self, clock: RunClock) -> None:
+        """Reject, before sampling, anchor steps that lie beyond a run whose length is known exactly."""
+        if clock.exact and clock.total is not None:
+            beyond = [s for s in self.cfg.anchor_steps.steps if s >= clock.total]
+            if beyond:
+                raise ValueError(f"Sparse Attention: anchor_steps: step(s) {beyond} lie beyond this {clock.total}-step "
+                                 "run (steps count from 0); give them as shares of the run, e.g. '20%, 50%'")
+
     def apply_model(self, executor, x, t, *args, **kwargs):
-        """APPLY_MODEL wrapper: record the latent shape and start the per-forward call counter."""
+        """APPLY_MODEL wrapper: this forward's facts (step, chunk, latent shape, layer counter), computed once."""
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
-            to[INFO_KEY] = forward_info(x.shape, self.family)
-            module = BYPASSING_MODULES.get(self.family.name if self.family is not None else "")
-            if module is not None:
-                with route_module_attention(module, to):
+            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter)
+            if self.family.bypass_module is not None:
+                with route_module_attention(self.family.bypass_module, to):
                     return executor(x, t, *args, **kwargs)
         return executor(x, t, *args, **kwargs)
 
@@ -186,11 +166,6 @@ class SparseAttentionPatch:
     def cleanup(self, patcher, *args):
         """ON_CLEANUP: nothing may stay cached between runs."""
         self.engine.cache.clear()
-
-
-# Model families whose attention calls do not pass transformer_options (so ComfyUI's override hook never
-# sees them): module whose ``optimized_attention`` name the calls use.
-BYPASSING_MODULES = {"hunyuan3d_2_1": "comfy.ldm.hunyuan3dv2_1.hunyuandit"}
 
 
 @contextlib.contextmanager
@@ -211,32 +186,6 @@ def route_module_attention(module_name: str, transformer_options: dict):
         module.optimized_attention = original
 
 
-def selection_picture(selection, n: int, width: int = 256) -> dict:
-    """A small map of one selection (batch 0, head 0): block map (nqb, nkb) or token map (groups, width)."""
-    if hasattr(selection, "kv_indices"):
-        idx, cnt = selection.kv_indices[0, 0], selection.kv_counts[0, 0]
-        nqb = cnt.shape[0]
-        nkb = -(-n // selection.block_k)
-        grid = torch.zeros(nqb, nkb + 1)
-        valid = torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1)
-        cols = torch.where(valid, idx.long(), nkb).cpu()
-        grid.scatter_(1, cols, 1.0)
-        grid = grid[:, :nkb]
-        if max(grid.shape) > width:  # bound the picture's memory: pool to at most width x width
-            grid = torch.nn.functional.adaptive_avg_pool2d(grid[None, None], (min(width, nqb), min(width, nkb)))[0, 0]
-        return {"kind": "block", "map": grid}
-    one = selection.head(0, 0)  # decode one head's lists, not all of them
-    toks, cnt = one.kv_tokens()[0, 0], one.kv_counts[0, 0]
-    g = cnt.shape[0]
-    bins = min(width, n)
-    grid = torch.zeros(g, bins + 1)
-    valid = torch.arange(toks.shape[-1], device=toks.device) < cnt.unsqueeze(-1)
-    cols = torch.where(valid, (toks.long() * bins) // n, bins).cpu()
-    grid.scatter_add_(1, cols, torch.ones_like(cols, dtype=grid.dtype))
-    per_bin = max(1, n // bins)
-    return {"kind": "token", "map": (grid[:, :bins] / per_bin).clamp(max=1.0)}
-
-
 def install(model, cfg: SparseConfig):
     """Clone a ComfyUI ModelPatcher and install the sparse-attention patch on the clone."""
     import comfy.patcher_extension as pe
@@ -247,13 +196,15 @@ def install(model, cfg: SparseConfig):
     if isinstance(previous, SparseAttentionPatch):
         previous = previous.previous  # re-patching replaces our own earlier patch, keeps what it chained
     diffusion_model = m.get_model_object("diffusion_model")
-    patch = SparseAttentionPatch(cfg, previous=previous, family=family_of(diffusion_model))
+    family = family_of(diffusion_model)
+    patch = SparseAttentionPatch(cfg, previous=previous, family=family,
+                                 layer_offsets=family.layer_offsets(diffusion_model))
     opts[OVERRIDE] = patch
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, patch.outer_sample)
     m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, patch.apply_model)
     m.add_callback_with_key(pe.CallbacksMP.ON_PREPARE_STATE, KEY, patch.prepare_state)
     m.add_callback_with_key(pe.CallbacksMP.ON_CLEANUP, KEY, patch.cleanup)
-    log.info("sparse attention: patched a %s model (%s, density %.2f)", patch.family.name, cfg.method, cfg.density)
+    log.info("sparse attention: patched a %s model (%s, density %.2f)", family.name, cfg.method, cfg.density)
     return m, patch
 
 

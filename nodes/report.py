@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.schedule import warmup_text
+
 SIZE = 256
 
 
@@ -17,10 +19,12 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
         return ("The patched model has not been sampled yet.", torch.zeros(1, SIZE, 2 * SIZE, 3))
     d = stats.as_dict()
     t = d["totals"]
-    lines = [stats.summary_line(), f"method {patch.cfg.method}, configured density {patch.cfg.density:.3f}, "
-             f"anchors {patch.cfg.anchor_steps.describe()}, warm-up {patch.cfg.warmup_steps} steps / "
-             f"{patch.cfg.warmup_layers} layers, residual {'on' if patch.cfg.residual else 'off'}",
+    cfg = patch.cfg
+    lines = [stats.summary_line(), f"model family {patch.family.name}; method {cfg.method}, configured density "
+             f"{cfg.density:.3f}, anchors {cfg.anchor_steps.describe()}, warm-up {warmup_text(cfg.warmup_steps)} "
+             f"steps / {cfg.warmup_layers} layers, residual {'on' if cfg.residual else 'off'}",
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
+    lines += _run_lines(patch.clock, stats)
     if patch.fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
@@ -40,6 +44,19 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
     right = _density_bars(d["layers"])
     image = torch.cat([left, right], dim=1).clamp(0, 1).unsqueeze(0)
     return "\n".join(lines), image
+
+
+def _run_lines(clock, stats) -> list[str]:
+    """Where the sampler sat in the run and what each of its steps was (D dense, A anchor, r reuse)."""
+    if clock is None:
+        return []
+    steps = stats.step_kinds()
+    first = min(steps) if steps else clock.offset
+    total = "unknown" if clock.total is None else str(clock.total)
+    line = f"run: {total} steps, from {clock.source}; this sampler ran steps {first}-{first + max(0, len(steps) - 1)}"
+    if clock.total is None:
+        line += " (steps counted; shares of the run in the schedule could not be resolved and were left out)"
+    return [line, "steps (D dense, A anchor, r reuse): " + (stats.schedule_line() or "-")]
 
 
 def _sparse_density(d) -> float:

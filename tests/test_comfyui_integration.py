@@ -91,7 +91,7 @@ def test_override_runs_on_self_attention_and_falls_back_on_cross(results):
     assert wan["fallbacks"].get("cross-attention", 0) > 0, wan
     assert wan["layers"] == [0, 1]
     flux = results["flux"]
-    assert flux["layers"] == [0, 1, 1000, 1001]  # double blocks 0-1, single blocks 0-1
+    assert flux["layers"] == [0, 1, 2, 3]  # double blocks 0-1, then single blocks 0-1 (model order)
     assert "cross-attention" not in flux["fallbacks"]
     assert results["sd3"]["layers"] == [0, 1]            # no block_index: counted per forward
     assert results["qwen_image"]["layers"] == [0, 1]
@@ -100,7 +100,7 @@ def test_override_runs_on_self_attention_and_falls_back_on_cross(results):
     # Hunyuan3D 2.1 passes no transformer_options: reached by routing its module's attention per forward
     assert results["hunyuan3d_2_1"]["layers"] == [0, 1]
     assert results["hunyuan3d_2_1"]["fallbacks"].get("cross-attention", 0) > 0
-    assert 0 in results["hunyuan_video"]["layers"] and 1000 in results["hunyuan_video"]["layers"]
+    assert results["hunyuan_video"]["layers"] == [0, 1]  # 1 double + 1 single block, model order
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -129,31 +129,34 @@ def test_nodes_execute_validate_and_report(results, family):
     assert r["preset_ok"] is True
 
 
-def test_adapters_layout_step_and_layer():
+def test_family_layouts_steps_and_layer_numbers():
     r = run_in_comfyui(comfyui_path(), f"""
         import sys, torch
         sys.path.insert(0, {str(ROOT / "tests")!r})
         import comfy_child as C
         C.load_pack()
-        from comfyui_sparse_attention.nodes import adapters as A
-        flux = A.FAMILIES["flux"]
-        to = {{A.INFO_KEY: A.forward_info((2, 16, 32, 48), flux)}}
-        lay = A.layout_for(7 + 16 * 24, to, flux)
-        h3d = A.layout_for(600, {{A.INFO_KEY: A.forward_info((2, 64, 512), A.FAMILIES["hunyuan3d"])}},
-                           A.FAMILIES["hunyuan3d"])
-        wan = A.layout_for(48 + 5, {{"grid_sizes": torch.Size([3, 4, 4])}}, A.FAMILIES["wan"])
+        from comfyui_sparse_attention.nodes.families import BY_NAME
+        from comfyui_sparse_attention.nodes.forward import Forward, step_index
+        flux = BY_NAME["flux"]
+        lay = flux.layout(7 + 16 * 24, (2, 16, 32, 48), {{}})
+        h3d = BY_NAME["hunyuan3d"].layout(600, (2, 64, 512), {{}})
+        wan = BY_NAME["wan"].layout(48 + 5, None, {{"grid_sizes": torch.Size([3, 4, 4])}})
         sched = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
-        steps = [A.step_index({{"sigmas": torch.tensor([s]), "sample_sigmas": sched}})[0]
+        steps = [step_index({{"sigmas": torch.tensor([s]), "sample_sigmas": sched}})[0]
                  for s in (1.0, 0.75, 0.6, 0.5, 0.25)]
+        fwd = Forward(flux, (2, 16, 32, 48), {{}}, {{"single": 19}})
+        single = fwd.next_layer({{"block_index": 3, "block_type": "single"}})
+        counted = [fwd.next_layer({{}}) for _ in range(2)]  # no block_index: position in the forward
         emit(dict(flux=[lay.text_len, list(lay.grid), lay.text_first], h3d=[h3d.text_len, h3d.grid],
-                  wan=[wan.text_len, list(wan.grid), wan.extra_len], steps=steps,
-                  single=A.layer_index({{"block_index": 3, "block_type": "single"}})))
+                  wan=[wan.text_len, list(wan.grid), wan.extra_len], steps=steps, single=single,
+                  counted=counted))
     """)
     assert r["flux"] == [7, [1, 16, 24], True]
     assert r["h3d"] == [88, None]
     assert r["wan"] == [0, [3, 4, 4], 5]
     assert r["steps"] == [0, 1, 1, 2, 3]  # 0.6 lies inside step 1 (a multi-evaluation sampler's midpoint)
-    assert r["single"] == 1003
+    assert r["single"] == 22  # single-stream block 3 after 19 double-stream blocks: model order
+    assert r["counted"] == [1, 2]
 
 
 def test_engine_errors_never_fail_sampling():

@@ -1,42 +1,30 @@
-"""Bundled workflows: parse, every node exists in ComfyUI 0.33.0's node definitions (shared/comfyui/
-object_info.json) plus ours, widget values fit, links are consistent, our node is on every model."""
+"""Bundled workflows: parse, every node exists in the node definitions of the ComfyUI tree under test
+(generated from that tree by tests/node_defs.py, our pack included), widget values fit, links are
+consistent, our node is on every model."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
-from comfy_subprocess import run_in_comfyui
 from conftest import ROOT, comfyui_path
+from node_defs import generate
 from workflow_check import check_workflow
 
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
-OURS = frozenset({"SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report"})
-OBJECT_INFO = Path(os.environ.get("COMFYUI_OBJECT_INFO", ROOT.parent / "shared" / "comfyui" / "object_info.json"))
+OURS = frozenset({"SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report", "SparseAttn_Compare"})
 
 
 @pytest.fixture(scope="module")
-def node_defs():
-    if not OBJECT_INFO.is_file():
-        pytest.skip(f"!!! no ComfyUI node definitions at {OBJECT_INFO} (set COMFYUI_OBJECT_INFO) !!!")
-    if comfyui_path() is None:
-        pytest.skip("!!! COMFYUI_PATH is not set: our nodes' definitions come from ComfyUI's V3 schema !!!")
-    defs = json.loads(OBJECT_INFO.read_text())
-    ours = run_in_comfyui(comfyui_path(), f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "tests")!r})
-        import comfy_child as C
-        C.load_pack()
-        from comfyui_sparse_attention.nodes.registry import NODE_CLASS_MAPPINGS
-        emit({{k: v.GET_NODE_INFO_V1() for k, v in NODE_CLASS_MAPPINGS.items()}})
-    """)
-    defs.update(ours)
+def node_defs(tmp_path_factory):
+    defs, report = generate(comfyui_path(), tmp_path_factory.mktemp("object-info"))
+    assert OURS <= set(defs), f"our nodes are missing from /object_info: {report}"
+    assert "KSampler" in defs and "UNETLoader" in defs, report
     return defs
 
 
 def test_the_required_workflows_are_bundled():
     names = {p.stem for p in WORKFLOWS}
     assert {"image_flux1_dev_t2i", "image_qwen_image_t2i", "video_wan2_1_t2v_1.3b", "video_wan2_2_14b_t2v",
+            "video_wan2_1_t2v_1.3b_ab_compare",
             "video_hunyuan_video_1.5_720p_t2v", "3d_hunyuan3d_2_image_to_model"} <= names
     for p in WORKFLOWS:
         assert p.with_suffix(".jpg").is_file(), f"{p.name} has no thumbnail"
@@ -72,3 +60,21 @@ def test_checker_catches_broken_workflows(node_defs):
     assert any("density_override=5.0 > max" in e for e in errors)
     assert any("NoSuchNodeXYZ" in e for e in errors)
     assert any("missing node 12345" in e for e in errors)
+
+
+def test_the_ab_workflow_compares_a_dense_and_a_sparse_run_of_one_seed():
+    doc = json.loads((ROOT / "workflows" / "video_wan2_1_t2v_1.3b_ab_compare.json").read_text())
+    nodes = {n["id"]: n for n in doc["nodes"]}
+    links = {ln[0]: ln for ln in doc["links"]}
+
+    def source(node, name):
+        link = next(i["link"] for i in node["inputs"] if i["name"] == name)
+        return nodes[links[link][1]]
+    cmp = next(n for n in doc["nodes"] if n["type"] == "SparseAttn_Compare")
+    a, b = source(source(cmp, "image_a"), "samples"), source(source(cmp, "image_b"), "samples")
+    assert a["type"] == b["type"] == "KSampler" and a["id"] != b["id"]
+    assert a["widgets_values"][:3] == b["widgets_values"][:3] and a["widgets_values"][1] == "fixed"  # same seed
+    assert source(b, "model")["type"] == "SparseAttn_Preset" and source(a, "model")["type"] != "SparseAttn_Preset"
+    assert source(source(b, "model"), "model")["id"] == source(a, "model")["id"]  # B = A's model, patched
+    for name in ("positive", "negative", "latent_image"):
+        assert source(a, name)["id"] == source(b, name)["id"]

@@ -34,18 +34,22 @@ WORKFLOWS = {
                             "At 1024² (4 608 tokens) attention is a small part of the step and min_tokens keeps it "
                             "dense; raise the resolution (2 MP and up) to see a speed-up."),
     "image_qwen_image_t2i": ("image_qwen_image", "Qwen-Image text-to-image", {"": "qwen_image"},
-                             "Block top-k at density 0.3 after 8 dense steps; gains grow with resolution."),
+                             "Block top-k at density 0.15 with a short dense warm-up and three anchors (the fastest "
+                             "setting at >= 30 dB on the pack's quality testbed); gains grow with resolution."),
     "video_wan2_1_t2v_1.3b": ("text_to_video_wan", "Wan 2.1 T2V 1.3B 480p", {"": "wan21_t2v_1.3b"},
-                              "MC-Sparse at density 0.15 with anchors at steps 10 and 26: attention at reuse steps "
-                              "runs ~4-5x faster than dense (docs/benchmarks.md)."),
+                              "Block top-k at density 0.15, 7 % dense warm-up, anchors at 7 %, 20 % and 47 % of the "
+                              "run: 30.6 dB on the pack's quality testbed; attention at reuse steps runs ~3-4x "
+                              "faster than dense (docs/quality.md, docs/benchmarks.md)."),
     "video_wan2_2_14b_t2v": ("video_wan2_2_14B_t2v", "Wan 2.2 14B T2V (high- and low-noise models)",
                              {"high_noise": "wan22_14b_high_noise", "low_noise": "wan22_14b_low_noise"},
-                             "Each expert model is patched with its own preset; each sampler run counts its own "
-                             "steps. At 720p attention dominates the step, so most of its speed-up carries over."),
+                             "Each expert model is patched with its preset; both samplers count steps in the whole "
+                             "run, so warm-up and anchors land where the shared schedule puts them (20 steps: "
+                             "dense 0-1, anchors 2 and 10). At 720p attention dominates the step."),
     "video_hunyuan_video_1.5_720p_t2v": ("video_hunyuan_video_1.5_720p_t2v", "HunyuanVideo 1.5 720p T2V",
                                          {"": "hunyuan_video_1.5"},
-                                         "MC-Sparse at density 0.15 on both the 720p and the super-resolution "
-                                         "model; EasyCache stays in the chain."),
+                                         "Block top-k at density 0.15 on both the 720p and the super-resolution "
+                                         "model (the fastest setting at >= 30 dB on the pack's quality testbed); "
+                                         "EasyCache stays in the chain."),
     "3d_hunyuan3d_2_image_to_model": ("3d_hunyuan3d_image_to_model", "Hunyuan3D 2.0 image-to-model",
                                       {"": "hunyuan3d_2"},
                                       "One anchor at step 1 (the 3-D setting of the MC-Sparse paper)."),
@@ -140,6 +144,100 @@ def add_note(doc: dict, title: str, presets: list[str], expect: str) -> None:
                          "properties": {}, "widgets_values": [text]})
 
 
+# A/B workflows: the template's sampler stays dense (image A); a copy of it runs the same seed on the patched model
+# (image B); Sparse Attention Compare reports PSNR/SSIM and shows the difference. output name: (template, title,
+# preset)
+AB_WORKFLOWS = {
+    "video_wan2_1_t2v_1.3b_ab_compare": ("text_to_video_wan", "Wan 2.1 T2V 1.3B: dense vs sparse (A/B)",
+                                         "wan21_t2v_1.3b"),
+}
+
+
+class _Graph:
+    """Editing helper for a top-level graph whose links are lists [id, origin, slot, target, slot, type]."""
+
+    def __init__(self, doc):
+        self.doc = doc
+        self.nodes = {n["id"]: n for n in doc["nodes"]}
+        self.next_node, self.next_link = _max_ids(doc)
+
+    def origin(self, node, input_name):
+        link = next(i["link"] for i in node["inputs"] if i["name"] == input_name)
+        ln = next(x for x in self.doc["links"] if _link_fields(x)[0] == link)
+        return _link_fields(ln)[1], _link_fields(ln)[2], ln[5]
+
+    def connect(self, origin_id, origin_slot, target, target_slot, kind):
+        self.next_link += 1
+        self.doc["links"].append([self.next_link, origin_id, origin_slot, target["id"], target_slot, kind])
+        self.nodes[origin_id]["outputs"][origin_slot].setdefault("links", []).append(self.next_link)
+        target["inputs"][target_slot]["link"] = self.next_link
+
+    def add(self, node):
+        self.next_node += 1
+        node["id"] = self.next_node
+        self.doc["nodes"].append(node)
+        self.nodes[node["id"]] = node
+        return node
+
+
+def build_ab(doc: dict, preset: str) -> None:
+    """Turn a one-sampler template into a dense-vs-sparse A/B with a Sparse Attention Compare node."""
+    g = _Graph(doc)
+    sampler = next(n for n in doc["nodes"] if n["type"] == "KSampler")
+    decode = next(n for n in doc["nodes"] if n["type"] == "VAEDecode"
+                  and g.origin(n, "samples")[0] == sampler["id"])
+    sampler["widgets_values"][1] = "fixed"  # the same seed for both runs
+    model_from = g.origin(sampler, "model")
+    x, y = sampler.get("pos", [0, 0]) if isinstance(sampler.get("pos"), list) else (0, 0)
+    patch = g.add({"type": NODE, "pos": [x, y + 560], "size": [320, 110], "flags": {}, "order": 90, "mode": 0,
+                   "inputs": [{"name": "model", "type": "MODEL", "link": None}],
+                   "outputs": [{"name": "MODEL", "type": "MODEL", "links": []}],
+                   "properties": {"Node name for S&R": NODE, "cnr_id": "comfyui-sparse-attention", "ver": "0.1.0"},
+                   "widgets_values": [preset, 0.0], "title": "B: Sparse Attention (Preset)"})
+    g.connect(model_from[0], model_from[1], patch, 0, "MODEL")
+    twin = g.add(copy.deepcopy(sampler))
+    twin.update(pos=[x + 360, y + 560], order=91, title="B: KSampler (sparse)")
+    twin["outputs"][0]["links"] = []
+    g.connect(patch["id"], 0, twin, 0, "MODEL")
+    for slot, name in ((1, "positive"), (2, "negative"), (3, "latent_image")):
+        o = g.origin(sampler, name)
+        g.connect(o[0], o[1], twin, slot, o[2])
+    sampler["title"] = "A: KSampler (dense)"
+    dec2 = g.add(copy.deepcopy(decode))
+    dec2.update(pos=[x + 720, y + 560], order=92, title="B: VAE Decode")
+    dec2["outputs"][0]["links"] = []
+    g.connect(twin["id"], 0, dec2, 0, "LATENT")
+    vae = g.origin(decode, "vae")
+    g.connect(vae[0], vae[1], dec2, 1, "VAE")
+    cmp = g.add({"type": "SparseAttn_Compare", "pos": [x + 1060, y + 560], "size": [360, 120], "flags": {},
+                 "order": 93, "mode": 0,
+                 "inputs": [{"name": "image_a", "type": "IMAGE", "link": None},
+                            {"name": "image_b", "type": "IMAGE", "link": None}],
+                 "outputs": [{"name": "report", "type": "STRING", "links": []},
+                             {"name": "difference", "type": "IMAGE", "links": []}],
+                 "properties": {"Node name for S&R": "SparseAttn_Compare", "cnr_id": "comfyui-sparse-attention",
+                                "ver": "0.1.0"},
+                 "widgets_values": [4.0]})
+    g.connect(decode["id"], 0, cmp, 0, "IMAGE")
+    g.connect(dec2["id"], 0, cmp, 1, "IMAGE")
+    preview = g.add({"type": "PreviewImage", "pos": [x + 1460, y + 560], "size": [320, 280], "flags": {},
+                     "order": 94, "mode": 0, "inputs": [{"name": "images", "type": "IMAGE", "link": None}],
+                     "outputs": [], "properties": {"Node name for S&R": "PreviewImage"}, "widgets_values": []})
+    g.connect(cmp["id"], 1, preview, 0, "IMAGE")
+    doc["last_node_id"], doc["last_link_id"] = g.next_node, g.next_link
+    node_id = g.next_node + 1
+    doc["last_node_id"] = node_id
+    doc["nodes"].append({
+        "id": node_id, "type": "MarkdownNote", "pos": [-700, -700], "size": [520, 300], "flags": {}, "order": 0,
+        "mode": 0, "inputs": [], "outputs": [], "title": "Sparse Attention A/B", "properties": {},
+        "widgets_values": [
+            "## Dense vs sparse on your own model\n\nSampler **A** runs the model as it is; sampler **B** runs the "
+            f"same seed with **Sparse Attention (Preset)** ({preset}). **Sparse Attention Compare** reports PSNR and "
+            "SSIM of B against A (mean and worst frame) and shows |A - B|. Above ~35 dB differences are hard to "
+            "see; below ~30 dB try a higher density, more anchors or the preset's quality variant. The quality "
+            "testbed's numbers for each preset are in the pack's docs/quality.md."]})
+
+
 def thumbnail(path: Path, title: str) -> None:
     from PIL import Image, ImageDraw
 
@@ -173,6 +271,12 @@ def main():
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         thumbnail(out / f"{name}.jpg", title)
         log.info("%s <- %s: presets %s", name, template, used)
+    for name, (template, title, preset) in AB_WORKFLOWS.items():
+        doc = copy.deepcopy(json.loads((src / f"{template}.json").read_text(encoding="utf-8")))
+        build_ab(doc, preset)
+        (out / f"{name}.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        thumbnail(out / f"{name}.jpg", title)
+        log.info("%s <- %s: A/B with preset %s", name, template, preset)
 
 
 if __name__ == "__main__":

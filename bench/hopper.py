@@ -1,0 +1,426 @@
+"""Hopper kernels in one device call: GPU tests, then every variant timed, a table and JSON at the end.
+
+Usage (H200, from the repository root; docs/kernel_notes.md has the plan and the predictions):
+    PYTHONUNBUFFERED=1 python3 bench/hopper.py --out $OUT [--budget 300] [--skip-tests] [--shapes wan14b,...]
+Writes $OUT/gpu-tests.log, $OUT/hopper.json (every measurement, the autotuner's picks, the compiler's
+resource report of every compiled kernel) and $OUT/hopper.md (the table printed last).
+
+Work is ordered so that a time cut loses the least: tests, then Wan 14B (block-sparse TMA / pointer /
+persistent at d = 0.25, 0.1, 0.5; dense + LSE; anchor; fused residual; token-sparse; pass 2; skewed lists),
+then Wan 1.3B and HunyuanVideo, then live FlexAttention (reference times from docs/benchmarks.md stand in
+for any not measured), then the warp-specialised variant. Each step checks the budget first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if "--dry" in sys.argv:  # the interpreter is chosen when Triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from _pack import ROOT, load  # noqa: E402
+
+import kernels as kb  # noqa: E402  (bench/kernels.py: SHAPES, block_lists, kept_fraction, flex_runner)
+
+T0 = time.time()
+DEV = "cuda"  # "cpu" with --dry (the script's logic under the Triton interpreter, tiny shapes, no GPU)
+DRY_SHAPES = {"wan14b": (2, 300, 64), "wan13b": (2, 200, 64), "hyv": (1, 260, 64)}
+# FlexAttention on the same generator's masks, H200, 2026-11-29 (docs/benchmarks.md): (shape, skewed, d) -> ms
+FLEX_REF = {("wan13b", False, 0.5): 8.047, ("wan13b", False, 0.25): 4.125, ("wan13b", False, 0.1): 1.727,
+            ("wan13b", True, 0.25): 4.597, ("wan13b", True, 0.1): 2.123,
+            ("wan14b", False, 0.5): 139.460, ("wan14b", False, 0.25): 69.606, ("wan14b", False, 0.1): 29.514,
+            ("wan14b", True, 0.25): 73.043, ("wan14b", True, 0.1): 29.341,
+            ("hyv", False, 0.5): 206.731, ("hyv", False, 0.25): 103.486, ("hyv", False, 0.1): 43.051,
+            ("hyv", True, 0.25): 111.068, ("hyv", True, 0.1): 42.193}
+
+
+def say(msg):
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.deadline = time.time() + seconds
+        self.skipped = []
+
+    def ok(self, what, need=0.0):
+        if time.time() + need < self.deadline:
+            return True
+        self.skipped.append(what)
+        say(f"budget: skipped {what}")
+        return False
+
+
+def timeit(fn):
+    """Median ms of a few event-timed calls after a warm-up call (which also autotunes and compiles)."""
+    fn()
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    times = []
+    while len(times) < 30 and (len(times) < 3 or sum(times) < 150.0):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_tests(out_dir, timeout):
+    say("GPU tests: pytest -m gpu tests/test_gpu_kernels.py (SPARSE_ATTN_TUNE=first)")
+    env = dict(os.environ, SPARSE_ATTN_TUNE="first", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/test_gpu_kernels.py", "-p",
+           "no:cacheprovider"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        log, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        log, rc = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), "timeout"
+    (out_dir / "gpu-tests.log").write_text(log)
+    tail = [ln for ln in log.splitlines() if ln.strip()][-12:]
+    for ln in tail:
+        print("    " + ln)
+    say(f"GPU tests done (rc {rc})")
+    return dict(rc=rc, tail=tail)
+
+
+class Shape:
+    """Inputs and measurements of one (heads, tokens, head_dim) shape."""
+
+    def __init__(self, name, rows, budget, mods, flex):
+        self.name, self.rows, self.budget, self.m, self.flex = name, rows, budget, mods, flex
+        self.h, self.n, self.d = (DRY_SHAPES if DEV == "cpu" else kb.SHAPES)[name]
+        self.gen = torch.Generator(device=DEV).manual_seed(0)
+        dtype = torch.float16 if DEV == "cpu" else torch.bfloat16  # the interpreter's bf16 dot is wrong
+        self.q, self.k, self.v = (torch.randn(1, self.h, self.n, self.d, device=DEV, dtype=dtype,
+                                              generator=self.gen) for _ in range(3))
+        self.flops = 4.0 * self.h * self.n * self.n * self.d
+        self.cudnn = None
+        self.lists = {}
+
+    def rec(self, kind, variant, fn, density=1.0, config=None, **extra):
+        """Time fn and record a row; failures are recorded, not fatal."""
+        if not self.budget.ok(f"{self.name} {kind} {variant} {extra.get('target', '')}"):
+            return None
+        try:
+            ms = timeit(fn)
+        except Exception as exc:  # a variant that fails to compile or run is reported
+            say(f"{self.name:7s} {kind:18s} {variant:12s} FAILED {type(exc).__name__}: {str(exc)[:300]}")
+            self.rows.append(dict(shape=self.name, kind=kind, variant=variant, error=f"{type(exc).__name__}: "
+                                  f"{str(exc)[:2000]}", trace=traceback.format_exc()[-3000:], **extra))
+            return None
+        cfg = config() if callable(config) else config
+        r = dict(shape=self.name, heads=self.h, tokens=self.n, head_dim=self.d, kind=kind, variant=variant, ms=ms,
+                 density=density, eff_tflops=self.flops * density / ms / 1e9, config=str(cfg) if cfg else "",
+                 **extra)
+        if self.cudnn:
+            r["x_cudnn"] = self.cudnn / ms
+            r["x_d"] = self.cudnn / ms * density
+            if kind in ("anchor", "pass2_mass", "dense_lse"):
+                r["note"] = f"{ms / self.cudnn:.2f}x cuDNN dense time"
+        self.rows.append(r)
+        say(f"{self.name:7s} {kind:18s} {variant:12s} d={density:.3f} {ms:9.3f} ms {r['eff_tflops']:6.1f} TF/s "
+            f"{r.get('x_d', 0):.2f}xd  {r['config'][:70]}")
+        return r
+
+    def block_lists(self, dens, skewed):
+        key = (dens, skewed)
+        if key not in self.lists:
+            nb = math.ceil(self.n / 128)
+            idx, cnt = kb.block_lists(self.h, nb, nb, dens, skewed, self.gen)
+            self.lists[key] = (idx, cnt, kb.kept_fraction(cnt, self.n, 128, 128))
+        return self.lists[key]
+
+    # ---- the measurements ----
+
+    def dense(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        q, k, v, K = self.q, self.k, self.v, self.m["K"]
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION] if DEV == "cuda" else [SDPBackend.MATH]):
+            r = self.rec("dense", "cudnn", lambda: F.scaled_dot_product_attention(q, k, v))
+        self.cudnn = r["ms"] if r else None
+        if r:
+            r["x_cudnn"], r["x_d"] = 1.0, 1.0
+        self.rec("dense_lse", "cudnn", lambda: K.attention_dense(q, k, v, return_lse=True))
+
+    def dense_ours(self):
+        q, k, v, DT, AH = self.q, self.k, self.v, self.m["DT"], self.m["AH"]
+        self.rec("dense_lse", "tma", lambda: DT.attention_dense(q, k, v, return_lse=True, path="tma"),
+                 config=lambda: AH.last_config("dense"))
+        self.rec("dense_lse", "pointer", lambda: DT.attention_dense(q, k, v, return_lse=True, path="pointer"),
+                 config=lambda: DT._dense_fwd.best_config)
+
+    def sparse(self, densities, skewed=False, variants=("tma", "pointer", "persistent")):
+        q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
+        tag = "bsa128_skew" if skewed else "bsa128"
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, skewed)
+            for var in variants:
+                def fn(var=var, idx=idx, cnt=cnt):
+                    return BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False,
+                                                     path=var)
+                cfg = (lambda: BT._bsa_fwd.best_config) if var == "pointer" else (
+                    lambda var=var: AH.last_config("sparse" if var == "tma" else var))
+                r = self.rec(tag, var, fn, real, config=cfg, target=dens)
+                ref = FLEX_REF.get((self.name, skewed, dens))
+                if r and ref:
+                    r["vs_flex_ref"] = ref / r["ms"]
+
+    def flex_rows(self, densities, skewed=False):
+        if self.flex is None:
+            return
+        q, k, v = self.q, self.k, self.v
+        tag = "flex128_skew" if skewed else "flex128"
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, skewed)
+            if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # a first call compiles (~30 s)
+                return
+            try:
+                run = self.flex(q, k, v, idx, cnt, 128)
+            except Exception as exc:
+                say(f"flex failed: {str(exc)[:300]}")
+                return
+            r = self.rec(tag, "flex", run, real, target=dens)
+            if r:
+                for o in self.rows:
+                    if (o.get("shape") == self.name and o.get("kind") == ("bsa128_skew" if skewed else "bsa128")
+                            and o.get("target") == dens and "ms" in o):
+                        o["vs_flex"] = r["ms"] / o["ms"]
+
+    def anchor(self, densities):
+        q, k, v, K, AT, AH, BT = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"]
+        enc = self.m["encode"]
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            for prec in ("fp8", "model"):
+                self.rec("anchor", f"fused_{prec}",
+                         lambda idx=idx, cnt=cnt, prec=prec: AT.block_anchor_attention(
+                             q, k, v, idx, cnt, block_q=128, block_k=128, residual_precision=prec, validate=False),
+                         config=lambda: AH.last_config("anchor"), target=dens)
+
+            def composed(idx=idx, cnt=cnt):  # today's anchor: cuDNN dense + LSE, sparse kernel, residual pass
+                out, _ = K.attention_dense(q, k, v, return_lse=True)
+                sp = BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False)
+                return out, enc(out.float() - sp.float(), "fp8", out.dtype)
+            self.rec("anchor", "cudnn+bsa+res", composed, target=dens)
+        self.rec("anchor", "fused_persist", lambda: AT.block_anchor_attention(
+            q, k, v, *self.block_lists(densities[0], False)[:2], block_q=128, block_k=128, residual_precision="fp8",
+            validate=False, path="persistent"), config=lambda: AH.last_config("persistent"), target=densities[0])
+
+    def residual(self, densities):
+        q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
+        Residual = self.m["Residual"]
+        diff = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05
+        for prec in ("fp8", "model"):
+            res = Residual.encode(diff, prec)
+            pair = (res.data, res.scale)
+            for dens in densities:
+                idx, cnt, real = self.block_lists(dens, False)
+                self.rec("reuse", f"fused_{prec}", lambda idx=idx, cnt=cnt, pair=pair: BT.block_sparse_attention(
+                    q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, residual=pair), real,
+                    config=lambda: AH.last_config("sparse"), target=dens)
+                self.rec("reuse", f"separate_{prec}", lambda idx=idx, cnt=cnt, res=res: res.add_to(
+                    BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False)), real,
+                    target=dens)
+
+    def token(self, dens=0.15):
+        q, k, v, TT, Residual = self.q, self.k, self.v, self.m["TT"], self.m["Residual"]
+        h, n = self.h, self.n
+        perm = torch.randperm(n, device=DEV, generator=self.gen).to(torch.int32)
+        g = math.ceil(n / 128)
+        groups = torch.full((g * 128,), -1, dtype=torch.int32, device=DEV)
+        groups[:n] = perm
+        self.groups = groups.view(1, 1, g, 128).expand(1, h, g, 128).contiguous()
+        kk = int(dens * n)
+        toks = torch.empty((1, h, g, kk), dtype=torch.int32, device=DEV)
+        for h0 in range(h):  # per head: the (g, n) random scores of all heads at once are large
+            t = torch.topk(torch.rand(g, n, device=DEV, generator=self.gen), kk, dim=-1).indices
+            toks[0, h0] = torch.sort(t, -1).values.to(torch.int32)
+        tcnt = torch.full((1, h, g), kk, dtype=torch.int32, device=DEV)
+        grp = self.groups
+        self.rec("token128", "pointer", lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
+                 kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
+        res = Residual.encode(torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05, "fp8")
+        self.rec("token128_reuse", "fused_fp8", lambda: TT.token_sparse_attention(
+            q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale)), kk / n, target=dens,
+            config=lambda: TT._token_fwd.best_config)
+        self.rec("token128_reuse", "separate_fp8", lambda: res.add_to(TT.token_sparse_attention(
+            q, k, v, grp, toks, tcnt, validate=False)), kk / n, target=dens)
+
+    def pass2(self):
+        q, k, v, K, MT = self.q, self.k, self.v, self.m["K"], self.m["MT"]
+        if not hasattr(self, "groups"):
+            return
+        _, lse = K.attention_dense(q, k, v, return_lse=True)
+        pass1 = next((r["ms"] for r in self.rows if r.get("shape") == self.name and r.get("kind") == "dense_lse"
+                      and r.get("variant") == "cudnn" and "ms" in r), None)
+        for path in ("tma", "pointer"):
+            r = self.rec("pass2_mass", path, lambda path=path: MT.group_kv_mass(q, k, lse, self.groups,
+                                                                                validate=False, path=path),
+                         config=lambda: MT._mass_fwd.best_config)
+            if r and pass1 and self.cudnn:
+                r["note"] = f"{r['ms'] / self.cudnn:.2f}x cuDNN; pass1+pass2 {(pass1 + r['ms']) / self.cudnn:.2f}x"
+        torch.cuda.empty_cache()
+
+    def warp_spec(self, dens=0.25):
+        q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
+        idx, cnt, real = self.block_lists(dens, False)
+        self.rec("bsa128", "warp_spec", lambda: BT.block_sparse_attention(
+            q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path="warp_spec"), real,
+            config=lambda: AH.last_config("warp_spec"), target=dens)
+
+
+def resources(mods):  # noqa: C901
+    """Registers, spills and shared memory of every compiled variant of the main kernels."""
+    out = []
+    fns = dict(attn_tma=mods["AH"]._attn_tma, bsa_pointer=mods["BT"]._bsa_fwd, token=mods["TT"]._token_fwd,
+               mass=mods["MT"]._mass_fwd, dense_pointer=mods["DT"]._dense_fwd)
+    for name, fn in fns.items():
+        while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):
+            fn = fn.fn
+        for cache in getattr(fn, "device_caches", {}).values():
+            kernels = next((c for c in (cache if isinstance(cache, tuple) else (cache,)) if isinstance(c, dict)), {})
+            for key, ker in kernels.items():
+                try:
+                    if getattr(ker, "n_regs", None) is None and hasattr(ker, "_init_handles"):
+                        ker._init_handles()
+                    md = ker.metadata
+                    out.append(dict(kernel=name, n_regs=ker.n_regs, n_spills=ker.n_spills, shared=md.shared,
+                                    num_warps=md.num_warps, num_stages=md.num_stages,
+                                    maxnreg=getattr(md, "maxnreg", None), key=str(key)[:600]))
+                except Exception as exc:
+                    out.append(dict(kernel=name, error=str(exc)[:200], key=str(key)[:300]))
+    return out
+
+
+def table(meta, rows, tests, budget):
+    lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. bf16, B=1, "
+             f"D=128, 128-blocks. ms = median; x cuDNN = cuDNN dense ms / ms; x d = x cuDNN * density "
+             f"(1 = ideal 1/d); vs Flex = Flex ms / ms (* = reference Flex time of docs/benchmarks.md).",
+             f"GPU tests: {tests.get('tail', ['not run'])[-1] if tests else 'not run'}", "",
+             "| shape | kernel | variant | d | ms | TF/s | x cuDNN | x d | vs Flex | note | config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {r.get('target', '')} | FAILED "
+                         f"| | | | | | {r['error'][:80]} |")
+            continue
+        vf = f"{r['vs_flex']:.2f}" if "vs_flex" in r else (f"{r['vs_flex_ref']:.2f}*" if "vs_flex_ref" in r else "")
+        cfg = r.get("config", "").replace("num_ctas: 1, ", "").replace(", maxnreg: None", "")
+        lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {r['density']:.3f} | {r['ms']:.3f} | "
+                     f"{r['eff_tflops']:.0f} | {r.get('x_cudnn', 0):.2f} | {r.get('x_d', 0):.2f} | {vf} | "
+                     f"{r.get('note', '')} | {cfg[:90]} |")
+    if budget.skipped:
+        lines += ["", f"Skipped for time: {', '.join(budget.skipped)}"]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper-out"))
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the timing part")
+    ap.add_argument("--tests-timeout", type=float, default=200.0)
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
+    args = ap.parse_args()
+    if args.dry:
+        global DEV
+        DEV = "cpu"
+        args.skip_tests, args.no_flex = True, True
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+                capability=torch.cuda.get_device_capability() if DEV == "cuda" else None,
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                date=time.strftime("%Y-%m-%d %H:%M"))
+    say(f"meta {meta}")
+    tests = None if args.skip_tests else run_tests(out_dir, args.tests_timeout)
+    budget = Budget(args.budget)
+    mods = dict(K=load("kernels"), BT=load("kernels.block_sparse_triton"), AH=load("kernels.attention_hopper"),
+                DT=load("kernels.dense_triton"), AT=load("kernels.anchor_triton"),
+                TT=load("kernels.token_sparse_triton"), MT=load("kernels.mass_triton"),
+                encode=load("kernels._residual").encode_residual,
+                Residual=load("engine.residual").Residual)
+    flex = None if args.no_flex else kb.flex_runner()
+    rows = []
+    names = args.shapes.split(",")
+    shapes = {}
+
+    def save():
+        (out_dir / "hopper.json").write_text(json.dumps(dict(meta=meta, tests=tests, rows=rows,
+                                                             skipped=budget.skipped,
+                                                             broken=load("kernels._hopper").broken()), indent=1))
+
+    def step(name, what, *a):
+        try:
+            if name not in shapes:
+                if not budget.ok(f"{name} (all)", need=10.0):
+                    return
+                say(f"--- {name}: H={kb.SHAPES[name][0]} N={kb.SHAPES[name][1]} D={kb.SHAPES[name][2]}")
+                shapes[name] = Shape(name, rows, budget, mods, flex)
+                shapes[name].dense()
+            getattr(shapes[name], what)(*a)
+        except torch.OutOfMemoryError as exc:
+            say(f"{name} {what}: out of memory ({str(exc)[:200]})")
+        except Exception as exc:
+            say(f"{name} {what}: {type(exc).__name__}: {str(exc)[:300]}")
+            rows.append(dict(shape=name, kind=what, variant="-", error=str(exc)[:2000],
+                             trace=traceback.format_exc()[-3000:]))
+        save()
+
+    # per shape: the core first, FlexAttention last (reference times stand in when it is cut)
+    plan = []
+    for i, name in enumerate(names):
+        anchors = (0.25, 0.1) if i == 0 else (0.25,)
+        plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]
+        if i == 0:
+            plan += [(name, "residual", (0.25,))]
+        plan += [(name, "token"), (name, "pass2"),
+                 (name, "sparse", (0.25, 0.1), True, ("tma", "persistent", "pointer") if i == 0 else ("tma",)),
+                 (name, "flex_rows", (0.25, 0.1))]
+        if i == 0:
+            plan += [(name, "flex_rows", (0.25, 0.1), True)]
+        if i == len(names) - 1:
+            plan += [(name, "warp_spec")]
+    for name, what, *a in plan:
+        for other in [o for o in shapes if o != name]:  # one shape's tensors at a time
+            del shapes[other]
+            torch.cuda.empty_cache()
+        step(name, what, *a)
+    save()
+    try:
+        res = resources(mods)
+    except Exception as exc:  # Triton's cache layout differs between versions: report, do not fail
+        res = [dict(error=f"{type(exc).__name__}: {exc}")]
+    (out_dir / "resources.json").write_text(json.dumps(res, indent=1))
+    say(f"compiled kernels: {len(res)} (registers / spill bytes / shared bytes, warps, stages)")
+    for r in res:
+        if "n_regs" in r:
+            print(f"    {r['kernel']:13s} regs {r['n_regs']:3d} spills {r['n_spills']:4d} shared {r['shared']:6d} "
+                  f"w{r['num_warps']} s{r['num_stages']} maxnreg {r['maxnreg']}")
+    md = table(meta, rows, tests, budget)
+    (out_dir / "hopper.md").write_text(md)
+    say("done")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

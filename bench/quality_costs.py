@@ -1,0 +1,169 @@
+"""Projected end-to-end speed-up of a quality-bench setting at Wan 2.1 14B 720p, from the per-step costs that
+bench/e2e.py measured (docs/bench-runs/e2e-wan14b*/e2e.json).
+
+    speed-up = steps x dense / (n_dense x dense + n_anchor x anchor + n_reuse x reuse)
+
+with the step kinds counted as the engine decides them (bench/quality_grid.py ``step_kinds``); Sol-Attn:
+n_dense x dense + n_sparse x Sol step. Costs per (method, density): e2e rows ``anchor_s`` and ``step_s`` (one
+reuse step), ``dense_s`` from the dense row. Several e2e.json files are merged newest first (by the date in
+their ``meta``), a (model, mode) taken from the newest run holding it, as bench/plot_e2e.py does.
+
+A density between two measured ones gets costs interpolated linearly in density (flag "interpolated"); one
+outside the measured range gets the nearest measured density's costs (flag "nearest": for a lower density
+that under-states the speed-up). The e2e rows ran the Wan 14B preset's configuration (mc_sparse groups of
+128, block_topk 128-blocks, residual on, selection reused, 1 of 40 layers dense): settings with other
+group / block sizes, select_every_step or residual off get their method's costs (flag "method costs").
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from pathlib import Path
+
+from quality_grid import ANCHOR, DENSE, REUSE, count_kinds, step_kinds
+
+DEFAULT_RUNS = "docs/bench-runs/e2e-wan14b*/e2e.json"
+MEASURED_CONFIG = {"group_size": 128, "block_q": 128, "block_k": 128, "residual": True, "select_every_step": False}
+FLAG_TEXT = {
+    "interpolated": "density not measured: costs interpolated linearly between the nearest measured densities",
+    "nearest": "density outside the measured range: costs of the nearest measured density",
+    "method costs": "configuration not measured end to end (group/block size, select_every_step or residual "
+                    "off): the costs of its method as measured (groups / blocks of 128, residual on)",
+}
+
+
+def _run_date(meta) -> str:
+    m = re.search(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2})", str(meta))
+    return m.group(1) if m else ""
+
+
+class StepCosts:
+    """Seconds of one dense step and, per (method, density), of one anchor step and one reuse step."""
+
+    def __init__(self, model: str, dense_s: float, modes: dict, sources: list[str], meta: str = ""):
+        """modes: {method: {density: {"anchor_s": float | None, "step_s": float, "run": str}}}."""
+        if not (isinstance(dense_s, (int, float)) and dense_s > 0):
+            raise ValueError(f"step costs of {model}: dense_s must be a positive number, got {dense_s!r}")
+        self.model, self.dense_s, self.modes, self.sources, self.meta = model, float(dense_s), modes, sources, meta
+
+    @classmethod
+    def from_e2e(cls, paths, model: str = "wan14b") -> "StepCosts":
+        """Merge e2e.json files (any order: sorted newest first by their meta date, ties in given order)."""
+        paths = [Path(p) for p in paths]
+        if not paths:
+            raise ValueError("step costs: no e2e.json files given")
+        docs = []
+        for p in paths:
+            try:
+                doc = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{p}: cannot read e2e results ({exc})") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+                raise ValueError(f"{p}: not an e2e.json (no 'rows' list)")
+            docs.append((p, doc))
+        order = sorted(range(len(docs)), key=lambda i: _run_date(docs[i][1].get("meta")), reverse=True)
+        dense_s, modes, seen, used = None, {}, set(), []
+        for i in order:
+            p, doc = docs[i]
+            run = p.parent.name
+            for r in doc["rows"]:
+                if r.get("model") != model or "skipped" in r:
+                    continue
+                if r.get("mode") == "dense":
+                    if dense_s is None:
+                        dense_s = r["dense_s"]
+                        used.append(run)
+                    continue
+                if r.get("mode") in seen or "@" not in str(r.get("mode")):
+                    continue
+                seen.add(r["mode"])
+                method, dens = r["mode"].split("@")
+                modes.setdefault(method, {})[float(dens)] = {"anchor_s": r.get("anchor_s"), "step_s": r["step_s"],
+                                                             "run": run}
+                if run not in used:
+                    used.append(run)
+        if dense_s is None:
+            raise ValueError(f"step costs: no dense row of {model} in {', '.join(map(str, paths))}")
+        return cls(model, dense_s, modes, used)
+
+    @classmethod
+    def load(cls, paths=None, root: Path | None = None) -> "StepCosts":
+        """From e2e.json files, or one JSON written by ``to_json`` (key "step_costs"); default: DEFAULT_RUNS
+        under ``root`` (the repository)."""
+        if not paths:
+            root = root or Path(__file__).resolve().parents[1]
+            paths = sorted(glob.glob(str(root / DEFAULT_RUNS)))
+            if not paths:
+                raise ValueError(f"step costs: no files match {root / DEFAULT_RUNS}")
+        if len(paths) == 1:
+            try:
+                doc = json.loads(Path(paths[0]).read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{paths[0]}: cannot read step costs ({exc})") from None
+            if isinstance(doc, dict) and "step_costs" in doc:
+                return cls.from_dict(doc["step_costs"], source=str(paths[0]))
+        return cls.from_e2e(paths)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "dense_s": self.dense_s, "sources": self.sources,
+                "modes": {m: {str(d): v for d, v in sorted(ds.items())} for m, ds in sorted(self.modes.items())}}
+
+    def to_json(self, path) -> None:
+        Path(path).write_text(json.dumps({"step_costs": self.to_dict()}, indent=1))
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "step costs") -> "StepCosts":
+        try:
+            modes = {m: {float(k): dict(v) for k, v in ds.items()} for m, ds in d["modes"].items()}
+            return cls(d["model"], d["dense_s"], modes, list(d.get("sources", [])))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"{source}: malformed step-cost table ({exc})") from None
+
+    def costs(self, method: str, density: float) -> tuple[float | None, float, str | None]:
+        """(anchor_s, reuse_s, flag) of ``method`` at ``density``; flag None | "interpolated" | "nearest"."""
+        table = self.modes.get(method)
+        if not table:
+            raise ValueError(f"step costs: no measured {method!r} rows for {self.model} (have "
+                             f"{sorted(self.modes)})")
+        ds = sorted(table)
+        if density in table:
+            r = table[density]
+            return r["anchor_s"], r["step_s"], None
+        if density < ds[0] or density > ds[-1]:
+            r = table[ds[0] if density < ds[0] else ds[-1]]
+            return r["anchor_s"], r["step_s"], "nearest"
+        hi = next(d for d in ds if d > density)
+        lo = max(d for d in ds if d < density)
+        w = (density - lo) / (hi - lo)
+
+        def lerp(key):
+            a, b = table[lo][key], table[hi][key]
+            return None if a is None or b is None else a + w * (b - a)
+        return lerp("anchor_s"), lerp("step_s"), "interpolated"
+
+    def project(self, setting: dict) -> dict:
+        """{"speedup", "n" (step counts), "flags", "seconds" (projected run), "dense_seconds"} of a setting."""
+        n = count_kinds(step_kinds(setting))
+        steps = setting["steps"]
+        flags: list[str] = []
+        if setting["kind"] == "sol":
+            anchor_s, reuse_s, flag = self.costs("sol", setting["sol"]["density"])
+            anchor_s = self.dense_s
+        elif setting["config"].get("method") == "dense":
+            anchor_s, reuse_s, flag = self.dense_s, self.dense_s, None
+        else:
+            cfg = setting["config"]
+            anchor_s, reuse_s, flag = self.costs(cfg["method"], cfg["density"])
+            size_keys = ("group_size",) if cfg["method"] == "mc_sparse" else ("block_q", "block_k")
+            if any(cfg.get(k, MEASURED_CONFIG[k]) != MEASURED_CONFIG[k]
+                   for k in size_keys + ("residual", "select_every_step")):
+                flags.append("method costs")
+        if flag:
+            flags.insert(0, flag)
+        if n[ANCHOR] and anchor_s is None:
+            raise ValueError(f"step costs: no anchor time measured for {setting['id']}")
+        seconds = n[DENSE] * self.dense_s + n[ANCHOR] * (anchor_s or 0.0) + n[REUSE] * reuse_s
+        return {"speedup": steps * self.dense_s / seconds, "n": n, "flags": flags, "seconds": seconds,
+                "dense_seconds": steps * self.dense_s}

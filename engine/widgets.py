@@ -1,0 +1,107 @@
+"""The Sparse Attention node's inputs, declared once: name, kind, tooltip, range and the configuration fields
+each one sets. Defaults come from SparseConfig's own defaults, so the node and the engine cannot disagree.
+
+nodes/ turns each Widget into a ComfyUI input and ``config_from_widgets`` back into a SparseConfig. Widget
+names and their order are permanent: saved workflows store widget values by position (new widgets are only
+ever appended).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import SparseConfig, parse_layers
+from .policy import method_names
+from .schedule import warmup_text
+
+DEFAULTS = SparseConfig()
+
+
+@dataclass(frozen=True)
+class Widget:
+    """One node input. kind: combo | float | int | string | bool. ``fields``: the SparseConfig fields it sets;
+    ``to_config`` converts the widget value to the fields' value, ``default`` reads the widget's default off
+    the configuration defaults."""
+
+    name: str
+    kind: str
+    fields: tuple[str, ...]
+    tooltip: str
+    options: Callable[[], tuple] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    step: float | None = None
+    to_config: Callable[[Any], Any] = lambda v: v
+    default: Callable[[SparseConfig], Any] | None = None
+
+    def default_value(self):
+        if self.default is not None:
+            return self.default(DEFAULTS)
+        return getattr(DEFAULTS, self.fields[0])
+
+    def option_values(self) -> list:
+        return list(self.options()) if self.options else []
+
+
+def _int(v) -> int:
+    return int(v)
+
+
+WIDGETS: tuple[Widget, ...] = (
+    Widget("method", "combo", ("method",), options=method_names,
+           tooltip="mc_sparse: token-level selection for groups of similar queries, exact at anchor steps (best "
+                   "quality). block_topk: pooled block scores. hybrid: local windows + top-k blocks. static: fixed "
+                   "local windows. dense: no sparsity."),
+    Widget("density", "float", ("density",), minimum=0.01, maximum=1.0, step=0.01,
+           tooltip="Fraction of image/video keys each query attends (text stays dense). Lower is faster; "
+                   "0.1-0.25 is typical."),
+    Widget("block_size", "combo", ("block_q", "block_k"), options=lambda: ("128", "64"), to_config=_int,
+           default=lambda c: str(c.block_k), tooltip="Block size of the block methods (query and key blocks)."),
+    Widget("query_group_size", "combo", ("group_size",), options=lambda: ("128", "64"), to_config=_int,
+           default=lambda c: str(c.group_size),
+           tooltip="Queries per group for mc_sparse (the kernel's tile). 128 is faster."),
+    Widget("warmup_steps", "string", ("warmup_steps",), default=lambda c: warmup_text(c.warmup_steps),
+           tooltip="Dense denoising steps at the start of the run (they fix the layout): a step count like '3' "
+                   "or a share of the run like '10%'. Steps count in the whole run, also across split samplers."),
+    Widget("warmup_layers", "int", ("warmup_layers",), minimum=0, maximum=1000,
+           tooltip="The first N transformer blocks always run dense."),
+    Widget("dense_layers", "string", ("dense_layers",), to_config=parse_layers,
+           default=lambda c: ",".join(map(str, c.dense_layers)),
+           tooltip="Further blocks to keep dense, e.g. '0,1,38-39' (blocks numbered in model order)."),
+    Widget("anchor_steps", "string", ("anchor_steps",), default=lambda c: c.anchor_steps.text(),
+           tooltip="Steps that recompute the selection (and residual): steps '10,26', shares of the run "
+                   "'20%,50%', 'every 5' or 'every 25%', or combined '0 + every 10'. The first sparse step is "
+                   "always an anchor, so '' means one anchor there."),
+    Widget("residual_caching", "bool", ("residual",),
+           tooltip="Cache dense-minus-sparse at anchors and add it back at the other steps (better quality, one "
+                   "output-sized tensor per layer of memory)."),
+    Widget("cache_offload", "bool", ("offload",),
+           tooltip="Keep caches that do not fit the GPU budget in CPU memory (prefetched before use) instead of "
+                   "dropping them."),
+    Widget("min_tokens", "int", ("min_tokens",), minimum=0, maximum=10_000_000,
+           tooltip="Attention over fewer tokens stays dense (sparsity does not pay there)."),
+    Widget("backend", "combo", ("backend",), options=lambda: ("auto", "triton", "torch"),
+           tooltip="auto: Triton kernels on NVIDIA GPUs, PyTorch elsewhere."),
+)
+
+
+def config_from_widgets(values: dict, *, source: str = "Sparse Attention") -> SparseConfig:
+    """A validated SparseConfig from widget values keyed by widget name (missing ones take their default).
+    Errors are ValueError naming the widget (the configuration field's name is mentioned too)."""
+    data = {}
+    for w in WIDGETS:
+        value = values.get(w.name, w.default_value())
+        try:
+            converted = w.to_config(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {w.name}: cannot read {_short(value)} ({exc})") from None
+        for f in w.fields:
+            data[f] = converted
+    return SparseConfig.from_dict(data, source=source)
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+

@@ -1,0 +1,105 @@
+"""Residuals fused into the sparse kernels' epilogue: argument checks and the PyTorch-side arithmetic.
+
+A residual is a (data, scale) pair (or any non-tensor object with ``data`` and ``scale`` attributes):
+data (B, H, Nq, D) in the model's dtype with scale None, or float8_e4m3fn data with an fp32
+(B, H, Nq, 1) per-row scale. The sparse primitives return ``out + data * scale`` computed in fp32 and
+cast once, so a reuse step makes no separate pass over (B, H, N, D); rows with nothing to attend get
+exactly the residual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+RESIDUAL_PRECISIONS = ("model", "fp8")
+CHUNK_ELEMS = 1 << 26  # fp32 elements decoded at a time by the PyTorch helpers (256 MiB of scratch)
+
+
+def check_residual(residual, q: torch.Tensor):
+    """Validate ``residual`` against q (B, H, Nq, D). Returns None or (data, scale-or-None)."""
+    if residual is None:
+        return None
+    if isinstance(residual, torch.Tensor):
+        raise ValueError("residual must be a (data, scale) pair, not a bare tensor")
+    if isinstance(residual, (tuple, list)):
+        if len(residual) != 2:
+            raise ValueError(f"residual must be a (data, scale) pair, got {len(residual)} items")
+        data, scale = residual
+    elif hasattr(residual, "data") and hasattr(residual, "scale"):
+        data, scale = residual.data, residual.scale
+    else:
+        raise ValueError(f"residual must be a (data, scale) pair, got {type(residual).__name__}")
+    if not isinstance(data, torch.Tensor) or tuple(data.shape) != tuple(q.shape):
+        raise ValueError(f"residual data must be a tensor of shape {tuple(q.shape)}, "
+                         f"got {tuple(getattr(data, 'shape', ()))}")
+    if data.device != q.device:
+        raise ValueError(f"residual data must be on {q.device}, got {data.device}")
+    if FP8 is not None and data.dtype == FP8:
+        want = (*q.shape[:3], 1)
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"residual scale must be an fp32 tensor of shape {want} for float8 data")
+        if scale.device != q.device:
+            raise ValueError(f"residual scale must be on {q.device}, got {scale.device}")
+        return data, scale
+    if data.dtype != q.dtype:
+        raise ValueError(f"residual data must be float8_e4m3fn or q's dtype {q.dtype}, got {data.dtype}")
+    if scale is not None:
+        raise ValueError("residual scale must be None unless the data is float8_e4m3fn")
+    return data, None
+
+
+def contiguous_residual(res):
+    """A checked pair whose data has a unit last stride (the kernels address rows by stride)."""
+    if res is None or res[0].stride(-1) == 1:
+        return res
+    return res[0].contiguous(), res[1]
+
+
+def _head_slices(x: torch.Tensor):
+    step = max(1, CHUNK_ELEMS // max(1, x[:, :1].numel()))
+    for h0 in range(0, x.shape[1], step):
+        yield slice(h0, h0 + step)
+
+
+def add_residual_(out: torch.Tensor, res) -> torch.Tensor:
+    """out (B, H, Nq, D) fp32 += data * scale (checked pair from ``check_residual``), in place."""
+    if res is None:
+        return out
+    data, scale = res
+    for sl in _head_slices(out):
+        r = data[:, sl].float()
+        out[:, sl] += r if scale is None else r * scale[:, sl]
+    return out
+
+
+def decode_into(out: torch.Tensor, res) -> torch.Tensor:
+    """out (B, H, Nq, D), any float dtype, = data * scale cast to out's dtype (rows no kernel writes)."""
+    data, scale = res
+    if scale is None:
+        return out.copy_(data)
+    for sl in _head_slices(out):
+        out[:, sl] = (data[:, sl].float() * scale[:, sl]).to(out.dtype)
+    return out
+
+
+def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype):
+    """Residual pair of ``diff`` (B, H, N, D), any float dtype: precision "model" -> (diff as ``dtype``,
+    None); "fp8" -> (float8_e4m3fn data, fp32 (B, H, N, 1) scale = row amax / 448, 1 for all-zero rows)."""
+    if precision not in RESIDUAL_PRECISIONS:
+        raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {precision!r}")
+    if precision == "model":
+        return diff.to(dtype), None
+    if FP8 is None:
+        raise ValueError("residual_precision='fp8' needs torch.float8_e4m3fn")
+    b, h, n, d = diff.shape
+    data = torch.empty((b, h, n, d), dtype=FP8, device=diff.device)
+    scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device)
+    for sl in _head_slices(diff):
+        x = diff[:, sl].float()
+        s = x.abs().amax(-1, keepdim=True) / FP8_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        scale[:, sl] = s
+        data[:, sl] = (x / s).to(FP8)
+    return data, scale

@@ -1,0 +1,38 @@
+"""Anchor attention for block selections, PyTorch twin of the fused Triton kernel (``anchor_triton``).
+
+An anchor step needs the dense output (returned to the model) and the residual R = dense - sparse over
+the step's block selection (cached for the reuse steps). The twin composes the dense and block-sparse
+twins; the Triton kernel does both in one pass over the KV blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import block_sparse_torch, dense_torch
+from ._residual import encode_residual
+
+
+def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
+                           kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
+                           residual_precision: str = "model", return_lse: bool = False, validate: bool = True):
+    """Dense attention plus the residual of block-sparse attention over the given block lists.
+
+    q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32. kv_indices int32 (B, H, ceil(Nq/block_q), max_k)
+    sorted within kv_counts int32 (B, H, ceil(Nq/block_q)); block_q, block_k: 64 or 128.
+    residual_precision: "model" -> R in q's dtype, scale None; "fp8" -> float8_e4m3fn R with an fp32
+    (B, H, Nq, 1) per-row scale (row amax / 448, 1 for all-zero rows).
+    Returns (out_dense (B, H, Nq, D) in q's dtype, (r_data, r_scale)) where R = out_dense - out_sparse is
+    computed in fp32 (a row with an empty list has R = out_dense); with ``return_lse`` also the dense
+    row LSE (B, H, Nq) fp32 in the middle: (out_dense, lse, (r_data, r_scale)).
+    """
+    out, lse = dense_torch.attention_dense(q, k, v, scale=scale, return_lse=True)
+    sparse = block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
+                                                       block_k=block_k, scale=scale, validate=validate)
+    res = residual_of(out, sparse, residual_precision)
+    return (out, lse, res) if return_lse else (out, res)
+
+
+def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str):
+    """Residual pair of dense - sparse ((B, H, N, D) each), encoded as ``precision``, in dense's dtype."""
+    return encode_residual(dense.float() - sparse.float(), precision, dense.dtype)

@@ -1,0 +1,64 @@
+"""Anchor attention for block selections in one Triton pass (Hopper TMA kernel of ``attention_hopper``).
+
+Each query block walks its selected KV blocks first: that online-softmax state is the sparse output
+(exact). The same state then continues over the complement blocks, giving the dense output and row LSE.
+The residual R = dense - sparse is formed in fp32 registers and stored in the model's dtype or as fp8
+with a per-row scale. So an anchor costs one dense pass instead of dense + sparse + a residual pass.
+Twin of ``anchor_torch.block_anchor_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _hopper
+from ._checks import check_qkv, check_scale
+from ._residual import FP8, RESIDUAL_PRECISIONS
+from .block_sparse_torch import check_block_lists
+
+PATHS = ("auto", "tma", "persistent", "warp_spec")
+
+
+def supported(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The fused kernel can run here (Hopper, TMA-aligned K/V, compiled before or not yet tried)."""
+    return _hopper.use_tma("anchor", k, v)
+
+
+def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
+                           residual_precision="model", return_lse=False, validate=True, path="auto"):
+    """Fused anchor attention; arguments and results as in the PyTorch twin.
+
+    q: (B,H,Nq,D); k, v: (B,H,Nk,D) with 16-byte aligned bases and strides; kv_indices int32
+    (B,H,ceil(Nq/block_q),max_k) sorted; kv_counts int32 (B,H,ceil(Nq/block_q)).
+    Returns (out_dense, (r_data, r_scale)) or, with return_lse, (out_dense, lse, (r_data, r_scale)).
+    path: "auto"/"tma" (one program per query block), "persistent", "warp_spec". Compile failures raise
+    (the caller, kernels/api.py, falls back to the composed path).
+    """
+    from . import attention_hopper
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    _, n_kblk, _ = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    if residual_precision not in RESIDUAL_PRECISIONS:
+        raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {residual_precision!r}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    why = _hopper.tma_problem((k, v), _hopper.device_capability(k)) if not _hopper.interpreting() else None
+    if why is not None:
+        raise ValueError(f"block_anchor_attention: the fused kernel cannot run: {why}")
+    fp8 = residual_precision == "fp8"
+    if fp8 and FP8 is None:
+        raise ValueError("residual_precision='fp8' needs torch.float8_e4m3fn")
+    idx = kv_indices.to(torch.int32).contiguous()
+    cnt = kv_counts.to(torch.int32).contiguous()
+    cmp_idx, cmp_cnt = attention_hopper.complement_lists(idx, cnt, n_kblk)
+    # rows in natural order: every row does the same dense work, and neighbours share K/V in L2
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
+    r_data = torch.empty((b, h, nq, d), dtype=FP8 if fp8 else q.dtype, device=q.device)
+    r_scale = torch.empty((b, h, nq, 1), dtype=torch.float32, device=q.device) if fp8 else None
+    kind = "anchor" if path in ("auto", "tma") else path
+    attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
+                            mode=attention_hopper.MODE_ANCHOR, lse=lse, res_out=(r_data, r_scale), res_fp8=fp8,
+                            idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt)
+    res = (r_data, r_scale)
+    return (out, lse, res) if return_lse else (out, res)

@@ -1,0 +1,113 @@
+"""Where a sampler's steps sit in the whole denoising run, from ComfyUI's own schedulers.
+
+A sampler that runs part of a schedule (KSamplerAdvanced start/end steps, Wan 2.2's two experts, denoise < 1)
+receives a slice of a longer sigma schedule. ``clock_for`` finds that schedule: it recomputes ComfyUI's
+schedulers at plausible lengths and looks for the slice in them (exact, any scheduler); failing that, the
+even spacing of the steps in the model's sigma-table index or timestep places them (engine/schedule.py);
+failing that too, the sampler's own steps are the run, and the report says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..engine import Coordinate, RunClock, locate_run
+from ..engine.schedule import OWN_SCHEDULE
+
+log = logging.getLogger(__name__)
+
+MATCH_TOL = 1e-4
+MAX_EXTRA = 4  # longest whole run searched: this many times the sampler's steps, plus 16
+
+
+def sampling_coordinates(ms) -> list[Coordinate]:
+    """The coordinates in which ComfyUI's uniform schedulers space steps evenly, for a model sampling object:
+    the index in its sigma table ("simple", and "normal" on flow models) and its timestep ("normal" otherwise)."""
+    table = ms.sigmas.detach().float().cpu()  # ascending
+    log_table = table.clamp(min=1e-12).log()
+
+    def index(s: float) -> float:
+        ls = torch.tensor(s).clamp(min=1e-12).log()
+        i = int(torch.searchsorted(log_table, ls).clamp(1, len(table) - 1))
+        lo, hi = float(log_table[i - 1]), float(log_table[i])
+        return (i - 1) + (0.0 if hi == lo else (float(ls) - lo) / (hi - lo))
+
+    def timestep(s: float) -> float:
+        return float(ms.timestep(torch.tensor([s], dtype=torch.float32)).reshape(-1)[0])
+    t_min = timestep(float(ms.sigma_min))
+    return [Coordinate("sigma-table index", index, float(len(table) - 1), lambda spacing: spacing - 1),
+            Coordinate("timestep", timestep, timestep(float(ms.sigma_max)), lambda spacing: t_min)]
+
+
+def _schedules(ms, steps: int):
+    """(name, total, sigmas) of ComfyUI's schedulers at every length that could hold ``steps`` steps."""
+    import comfy.samplers as cs
+
+    names = [n for n in getattr(cs, "SCHEDULER_NAMES", ("simple", "normal")) if n in cs.SCHEDULER_HANDLERS]
+    for total in range(steps, MAX_EXTRA * steps + 17):
+        for name in names:
+            try:
+                full = cs.calculate_sigmas(ms, name, total).float().cpu()
+            except Exception:  # noqa: BLE001 - a scheduler that needs what this model lacks
+                continue
+            yield name, total, full
+            if len(full) > 2:  # samplers that drop the penultimate sigma (uni_pc, dpm_2) run one more step
+                yield name + " (penultimate dropped)", total - 1, torch.cat([full[:-2], full[-1:]])
+
+
+# On a tie, the scheduler users more likely ran (a prefix of sgm_uniform at T steps is one of normal at T + 1).
+PRIORITY = ("simple", "normal", "beta", "karras", "exponential", "linear_quadratic", "kl_optimal", "ddim_uniform",
+            "sgm_uniform")
+
+
+def match_schedule(values: list[float], ms) -> RunClock | None:
+    """The slice ``values`` found in one of ComfyUI's schedules for ``ms``, as a RunClock, or None. A prefix
+    can fit several schedules (e.g. sgm_uniform at T steps and normal at T + 1): the most common scheduler
+    among those that fit at the two shortest lengths wins."""
+    part = torch.tensor(values, dtype=torch.float32)
+    n = len(values)
+    ends = values[-1] == 0.0
+    found: list[tuple[int, str, int]] = []  # (start, name, total)
+    first_total = None
+    for name, total, full in _schedules(ms, n - 1):
+        if first_total is not None and total > first_total + 1:
+            break
+        if len(full) < n:
+            continue
+        starts = range(len(full) - n, len(full) - n + 1) if ends else range(0, len(full) - n + 1)
+        for start in starts:
+            if torch.allclose(full[start:start + n], part, atol=MATCH_TOL, rtol=MATCH_TOL):
+                if start == 0 and ends:
+                    return RunClock(0, n - 1, OWN_SCHEDULE)
+                found.append((start, name, total))
+                first_total = total if first_total is None else first_total
+                break
+    if not found:
+        return None
+
+    def rank(item):
+        base = item[1].split(" ")[0]
+        return (PRIORITY.index(base) if base in PRIORITY else len(PRIORITY), " " in item[1], item[2])
+    start, name, total = min(found, key=rank)
+    return RunClock(start, total, f"the {total}-step '{name}' schedule this sampler is part of")
+
+
+def clock_for(sigmas, ms) -> RunClock:
+    """RunClock of a sampler running ``sigmas`` (1-D tensor, descending) with model sampling object ``ms``."""
+    if not isinstance(sigmas, torch.Tensor) or sigmas.numel() < 2:
+        return RunClock()
+    values = [float(x) for x in sigmas.reshape(-1)]
+    if ms is None:
+        return RunClock(0, len(values) - 1, "the sampler's own steps (no model sampling object)")
+    try:
+        coords = sampling_coordinates(ms)
+        whole = locate_run(values, coords)
+        if whole.exact:
+            return whole
+        found = match_schedule(values, ms)
+        return found if found is not None else whole
+    except Exception as exc:  # noqa: BLE001 - an unusual sampling object: the sampler's own steps
+        log.debug("sparse attention: cannot place the sampler in its run (%s)", exc)
+        return RunClock(0, len(values) - 1, "the sampler's own steps (its sigmas could not be placed)")

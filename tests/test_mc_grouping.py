@@ -1,0 +1,53 @@
+"""mc_sparse grouping options and edge cases: cuboid groups of the latent grid, calls with no image tokens."""
+
+import torch
+
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+from comfyui_sparse_attention.engine.policy_mc_sparse import cuboid_groups, cuboid_shape
+from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention, rel_l2
+
+
+def test_cuboid_tiles():
+    assert cuboid_shape((16, 32, 32), 64) == (1, 8, 8)
+    assert cuboid_shape((21, 45, 80), 128) == (2, 8, 8)
+    assert cuboid_shape((1, 64, 64), 128) == (1, 8, 16)
+    assert cuboid_shape(None, 64) == (1, 1, 64)
+
+
+def test_cuboid_groups_partition_the_image_into_neighbourhoods():
+    grid = (3, 10, 12)
+    g = cuboid_groups(TokenLayout(grid=grid), 360, 64, "cpu")
+    flat = g.view(-1)
+    assert g.shape == (1, 1, 6, 64) and sorted(flat[flat >= 0].tolist()) == list(range(360))
+    first = g[0, 0, 0].long()  # an 8x8 tile of frame 0: rows 0-7, cols 0-7
+    rows, cols, frames = first // 12 % 10, first % 12, first // 120
+    assert frames.max() == 0 and rows.max() - rows.min() == 7 and cols.max() - cols.min() == 7
+    one_d = cuboid_groups(TokenLayout(), 100, 64, "cpu")
+    assert one_d[0, 0, 0].tolist() == list(range(64)) and one_d[0, 0, 1, 36:].eq(-1).all()
+
+
+def test_cuboid_grouping_runs_and_tracks_dense():
+    pr = SyntheticVideoAttention(frames=4, height=16, width=16, text=32, heads=2, head_dim=64, steps=4, seed=3)
+    eng = SparseEngine(SparseConfig(method="mc_sparse", grouping="cuboid", density=0.25, min_tokens=0,
+                                    backend="torch", group_size=64))
+    eng.begin_run()
+    errs = []
+    for s in range(4):
+        q, k, v = pr.qkv(s)
+        out = eng.attend(q, k, v, CallContext(layer=0, step=s, layout=pr.layout))
+        errs.append(rel_l2(out, torch.nn.functional.scaled_dot_product_attention(q, k, v)))
+    stats = eng.end_run().totals()
+    assert stats["anchors"] == 1 and stats["reuses"] == 3
+    assert errs[0] < 1e-5 and max(errs) < 0.2  # the anchor is exact
+
+
+def test_mc_sparse_with_no_image_tokens_goes_dense_not_wrong():
+    q, k, v = (torch.randn(1, 2, 100, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.15, min_tokens=0, backend="torch", group_size=64))
+    eng.begin_run()
+    lay = TokenLayout(text_len=100)
+    outs = [eng.attend(q, k, v, CallContext(layer=0, step=s, layout=lay)) for s in range(2)]
+    t = eng.end_run().totals()
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert t["anchors"] == 1 and t["reuses"] == 1
+    assert all(rel_l2(o, dense) < 1e-5 for o in outs)

@@ -1,0 +1,99 @@
+"""PyTorch backend: residuals fused into the sparse primitives, and the anchor primitive."""
+
+import pytest
+import torch
+from sparse_ref import block_allow, random_block_lists, ref_attention, rel_l2, structured_qkv, token_allow
+
+from comfyui_sparse_attention.kernels import (attention_dense, block_anchor_attention, block_sparse_attention,
+                                              group_queries, token_sparse_attention)
+from comfyui_sparse_attention.kernels._residual import encode_residual
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _decode(res):
+    data, scale = res
+    return data.double() if scale is None else data.double() * scale.double()
+
+
+def _lists(n, bq, bk, seed):
+    nqb, nkb = -(-n // bq), -(-n // bk)
+    return random_block_lists(1, 2, nqb, nkb, max(1, nkb // 2), seed=seed, empty_rows=(1,), full_rows=(0,))
+
+
+@pytest.mark.parametrize("precision", ["model", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_sparse_adds_the_residual(precision, dtype):
+    if precision == "fp8" and FP8 is None:
+        pytest.skip("torch has no float8_e4m3fn")
+    n, bq, bk = 333, 64, 64
+    q, k, v = structured_qkv(1, 2, n, 64, dtype=dtype, seed=4)
+    idx, cnt = _lists(n, bq, bk, seed=4)
+    res = encode_residual(torch.randn(q.shape, generator=torch.Generator().manual_seed(1)) * 0.2, precision, dtype)
+    out = block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual=res, backend="torch")
+    ref, _ = ref_attention(q, k, v, block_allow(idx, cnt, n, n, bq, bk))
+    ref = ref + _decode(res)
+    assert out.dtype == dtype and rel_l2(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    empty = slice(bq, 2 * bq)  # query block 1 has an empty list: exactly the residual, cast once
+    assert torch.equal(out[:, :, empty], _decode(res)[:, :, empty].to(dtype))
+
+
+def test_token_sparse_adds_the_residual_also_to_ungrouped_queries():
+    n, d = 200, 64
+    q, k, v = structured_qkv(1, 2, n, d, seed=6)
+    groups = group_queries(q, 64)
+    g = groups.shape[2]
+    gen = torch.Generator().manual_seed(2)
+    toks = torch.stack([torch.sort(torch.randperm(n, generator=gen)[:40]).values for _ in range(2 * g)])
+    toks = toks.view(1, 2, g, 40).int()
+    cnt = torch.full((1, 2, g), 40, dtype=torch.int32)
+    cnt[0, 0, 1] = 0
+    lost = groups.clone()
+    lost[0, 1, 0] = -1
+    res = encode_residual(torch.randn(q.shape, generator=gen) * 0.2, "model", q.dtype)
+    out = token_sparse_attention(q, k, v, lost, toks, cnt, residual=res, backend="torch")
+    ref, _ = ref_attention(q, k, v, token_allow(lost, toks, cnt, n, n))
+    assert rel_l2(out, ref + _decode(res)) <= 1e-5
+    gone = groups[0, 1, 0].long()
+    gone = gone[gone >= 0]
+    assert torch.equal(out[0, 1, gone], res[0][0, 1, gone])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q: q, "pair"),
+    (lambda q: (q[:, :1], None), "shape"),
+    (lambda q: (q.double(), None), "dtype"),
+    (lambda q: (q, torch.ones(*q.shape[:3], 1)), "scale must be None"),
+    (lambda q: (q.to(FP8), None), "fp32 tensor of shape"),
+    (lambda q: (q, None, None), "pair"),
+])
+def test_bad_residuals_are_refused(bad, match):
+    if FP8 is None and "fp32 tensor" in match:
+        pytest.skip("torch has no float8_e4m3fn")
+    q, k, v = structured_qkv(1, 2, 100, 64, seed=1)
+    idx, cnt = _lists(100, 64, 64, seed=1)
+    with pytest.raises(ValueError, match=match):
+        block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64, residual=bad(q), backend="torch")
+
+
+@pytest.mark.parametrize("precision", ["model", "fp8"])
+def test_anchor_is_dense_plus_the_residual_of_the_sparse_output(precision):
+    if precision == "fp8" and FP8 is None:
+        pytest.skip("torch has no float8_e4m3fn")
+    n, bq, bk = 300, 64, 128
+    q, k, v = structured_qkv(1, 2, n, 64, seed=8)
+    idx, cnt = _lists(n, bq, bk, seed=8)
+    out, lse, res = block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual_precision=precision,
+                                           return_lse=True, backend="torch")
+    dense, dense_lse = attention_dense(q, k, v, return_lse=True, backend="torch")
+    sparse = block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, backend="torch")
+    assert torch.equal(out, dense) and torch.equal(lse, dense_lse)
+    tol = 1e-6 if precision == "model" else 2 ** -4
+    assert rel_l2(_decode(res), dense.double() - sparse.double()) <= tol
+    # the reuse step rebuilds the dense output from the sparse one and the residual
+    again = block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual=res, backend="torch")
+    r_norm = float((dense.double() - sparse.double()).norm())
+    assert float((again.double() - dense.double()).norm()) <= (1e-6 if precision == "model" else 2 ** -4) * r_norm
+    assert block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, backend="torch")[0].shape == q.shape
+    with pytest.raises(ValueError, match="residual_precision"):
+        block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual_precision="fp16", backend="torch")

@@ -1,0 +1,116 @@
+"""Compile the kernels' autotune candidates for sm_90 without a GPU and report their resources.
+
+    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64]
+
+For each candidate: registers, spill bytes (ptxas -v), shared memory, and whether the loads became TMA
+copies and the dots wgmma, from Triton's own ptxas/cuobjdump. Use the device's Triton version for
+figures that match it (e.g. ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
+docs/kernel_notes.md records the results and what they decided.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _pack import load  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 program may use
+
+
+def compile_one(fn, types, constexprs, divisible, config):
+    """Compile ``fn`` (a JITFunction) for sm_90; returns a dict of resources (or an error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names and n not in constexprs}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
+                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if getattr(config, "maxnreg", None):
+        opts["maxnreg"] = config.maxnreg
+    try:
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+    except Exception as exc:
+        return dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(c.asm["ptx"])
+        log = subprocess.run([str(bin_dir / "ptxas"), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    ttgir = c.asm["ttgir"]
+    return dict(regs=int(regs.group(1)) if regs else None, spill=int(spill.group(1)) if spill else None,
+                shared=c.metadata.shared, tma="async_tma_copy_global_to_local" in ttgir,
+                wgmma="warp_group_dot " in ttgir)
+
+
+def jit_of(fn):
+    """The JITFunction under autotune/heuristics wrappers."""
+    while type(fn).__name__ != "JITFunction":
+        fn = fn.fn
+    return fn
+
+
+def cases(kinds, head_dims):
+    """(label, jit function, types, constexprs, divisible args, config) of every candidate."""
+    ah, tt, mt = load("kernels.attention_hopper"), load("kernels.token_sparse_triton"), load("kernels.mass_triton")
+    ptr = {n: "*bf16" for n in ("Q", "K", "V", "Out", "R", "RO")}
+    ptr.update({n: "*i32" for n in ("KV_IDX", "KV_CNT", "CMP_IDX", "CMP_CNT", "ORDER", "COUNTER", "QG", "TOK", "CNT")})
+    ptr.update({"Lse": "*fp32", "LSE": "*fp32", "RS": "*fp32", "ROS": "*fp32", "OUT": "*fp32", "qk_scale": "fp32"})
+    div = ["Q", "K", "V", "Out", "R", "RO", "QG", "TOK", "CNT", "LSE", "OUT"] + [
+        f"s{t}{a}" for t in "qkvor" for a in "bhn"]
+    for d in head_dims:
+        pad = max(16, 1 << (d - 1).bit_length())
+        if "hopper" in kinds:
+            for kind, configs, mode, extra in (("sparse", ah.SPARSE_CONFIGS, 0, {}),
+                                               ("persistent", ah.PERSISTENT_CONFIGS, 0, dict(PERSISTENT=True)),
+                                               ("dense", ah.DENSE_CONFIGS, 1, dict(WRITE_LSE=True)),
+                                               ("anchor", ah.ANCHOR_CONFIGS, 2, dict(RES_OUT=2, WRITE_LSE=True))):
+                for c in ah._prune(configs, {}, BLOCK_K=128, BLOCK_M=128):
+                    ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK_M=128, BLOCK_K=128, BLOCK_N=c.kwargs["BLOCK_N"],
+                              EVEN_K=False, EVEN_N=False, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=False,
+                              ORDERED=mode == 0, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1)
+                    ce.update(extra)
+                    yield f"{kind} D{d}", jit_of(ah._attn_tma), ptr, ce, div, c
+        if "token" in kinds:
+            for c in tt._CONFIGS:
+                ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0, GROUP=128, BLOCK_N=c.kwargs["BLOCK_N"])
+                yield f"token D{d}", jit_of(tt._token_fwd), ptr, ce, div, c
+        if "mass" in kinds:
+            for c in mt.CONFIGS:
+                ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=True, EVEN_N=False, **c.kwargs)
+                yield f"mass D{d}", jit_of(mt._mass_fwd), ptr, ce, div, c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", default="hopper,token,mass")
+    ap.add_argument("--head-dims", default="128,64")
+    args = ap.parse_args()
+    import triton
+    print(f"Triton {triton.__version__}, target sm_90")
+    print(f"{'kernel':16s} {'config':52s} {'regs':>5s} {'spill':>6s} {'shared':>7s} tma wgmma")
+    for label, fn, types, ce, div, c in cases(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")]):
+        cfg = ", ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f", w{c.num_warps} s{c.num_stages}" + (
+            f" maxnreg {c.maxnreg}" if getattr(c, "maxnreg", None) else "")
+        r = compile_one(fn, types, ce, div, c)
+        if "error" in r:
+            print(f"{label:16s} {cfg:52s} FAILED {r['error']}")
+            continue
+        over = "  > shared limit" if r["shared"] > SMEM_LIMIT else ""
+        print(f"{label:16s} {cfg:52s} {r['regs']:5d} {r['spill']:6d} {r['shared']:7d} {str(r['tma'])[0]:>3s} "
+              f"{str(r['wgmma'])[0]:>5s}{over}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
