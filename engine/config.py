@@ -11,26 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.backend import BACKENDS
+from .modalities import Densities
 from .policy import method_names
 from .schedule import AnchorSchedule, parse_warmup
 
 RESIDUAL_PRECISIONS = ("fp8", "model")
 GROUPINGS = ("pca", "cuboid")
-
-
-@dataclass(frozen=True)
-class Densities:
-    """Fraction of keys kept per modality pair (query -> key). None means "use the global density".
-
-    Text rows and text columns stay dense by default (text->text, text->image, image->text = 1.0;
-    docs/method.md, "Modalities"); image->image (video/image/3D tokens among themselves) takes the global
-    density.
-    """
-
-    text_to_text: float = 1.0
-    text_to_image: float = 1.0
-    image_to_text: float = 1.0
-    image_to_image: float | None = None
 
 
 @dataclass(frozen=True)
