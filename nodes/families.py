@@ -268,7 +268,7 @@ class LuminaFamily(Family):
         pad = self.facts.get("pad_multiple")
         tail = (Segment("pad", -(-n_img // pad) * pad - n_img, label="image padding"),) if pad else ()
         tail = tuple(s for s in tail if s.length)
-        return TokenLayout.of(Segment("text", None, label="caption (+ padding)" if pad else ""), image, *tail)
+        return TokenLayout.of(Segment("text", None, label="caption and its padding" if pad else ""), image, *tail)
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ def _wan_fun_ref(seed):
 
 
 @family("ltx2_av", "comfy.supported_models", "LTXAV")
-def _ltx2_av(seed):
+def _ltx2_av(seed, audio_frames=20):
     import comfy.nested_tensor
     import comfy.supported_models as sm
     cfg = sm.LTXAV({"image_model": "ltxav", "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 2,
@@ -304,9 +304,15 @@ def _ltx2_av(seed):
         g = _g(s)
         return [[torch.randn(1, 7, 64, generator=g), {}]]
     video = torch.randn(1, 128, 3, 6, 8, generator=_g(seed + 1))     # 144 video tokens (patch 1x1x1)
-    audio = torch.randn(1, 8, 20, 16, generator=_g(seed + 4))        # 20 audio frames x (8 ch x 16 bins)
+    audio = torch.randn(1, 8, audio_frames, 16, generator=_g(seed + 4))  # audio frames x (8 ch x 16 bins)
     latent = comfy.nested_tensor.NestedTensor([video, audio])
     return _finish(cfg, seed), latent, cond(seed + 2), cond(seed + 3)
+
+
+@family("ltx2_av_equal", "comfy.supported_models", "LTXAV")
+def _ltx2_av_equal(seed):
+    """LTX-2 with as many audio frames as video tokens (144): audio<->video cross-attention is self-shaped."""
+    return _ltx2_av(seed, audio_frames=3 * 6 * 8)
 
 
 @family("minimax_h3", "comfy.supported_models", "MiniMaxH3")
