@@ -13,8 +13,7 @@ import re
 
 import pytest
 from comfy_subprocess import run_in_comfyui
-from conftest import ROOT, comfyui_path
-from test_families_033 import tree_version
+from conftest import ROOT, comfyui_path, comfyui_version
 
 pytestmark = pytest.mark.comfyui
 
@@ -95,7 +94,7 @@ emit(out)
 
 @pytest.fixture(scope="module")
 def runs():
-    version = tree_version(comfyui_path())
+    version = comfyui_version()
     if version < (0, 33, 0):
         pytest.skip(f"the tiny builders use ComfyUI 0.33.0's classes; the tree under test is "
                     f"{'.'.join(map(str, version))}")
