@@ -25,6 +25,7 @@ class SparseConfig:
 
     method: dense | static | block_topk | mc_sparse | hybrid.
     density: fraction of query-key pairs kept among image tokens (0 < density <= 1).
+    densities: fraction kept per modality pair of the token layout's segments (engine/modalities.py).
     block_q, block_k: 64 or 128 (block granularity of block masks).
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
     grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or
