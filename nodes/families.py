@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ..engine import TokenLayout
@@ -62,11 +64,18 @@ class Family:
     def read_facts(self, dm) -> dict:
         cls = type(dm)
         facts = {"class": f"{cls.__module__}.{cls.__qualname__}", "blocks": _count_blocks(dm, self.blocks)}
+        if self.indexed and _sets_block_index(cls) is False:
+            facts["indexed"] = False  # an older ComfyUI whose blocks do not report block_index yet
         if self.model_patch:
             patch = _patch_of(dm)
             if patch is not None:
                 facts["patch"] = patch
         return facts
+
+    @property
+    def is_indexed(self) -> bool:
+        """Whether this model's main blocks report ``block_index`` (the field, unless its source says not)."""
+        return self.facts.get("indexed", self.indexed)
 
     @property
     def token_patch(self) -> tuple[int, int, int]:
@@ -94,7 +103,7 @@ class Family:
         cross-attention call. Families without block indices tell extra calls by their size."""
         if nq != nk:
             return None
-        if self.indexed:
+        if self.is_indexed:
             return "main"
         n_img = forward.image_tokens()
         if n_img and (nq < n_img or (self.joint_text and nq == n_img)):
@@ -174,6 +183,19 @@ UNKNOWN_ASSUMPTION = ("the pack assumes a self-attention sequence of image token
                       "'dense' if the results suffer")
 
 
+def _sets_block_index(cls) -> bool | None:
+    """Whether the module defining a model class sets ``block_index`` (None when its source cannot be read).
+    ComfyUI added block indices family by family; 0.3.75's Wan, Lumina and Cosmos blocks have none."""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    try:
+        return "block_index" in Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+
+
 def _count_blocks(dm, names) -> int:
     total = 0
     for name in names:
@@ -188,6 +210,8 @@ def _count_blocks(dm, names) -> int:
 
 def _patch_of(dm) -> tuple[int, int, int] | None:
     ps = getattr(dm, "patch_size", None)
+    if ps is None:
+        ps = getattr(dm, "patch", None)  # Krea 2
     pt = getattr(dm, "patch_size_t", None) or 1
     if isinstance(ps, int):
         return (int(pt), ps, ps)
@@ -491,6 +515,8 @@ FAMILIES: tuple[Family, ...] = (
            model_patch=True, image_kind="image", preset="qwen_image"),
     LuminaFamily("lumina", ("lumina",), joint_text=True, indexed=True, blocks=("layers",), model_patch=True,
                  image_kind="image", preset=_lumina_preset),
+    Family("krea2", ("krea2",), joint_text=True, indexed=True, blocks=("blocks",), model_patch=True,
+           image_kind="image", preset="flux"),
     Family("sd3", ("mmdit",), joint_text=True, blocks=("joint_blocks",), image_kind="image", preset="sd35"),
     HiDreamFamily("hidream", ("hidream",), joint_text=True, text_first=False,
                   blocks=("double_stream_blocks", "single_stream_blocks"), image_kind="image", preset="hidream"),

@@ -133,7 +133,7 @@ class Forward:
                 self._blocks_seen.add(key)
                 return self._number(int(idx) + self.layer_offsets.get(key[0], 0), stream)
             stream = "extra"  # a second self-attention in the same block (VACE)
-        elif stream == "main" and self.family.indexed and args is not None:
+        elif stream == "main" and self.family.is_indexed and args is not None:
             stream = "extra"  # outside the model's indexed blocks: a refiner
         k = self._per_stream.get(stream, 0)
         self._per_stream[stream] = k + 1

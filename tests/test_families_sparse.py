@@ -41,6 +41,8 @@ EXPECTED = {
                       {"cross-attention": 16}),
     "minimax_h3": ({"main": "text 7 | audio 10 (left channel) | audio 10 (right channel) | video 3x6x8 = 171"},
                    [0, 1], {}),
+    "krea2": ({"main": "text 7 | image 6x8 | ref 16 (reference image) = 71"}, [0, 1],
+              {"text or reference tokens only": 8}),  # the text fusion transformer's calls: dense
     "trellis2": ({"main": "voxels 16x16x16 (structure grid) = 4096"}, [0], {"cross-attention": 2}),
     "trellis2_shape": ({"main": "voxels 40 (active voxels) = 40"}, [0], {"cross-attention": 2}),
 }
