@@ -1,49 +1,190 @@
-"""Block-level geometry of a token layout: which blocks hold text, where image blocks sit in (F, H, W).
+"""Token and block geometry of a segmented token layout (engine/context.py), and the row-wise selections the
+policies share.
 
-Used by the block policies: text rows/columns stay dense (docs/method.md, "Modalities") and local windows are measured
-between block centroids in the latent grid.
+Each token belongs to one segment; its position is taken in that segment's own grid. Blocks of the block
+policies cut across segment boundaries, so a block is described by the modalities it holds (which decide the
+forced, dense pairs: docs/method.md, "Modalities") and by the segment holding most of its tokens (its owner:
+the budget it counts in and the position it is measured at). Within one segment, distances are Chebyshev
+distances in the grid (frames weighted by ``temporal_weight``); between segments, positions are compared as
+shares of each segment's extent along the axes both segments have (frames or time, rows, columns), so a video
+block's audio window follows the video's time.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .context import TokenLayout
+from .context import Span, TokenLayout
+from .modalities import MODALITIES
 
 
-def token_coords(n: int, layout: TokenLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(coords float (N, 3) as (frame, row, col) for image tokens, is_text bool (N,)).
+@dataclass
+class TokenMap:
+    """Per token of a sequence of N tokens placed by a layout.
 
-    Tokens outside the grid span (text, extra tokens) are flagged ``is_text``; without a grid the image
-    tokens are laid on one row (1-D positions).
+    spans: the layout's segments placed in the sequence; seg: int64 (N,) segment index; modality: int64 (N,)
+    index into MODALITIES; coords: float32 (N, 3) position (frame, row, col) in its segment's grid (1-D
+    segments: (0, 0, position)); unit: float32 (N, 3) the same position as a share of the segment's extent
+    along each axis (1-D segments: time on the first axis); axes: bool (S, 3) the axes along which each
+    segment extends (a grid axis longer than 1; the first axis of a 1-D segment).
     """
-    start, end = layout.image_span(n)
-    is_text = torch.ones(n, dtype=torch.bool, device=device)
-    is_text[start:end] = False
-    pos = torch.arange(end - start, device=device, dtype=torch.float32)
+
+    spans: tuple[Span, ...]
+    seg: torch.Tensor
+    modality: torch.Tensor
+    coords: torch.Tensor
+    unit: torch.Tensor
+    axes: torch.Tensor
+
+    @property
+    def segment_modality(self) -> list[int]:
+        return [MODALITIES.index(sp.segment.modality) for sp in self.spans]
+
+
+def token_map(n: int, layout: TokenLayout, device) -> TokenMap:
+    """The TokenMap of n tokens under ``layout`` (ValueError when the layout does not fit n)."""
+    spans = layout.spans(n)
+    seg = torch.empty(n, dtype=torch.long, device=device)
+    modality = torch.empty(n, dtype=torch.long, device=device)
     coords = torch.zeros((n, 3), dtype=torch.float32, device=device)
-    if layout.grid is not None and math.prod(layout.grid) == end - start:
-        f, h, w = layout.grid
-        coords[start:end, 0] = torch.div(pos, h * w, rounding_mode="floor")
-        coords[start:end, 1] = torch.div(pos, w, rounding_mode="floor") % h
-        coords[start:end, 2] = pos % w
-    else:
-        coords[start:end, 2] = pos
-    return coords, is_text
+    unit = torch.zeros((n, 3), dtype=torch.float32, device=device)
+    axes = torch.zeros((max(1, len(spans)), 3), dtype=torch.bool, device=device)
+    for i, sp in enumerate(spans):
+        a, b = sp.start, sp.stop
+        seg[a:b] = i
+        modality[a:b] = MODALITIES.index(sp.segment.modality)
+        pos = torch.arange(b - a, device=device, dtype=torch.float32)
+        grid = sp.segment.grid
+        if grid is not None:
+            f, h, w = grid
+            fi, hi, wi = torch.div(pos, h * w, rounding_mode="floor"), torch.div(pos, w, rounding_mode="floor") % h, \
+                pos % w
+            coords[a:b, 0], coords[a:b, 1], coords[a:b, 2] = fi, hi, wi
+            unit[a:b, 0], unit[a:b, 1], unit[a:b, 2] = (fi + 0.5) / f, (hi + 0.5) / h, (wi + 0.5) / w
+            axes[i] = torch.tensor([f > 1, h > 1, w > 1], device=device)
+        else:
+            coords[a:b, 2] = pos
+            unit[a:b, 0] = (pos + 0.5) / max(1, b - a)
+            axes[i, 0] = True
+    return TokenMap(spans, seg, modality, coords, unit, axes)
 
 
-def block_summary(n: int, block: int, layout: TokenLayout, device):
-    """Per block of ``block`` tokens: (centroid (nb, 3) of its image tokens, has_text bool (nb,))."""
-    coords, is_text = token_coords(n, layout, device)
-    nb = math.ceil(n / block)
-    pad = nb * block - n
-    img = (~is_text).float()
-    c = torch.nn.functional.pad(coords * img.unsqueeze(-1), (0, 0, 0, pad)).view(nb, block, 3).sum(1)
-    cnt = torch.nn.functional.pad(img, (0, pad)).view(nb, block).sum(1)
-    has_text = torch.nn.functional.pad(is_text.float(), (0, pad)).view(nb, block).sum(1) > 0
-    return c / cnt.clamp(min=1).unsqueeze(-1), has_text
+@dataclass
+class Blocks:
+    """Blocks of ``size`` tokens over a TokenMap. has: bool (nb, 4) the modalities present in each block;
+    owner: int64 (nb,) the segment holding most of its tokens (the first of them on a tie); centre: float32
+    (nb, 3) centroid of the owner's tokens in grid coordinates; unit: float32 (nb, 3) the same in shares of
+    the owner's extent."""
+
+    has: torch.Tensor
+    owner: torch.Tensor
+    centre: torch.Tensor
+    unit: torch.Tensor
+
+
+def blocks_of(tm: TokenMap, size: int) -> Blocks:
+    n = tm.seg.shape[0]
+    nb = math.ceil(n / size)
+    pad = nb * size - n
+    n_seg = max(1, len(tm.spans))
+    seg = torch.nn.functional.pad(tm.seg, (0, pad), value=n_seg)  # padding: a segment of its own, dropped below
+    per_seg = torch.nn.functional.one_hot(seg, n_seg + 1)[:, :n_seg].view(nb, size, n_seg).sum(1)
+    owner = per_seg.argmax(-1)
+    mod = torch.nn.functional.pad(tm.modality, (0, pad), value=len(MODALITIES))
+    has = torch.nn.functional.one_hot(mod, len(MODALITIES) + 1)[:, :len(MODALITIES)].view(nb, size, -1).any(1)
+    mine = (seg.view(nb, size) == owner.unsqueeze(-1)).float()
+    cnt = mine.sum(1, keepdim=True).clamp(min=1)
+
+    def centroid(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(nb, size, 3)
+        return (x * mine.unsqueeze(-1)).sum(1) / cnt
+    return Blocks(has, owner, centroid(tm.coords), centroid(tm.unit))
+
+
+def nearness(tm: TokenMap, bq: Blocks, bk: Blocks, temporal_weight: float) -> torch.Tensor:
+    """Static proximity score (nqb, nkb), higher = nearer: minus the Chebyshev distance between block centres,
+    in grid units with frames weighted by ``temporal_weight`` when both blocks belong to the same segment, in
+    shares of each segment's extent along their common axes otherwise (0 when they share no axis)."""
+    dev = bq.owner.device
+    weight = torch.tensor([temporal_weight, 1.0, 1.0], device=dev)
+    same = bq.owner.unsqueeze(1) == bk.owner.unsqueeze(0)
+    within = ((bq.centre.unsqueeze(1) - bk.centre.unsqueeze(0)).abs() * weight).amax(-1)
+    common = (tm.axes[bq.owner].unsqueeze(1) & tm.axes[bk.owner].unsqueeze(0)).float()
+    across = ((bq.unit.unsqueeze(1) - bk.unit.unsqueeze(0)).abs() * common).amax(-1)
+    return -torch.where(same, within, across)
+
+
+@dataclass
+class BlockPlan:
+    """What the block policies need for one layout: forced bool (nqb, nkb) — pairs kept whatever the scores
+    (a dense modality pair present in both blocks, or a sink block); near float32 (nqb, nkb) static proximity
+    (higher = nearer); owner int64 (nkb,) the key segment each KV block counts in; counts int64 (nqb, S) KV blocks
+    kept per query block and key segment (forced ones included); dense_pair float32 (nqb, S): 1 where the query
+    block keeps every block of that key segment."""
+
+    forced: torch.Tensor
+    near: torch.Tensor
+    owner: torch.Tensor
+    counts: torch.Tensor
+    dense_pair: torch.Tensor
+
+
+def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> BlockPlan:
+    """The block plan of n tokens under ``layout`` with blocks cfg.block_q x cfg.block_k. Each query block keeps,
+    per key segment, the density of its modality pair (the largest over the modalities the block holds) times
+    the segment's blocks (at least one); ``scale`` multiplies every density below 1 (the hybrid policy's static
+    half)."""
+    tm = token_map(n, layout, device)
+    bq, bk = blocks_of(tm, cfg.block_q), blocks_of(tm, cfg.block_k)
+    table = torch.tensor(cfg.densities.table(cfg.density), dtype=torch.float32, device=device)
+    dense_mods = (table >= 1.0).float()
+    table = torch.where(table >= 1.0, table, table * scale)
+    forced = (bq.has.float() @ dense_mods @ bk.has.float().T) > 0
+    n_seg = len(tm.spans)
+    seg_mod = torch.tensor(tm.segment_modality, device=device)
+    # density per (query block, key segment): the largest over the modalities the query block holds
+    d_row = (bq.has.float().unsqueeze(-1) * table[:, seg_mod].unsqueeze(0)).amax(1)
+    onehot = torch.nn.functional.one_hot(bk.owner, n_seg).float()  # (nkb, S)
+    for s, sp in enumerate(tm.spans):  # sink blocks: the first KV blocks of every image segment, for every query
+        if sp.segment.modality == "image" and cfg.sink_blocks:
+            sinks = torch.nonzero(bk.owner == s).view(-1)[:cfg.sink_blocks]
+            forced[:, sinks] = True
+    per_seg = onehot.sum(0)  # (S,) KV blocks owned
+    n_forced = forced.float() @ onehot  # (nqb, S)
+    dense_pair = (d_row >= 1.0).float()
+    budget = torch.where(d_row >= 1.0, per_seg.expand_as(d_row), (d_row * per_seg).round().clamp(min=1))
+    counts = torch.minimum(torch.maximum(budget, n_forced), per_seg.expand_as(d_row)).long()
+    return BlockPlan(forced, nearness(tm, bq, bk, cfg.temporal_weight), bk.owner, counts, dense_pair)
+
+
+def rows_topk_by_segment(scores: torch.Tensor, owner: torch.Tensor, counts: torch.Tensor):
+    """Per row and key segment, the ``counts`` highest-scoring columns of that segment, merged and sorted.
+
+    scores: float (..., R, L) (+inf marks forced entries); owner: int64 (L,) segment of each column; counts:
+    int (..., R, S) columns kept per row and segment. Returns (indices int32 (..., R, K) sorted with -1 past
+    each count, counts int32 (..., R)).
+    """
+    n_seg = counts.shape[-1]
+    if n_seg == 1:
+        return rows_topk(scores, counts[..., 0])
+    length = scores.shape[-1]
+    parts, totals = [], []
+    for s in range(n_seg):
+        cols = torch.nonzero(owner == s).view(-1)
+        if cols.numel() == 0:
+            continue
+        idx, cnt = rows_topk(scores[..., cols], counts[..., s])
+        parts.append(torch.where(idx >= 0, cols[idx.clamp(min=0).long()].to(torch.int32), idx))
+        totals.append(cnt)
+    merged = torch.cat(parts, -1)
+    total = torch.stack(totals, -1).sum(-1).to(torch.int32)
+    merged = torch.sort(torch.where(merged < 0, torch.full_like(merged, length), merged), dim=-1).values
+    width = int(total.max()) if total.numel() else 0
+    merged = merged[..., :width]
+    return torch.where(merged == length, torch.full_like(merged, -1), merged).contiguous(), total
 
 
 def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,41 +209,54 @@ def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor,
 SAMPLE = 4096
 
 
-def rows_above_threshold(scores: torch.Tensor, k: int, iters: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """About the ``k`` largest entries of each row, sorted ascending, without a full top-k.
+def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
+    """About the ``k`` largest entries of each row, as a mask, without a full top-k.
 
-    scores: float (R, L) >= 0 (+inf marks forced entries). Each row keeps the entries above a threshold:
-    for short rows (L <= 4 * SAMPLE) found by bisection in log space so the count is exactly k (or just
-    under it on ties); for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
-    largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %).
-    The kept entries are compacted in order with a cumulative sum and a scatter: linear passes instead
-    of sorting every row, which matters at L = 75k tokens and thousands of rows. Returns (indices int32
-    (R, W) with -1 past each count, counts int32 (R,)), W = max count.
+    scores: float (..., L) >= 0, any strides (+inf marks forced entries). Returns bool (..., L). Each row keeps
+    the entries above a threshold: for short rows (L <= 4 * SAMPLE) found by bisection in log space so the
+    count is exactly k (or just under it on ties); for long rows estimated from a fixed sample of SAMPLE
+    columns (the k*SAMPLE/L-th largest sampled value), one pass instead of ~20, so the count is k up to
+    sampling noise (a few %).
     """
-    r, length = scores.shape
+    length = scores.shape[-1]
     k = max(0, min(k, length))
-    if length > 4 * SAMPLE and 0 < k < length:
+    if k == 0:
+        return torch.isinf(scores)
+    if k == length:
+        return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    if length > 4 * SAMPLE:
         step = length / SAMPLE
         cols = (torch.arange(SAMPLE, device=scores.device, dtype=torch.float64) * step + step / 2).long()
-        sample = scores[:, cols]
         rank = max(1, min(SAMPLE, round(k * SAMPLE / length)))
-        thresh = torch.topk(sample, rank, dim=-1).values[:, -1:]
-        keep = scores >= thresh
-    else:
-        finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
-        top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
-        lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
-        hi = torch.log(top)
-        for _ in range(iters):
-            mid = (lo + hi) / 2
-            over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
-            lo = torch.where(over, mid, lo)
-            hi = torch.where(over, hi, mid)
-        keep = scores > torch.exp(hi)
+        thresh = torch.topk(scores[..., cols], rank, dim=-1).values[..., -1:]
+        return scores >= thresh
+    finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
+    top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
+    lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
+    hi = torch.log(top)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
+        lo = torch.where(over, mid, lo)
+        hi = torch.where(over, hi, mid)
+    return scores > torch.exp(hi)
+
+
+def compact_rows(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept columns of each row, in order: keep bool (R, L) -> (indices int32 (R, W) with -1 past each
+    count, counts int32 (R,)), W = max count. Compacted with a cumulative sum and a scatter: linear passes
+    instead of sorting every row, which matters at L = 75k tokens and thousands of rows."""
+    r, length = keep.shape
     pos = torch.cumsum(keep, dim=-1, dtype=torch.int32) - 1
     counts = keep.sum(-1).to(torch.int32)
     width = int(counts.max()) if counts.numel() else 0
-    out = torch.full((r, width + 1), -1, dtype=torch.int32, device=scores.device)
-    cols = torch.arange(length, dtype=torch.int32, device=scores.device).expand(r, length)
+    out = torch.full((r, width + 1), -1, dtype=torch.int32, device=keep.device)
+    cols = torch.arange(length, dtype=torch.int32, device=keep.device).expand(r, length)
     out.scatter_(1, torch.where(keep, pos, width).long(), cols)
     return out[:, :width].contiguous(), counts
+
+
+def rows_above_threshold(scores: torch.Tensor, k: int, iters: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """About the ``k`` largest entries of each row of scores float (R, L) >= 0 (+inf forced), sorted ascending:
+    ``keep_top`` then ``compact_rows``."""
+    return compact_rows(keep_top(scores, k, iters))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.backend import BACKENDS
+from .modalities import Densities
 from .policy import method_names
 from .schedule import AnchorSchedule, parse_warmup
 
@@ -19,26 +20,12 @@ GROUPINGS = ("pca", "cuboid")
 
 
 @dataclass(frozen=True)
-class Densities:
-    """Fraction of keys kept per modality pair (query -> key). None means "use the global density".
-
-    Text rows and text columns stay dense by default (text->text, text->image, image->text = 1.0;
-    docs/method.md, "Modalities"); image->image (video/image/3D tokens among themselves) takes the global
-    density.
-    """
-
-    text_to_text: float = 1.0
-    text_to_image: float = 1.0
-    image_to_text: float = 1.0
-    image_to_image: float | None = None
-
-
-@dataclass(frozen=True)
 class SparseConfig:
     """Everything the engine needs to decide and compute one attention call.
 
     method: dense | static | block_topk | mc_sparse | hybrid.
     density: fraction of query-key pairs kept among image tokens (0 < density <= 1).
+    densities: fraction kept per modality pair of the token layout's segments (engine/modalities.py).
     block_q, block_k: 64 or 128 (block granularity of block masks).
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
     grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or

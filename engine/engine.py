@@ -88,6 +88,12 @@ class SparseEngine:
             return "sequences shorter than min_tokens"
         if cfg.backend == "triton" and head_dim not in TRITON_HEAD_DIMS:
             return f"head dim {head_dim} (the Triton kernels take {TRITON_HEAD_DIMS})"
+        if ctx is not None:  # never guess which tokens are which (docs/method.md, "Modalities")
+            misfit = ctx.layout.misfit(n_q)
+            if misfit is not None:
+                return f"a token count that does not match the layout ({misfit})"
+            if not ctx.layout.has_generated_tokens:
+                return "calls over text or reference tokens only (refiners)"
         return None
 
     def decide(self, ctx: CallContext, n_tokens: int) -> str:

@@ -1,5 +1,5 @@
-"""block_topk policy: pooled block scores, top-k or cumulative mass per query block (docs/method.md,
-"Block selection").
+"""block_topk policy: pooled block scores, top-k or cumulative mass per query block and key segment
+(docs/method.md, "Block selection").
 
 ``build_block_topk(..., hybrid=True)`` is also the hybrid policy's selection (policy_hybrid.py): the static
 structure (window + sinks + text, with half the budget) united with dynamic top-k for the rest.
@@ -10,42 +10,48 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import rows_topk
+from .block_geometry import block_plan, rows_topk_by_segment
 from .config import SparseConfig
 from .context import TokenLayout
 from .policy import Policy
-from .policy_static import static_scores
+from .policy_static import static_window
 from .selection import BlockSelection, block_pairs_fraction
 
 
 def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bool = False,
                      scale=None) -> BlockSelection:
-    """q, k: (B, H, N, D). Returns a BlockSelection whose image rows keep density * image blocks."""
+    """q, k: (B, H, N, D). Returns a BlockSelection whose query blocks keep, in every key segment, the density
+    of their modality pair times that segment's blocks (forced dense pairs and sinks included)."""
     b, h, n, _ = q.shape
+    dev = q.device
     pooled = kernels.pooled_block_scores(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale)
-    if hybrid:
-        base, counts = static_scores(n, layout, cfg, q.device, image_density=cfg.image_density / 2)
-        forced = torch.isinf(base)
-        # the static half: window blocks become forced too
-        win_idx, win_cnt = rows_topk(base, counts)
-        valid = torch.arange(win_idx.shape[-1], device=q.device) < win_cnt.unsqueeze(-1)
+    plan = block_plan(n, layout, cfg, dev)
+    forced = plan.forced
+    if hybrid:  # the static half: its window blocks become forced too
+        win_idx, win_cnt = static_window(n, layout, cfg, dev, scale=0.5)
+        valid = torch.arange(win_idx.shape[-1], device=dev) < win_cnt.unsqueeze(-1)
+        rows = torch.arange(forced.shape[0], device=dev).unsqueeze(-1).expand_as(win_idx)
         forced = forced.clone()
-        rows = torch.arange(forced.shape[0], device=q.device).unsqueeze(-1).expand_as(win_idx)
         forced[rows[valid], win_idx[valid].long()] = True
-        full_counts = static_scores(n, layout, cfg, q.device)[1]
-    else:
-        base, full_counts = static_scores(n, layout, cfg, q.device)
-        forced = torch.isinf(base)  # text rows/columns and sink blocks
-    scores = torch.where(forced.view(1, 1, *forced.shape), torch.full_like(pooled, float("inf")), pooled)
-    counts = full_counts.view(1, 1, -1).expand(b, h, -1)
+    onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(pooled.dtype)  # (nkb, S)
+    counts = torch.maximum(plan.counts, (forced.to(onehot.dtype) @ onehot).long())
+    counts = counts.view(1, 1, *counts.shape).expand(b, h, -1, -1)
+    f4 = forced.view(1, 1, *forced.shape)
     if cfg.mass is not None and not hybrid:
-        # smallest set reaching the mass among non-forced blocks, plus the forced ones
-        free = torch.where(forced.view(1, 1, *forced.shape), torch.zeros_like(pooled), pooled)
-        share = torch.sort(free, -1, descending=True).values.cumsum(-1) / free.sum(-1, keepdim=True).clamp(min=1e-30)
-        need = (share < cfg.mass).sum(-1) + 1
-        counts = forced.sum(-1).view(1, 1, -1) + need
-        counts = torch.where(forced.all(-1).view(1, 1, -1), torch.full_like(counts, forced.shape[1]), counts)
-    idx, cnt = rows_topk(scores, counts.contiguous())
+        # per key segment: the smallest set of its free blocks reaching the mass share, plus its forced ones
+        need = []
+        for s in range(counts.shape[-1]):
+            cols = torch.nonzero(plan.owner == s).view(-1)
+            free = torch.where(f4[..., cols], torch.zeros_like(pooled[..., cols]), pooled[..., cols])
+            share = torch.sort(free, -1, descending=True).values.cumsum(-1) / \
+                free.sum(-1, keepdim=True).clamp(min=1e-30)
+            n_forced = f4[..., cols].sum(-1)
+            keep = torch.minimum(n_forced + (share < cfg.mass).sum(-1) + 1, torch.full_like(n_forced, cols.numel()))
+            dense = plan.dense_pair[:, s].bool().view(1, 1, -1)
+            need.append(torch.where(dense, torch.full_like(keep, cols.numel()), keep))
+        counts = torch.stack(need, -1)
+    scores = torch.where(f4, torch.full_like(pooled, float("inf")), pooled)
+    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous())
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
                           block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
 

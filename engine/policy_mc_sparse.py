@@ -2,10 +2,12 @@
 token-level KV selection by group attention mass, computed at anchor steps.
 
 Anchor selection = grouping + pass 2 (the group mass of every KV token, given the row LSE of the dense pass)
-+ top-K per group. Grouping is "pca" (principal-direction median splits of each head's queries: groups of
-similar queries) or "cuboid" (tiles of the latent grid: no work at all, the same groups for every head). Text
-query rows are computed densely; text KV tokens are kept for every group when image->text is dense. Memory
-stays bounded by running pass 2 over a few heads at a time.
++ top-K per group and key segment. Groups never mix segments: each segment whose queries are sparse for some
+key modality is grouped on its own, by "pca" (principal-direction median splits of each head's queries:
+groups of similar queries) or "cuboid" (tiles of the segment's grid: no work at all, the same groups for
+every head). A group keeps, in every key segment, the density of its modality pair times that segment's
+tokens (all of them for a dense pair); the rows of segments dense for every key modality (text, by default)
+are computed densely. Memory stays bounded by running pass 2 over a few heads at a time.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import rows_above_threshold, token_coords
+from .block_geometry import compact_rows, keep_top
 from .config import SparseConfig
-from .context import TokenLayout
+from .context import Span, TokenLayout
+from .modalities import MODALITIES
 from .policy import Policy
 from .selection import TokenSelection
 
@@ -27,48 +30,47 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     """q, k: (B, H, N, D); lse: fp32 (B, H, N) row LSE of dense attention. Returns a TokenSelection."""
     b, h, n, _ = q.shape
     dev = q.device
-    _, is_text = token_coords(n, layout, dev)
-    img_rows = torch.nonzero(~is_text).view(-1)
-    text_rows = torch.nonzero(is_text).view(-1)
-    n_img, n_txt = img_rows.numel(), text_rows.numel()
-    if n_img == 0:  # nothing but text / extra tokens: every row dense
+    spans = layout.spans(n)
+    table = cfg.densities.table(cfg.density)
+    dens = [[table[MODALITIES.index(a.segment.modality)][MODALITIES.index(c.segment.modality)] for c in spans]
+            for a in spans]  # [query segment][key segment]
+    sparse = [i for i, sp in enumerate(spans) if sp.length and min(dens[i]) < 1.0]
+    dense_rows = torch.cat([torch.arange(sp.start, sp.stop, device=dev) for i, sp in enumerate(spans)
+                            if i not in sparse] or [torch.zeros(0, dtype=torch.long, device=dev)])
+    n_dense = dense_rows.numel()
+    if not sparse:  # nothing but dense segments (text, references): every row dense
         empty = torch.zeros((b, h, 0, cfg.group_size), dtype=torch.int32, device=dev)
         counts = torch.zeros((b, h, 0), dtype=torch.int32, device=dev)
         return TokenSelection(empty, torch.zeros((b, h, 0, 0), dtype=torch.int16, device=dev),
-                              torch.zeros((b, h, 0, 1), dtype=torch.int32, device=dev), counts, text_rows, 1.0)
-    if cfg.grouping == "cuboid":
-        groups_local = cuboid_groups(layout, n_img, cfg.group_size, dev).expand(b, h, -1, -1)
-    else:
-        q_img = q[:, :, img_rows] if n_txt else q
-        groups_local = kernels.group_queries(q_img, cfg.group_size, backend=backend)
-    groups = torch.where(groups_local >= 0, img_rows[groups_local.clamp(min=0).long()].to(torch.int32),
-                         groups_local) if n_txt else groups_local
+                              torch.zeros((b, h, 0, 1), dtype=torch.int32, device=dev), counts, dense_rows, 1.0)
+    parts_g, ranges = [], []  # groups per sparse query segment, and the group range each one takes
+    for i in sparse:
+        g_seg = segment_groups(q, spans[i], cfg, backend)
+        ranges.append((i, sum(p.shape[2] for p in parts_g), g_seg.shape[2]))
+        parts_g.append(g_seg.expand(b, h, -1, -1))
+    groups = torch.cat(parts_g, dim=2).contiguous()
     g = groups.shape[2]
-    k_img = max(1, round(cfg.image_density * n_img))
-    i2t = cfg.densities.image_to_text
-    k_txt = n_txt if i2t >= 1.0 else round(i2t * n_txt)
+    budgets = {(i, j): (None if dens[i][j] >= 1.0 else max(1, round(dens[i][j] * sp.length)))
+               for i, _, _ in ranges for j, sp in enumerate(spans) if sp.length}
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
-    per_head = g * n * 4
-    step = max(1, MASS_CHUNK_BYTES // max(1, per_head))
-    force = torch.zeros(n, dtype=torch.bool, device=dev)
-    if i2t >= 1.0:
-        force[text_rows] = True
-    want = torch.full((b, 1, g), k_img + k_txt, dtype=torch.long, device=dev)
+    step = max(1, MASS_CHUNK_BYTES // max(1, g * n * 4))
     for h0 in range(0, h, step):
         sl = slice(h0, h0 + step)
         mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], groups[:, sl],
                                      scale=scale, backend=backend, validate=False)
-        if n_txt and i2t < 1.0:
-            # separate budgets: the k_txt text tokens of highest mass are forced, other text tokens excluded
-            top_txt = text_rows[torch.topk(mass[..., text_rows], k_txt, dim=-1).indices] if k_txt else None
-            mass[..., text_rows] = -1.0
-            if top_txt is not None:
-                mass.scatter_(-1, top_txt, float("inf"))
-        else:
-            mass.masked_fill_(force, float("inf"))
-        hs = mass.shape[1]
-        idx, cnt = rows_above_threshold(mass.view(b * hs * g, n), int(want[0, 0, 0]))
+        keep = torch.empty(mass.shape, dtype=torch.bool, device=dev)
+        for i, g0, gn in ranges:
+            rows = slice(g0, g0 + gn)
+            for j, sp in enumerate(spans):
+                if not sp.length:
+                    continue
+                cols = slice(sp.start, sp.stop)
+                budget = budgets[(i, j)]
+                keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget)
         del mass
+        hs = keep.shape[1]
+        idx, cnt = compact_rows(keep.view(b * hs * g, n))
+        del keep
         idx, cnt = idx.view(b, hs, g, -1), cnt.view(b, hs, g)
         parts.append((*TokenSelection.compact(idx, cnt, n), cnt))  # int16 at once: half the bytes held
         del idx
@@ -78,9 +80,20 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     counts = torch.cat([c for _, _, c in parts], dim=1)
     del parts
     real_q = (groups >= 0).sum(-1).double()
-    pairs = float((real_q * counts.double()).sum()) + b * h * n_txt * n
+    pairs = float((real_q * counts.double()).sum()) + b * h * n_dense * n
     density = pairs / (b * h * n * n)
-    return TokenSelection(groups, low, seg_ends, counts, text_rows if n_txt else None, density)
+    return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density)
+
+
+def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tensor:
+    """Query groups of one segment: int32 (B or 1, H or 1, G, C) of sequence positions inside the span, -1 pads
+    (the last group of the segment is the only one padded)."""
+    length, c = span.length, cfg.group_size
+    if cfg.grouping == "cuboid":
+        local = cuboid_order(span.segment.grid, length, c, q.device)
+    else:
+        local = kernels.group_queries(q[:, :, span.start:span.stop], c, backend=backend)
+    return torch.where(local >= 0, local + span.start, local).to(torch.int32)
 
 
 def cuboid_shape(grid: tuple[int, int, int] | None, c: int) -> tuple[int, int, int]:
@@ -95,13 +108,12 @@ def cuboid_shape(grid: tuple[int, int, int] | None, c: int) -> tuple[int, int, i
     return (tf, side, c // (tf * side))
 
 
-def cuboid_groups(layout: TokenLayout, n_img: int, c: int, device) -> torch.Tensor:
-    """Groups of c image tokens that are neighbours in the latent grid: int32 (1, 1, ceil(n_img/c), c) of image
-    token positions (0-based within the image span; -1 pads the last group). Tokens are ordered tile by tile
-    (raster order of tiles, raster order inside a tile) and cut every c tokens, so ragged edge tiles join their
-    neighbours."""
-    grid = layout.grid if layout.grid is not None and layout.grid[0] * layout.grid[1] * layout.grid[2] == n_img \
-        else None
+def cuboid_order(grid: tuple[int, int, int] | None, n_img: int, c: int, device) -> torch.Tensor:
+    """Groups of c tokens of one segment that are neighbours in its grid: int32 (1, 1, ceil(n_img/c), c) of token
+    positions (0-based within the segment; -1 pads the last group). Tokens are ordered tile by tile (raster order
+    of tiles, raster order inside a tile) and cut every c tokens, so ragged edge tiles join their neighbours; a
+    segment without a grid (or whose grid does not hold n_img tokens) is cut in sequence order."""
+    grid = grid if grid is not None and grid[0] * grid[1] * grid[2] == n_img else None
     g = -(-n_img // c)
     pos = torch.arange(n_img, device=device)
     if grid is None:
@@ -117,6 +129,11 @@ def cuboid_groups(layout: TokenLayout, n_img: int, c: int, device) -> torch.Tens
     out = torch.full((g * c,), -1, dtype=torch.int32, device=device)
     out[:n_img] = order.to(torch.int32)
     return out.view(1, 1, g, c)
+
+
+def cuboid_groups(layout: TokenLayout, n_img: int, c: int, device) -> torch.Tensor:
+    """cuboid_order over the grid of the layout's largest image segment (see cuboid_order)."""
+    return cuboid_order(layout.grid, n_img, c, device)
 
 
 class McSparsePolicy(Policy):

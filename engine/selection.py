@@ -164,6 +164,8 @@ class TokenSelection:
         toks, cnt = one.kv_tokens()[0, 0], one.kv_counts[0, 0]
         g = cnt.shape[0]
         bins = min(width, n)
+        if g == 0:  # every row computed densely (no segment with a sparse pair)
+            return {"kind": "token", "map": torch.ones(1, bins)}
         grid = torch.zeros(g, bins + 1)
         valid = torch.arange(toks.shape[-1], device=toks.device) < cnt.unsqueeze(-1)
         cols = torch.where(valid, (toks.long() * bins) // n, bins).cpu()

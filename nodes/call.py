@@ -32,15 +32,6 @@ class AttentionCall:
         return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-def self_shaped(args, kwargs) -> bool:
-    """True when q and k have the same number of tokens (a self-attention call), read without translating."""
-    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
-        return False
-    dim = 2 if kwargs.get("skip_reshape", False) else 1
-    q, k = args[0], args[1]
-    return q.dim() > dim and k.dim() > dim and q.shape[dim] == k.shape[dim]
-
-
 def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
     """The call as an AttentionCall, or the reason it cannot be one (its calls then run dense, untouched)."""
     if len(args) < 3:

@@ -7,6 +7,8 @@ here and not on every attention call; the token layout is computed once per toke
 
 from __future__ import annotations
 
+import math
+
 from ..engine import CallContext, RunClock, TokenLayout
 from .families import Family
 
@@ -57,15 +59,24 @@ class StepCounter:
 
 
 class Forward:
-    """One model evaluation: family, latent shape, run step, chunk, and the counter of self-attention calls
-    (the layer number of models that do not report ``block_index``).
+    """One model evaluation: family, latent shape and conditioning, run step, chunk, and the numbering of its
+    self-attention calls.
 
     ``clock`` places this sampler in the whole run (engine/schedule.py): the run step is the clock's offset plus
     the position of the current sigma in the sampler's schedule. Without a schedule in the options, ``counter``
-    counts steps and the run's length is unknown."""
+    counts steps and the run's length is unknown. ``conds``: the conditioning APPLY_MODEL receives (keyword
+    arguments: ``latent_shapes`` of packed audio-video latents, reference latents, MiniMax's packed layout, ...).
+    ``seen``: a dict the layouts of this forward's calls are counted in ({(stream, layout): calls}).
+
+    Layer numbers (docs/families.md, "Numbering"): a main-block call is numbered by its ``block_index`` in model
+    order (``layer_offsets`` per ``block_type``), or by its position among the forward's main calls when the model
+    reports none; a call of another stream (LTX-2 audio) or an extra call (a refiner, a second self-attention in
+    one block) is numbered by its position among its stream's calls, after ``layer_offsets[stream]`` (when the
+    model's block count is not known: its position among all the forward's self-attention calls)."""
 
     def __init__(self, family: Family, x_shape, transformer_options: dict, layer_offsets: dict[str, int],
-                 clock: RunClock | None = None, counter: StepCounter | None = None):
+                 clock: RunClock | None = None, counter: StepCounter | None = None, conds: dict | None = None,
+                 seen: dict | None = None):
         self.family = family
         self.x_shape = tuple(x_shape) if x_shape is not None else None
         local, local_total = step_index(transformer_options)
@@ -77,26 +88,97 @@ class Forward:
             self.step, self.total = local, local_total
         self.chunk = chunk_of(transformer_options)
         self.layer_offsets = layer_offsets
+        self.conds = dict(conds or {})
+        shapes = self.conds.get("latent_shapes")
+        self.latent_shapes = [tuple(int(v) for v in s) for s in shapes] if shapes else None
+        self.seen = seen
+        self.state: dict = {}  # the family's per-forward bookkeeping (e.g. LTX-2's stream order)
         self.calls = 0
-        self._layouts: dict[int, TokenLayout] = {}
+        self._per_stream: dict[str, int] = {}
+        self._blocks_seen: set = set()
+        self._stream_of: dict[int, str] = {}
+        self._layouts: dict[tuple, TokenLayout] = {}
+        self._image_tokens: int | None = None
+        self._options = transformer_options
 
-    def next_layer(self, transformer_options: dict) -> int:
-        """The layer number of the self-attention call being made (and count it): ``block_index`` in model
-        order when the model reports it, else the position of this call in the forward."""
+    def image_tokens(self) -> int:
+        """Number of generated image/video tokens of this forward (0 when the family cannot tell)."""
+        if self._image_tokens is None:
+            grid = self.family.image_grid(self.x_shape, self._options, self.conds)
+            self._image_tokens = math.prod(grid) if grid is not None else 0
+        return self._image_tokens
+
+    def next_layer(self, transformer_options: dict, args: tuple | None = None,
+                   kwargs: dict | None = None) -> int | None:
+        """The layer number of the attention call being made (and count it), or None for a cross-attention call.
+        ``args``/``kwargs``: the override's arguments (without them the call is taken as a main self-attention)."""
+        to = transformer_options
+        self._options = to
+        stream = "main"
+        if args is not None:
+            shape = call_shape(args, kwargs or {})
+            if shape is None:
+                return None
+            stream = self.family.stream(self, *shape, to)
+            if stream is None:
+                return None
         position = self.calls
         self.calls += 1
-        idx = transformer_options.get("block_index")
-        if idx is None:
-            return position
-        return int(idx) + self.layer_offsets.get(transformer_options.get("block_type"), 0)
+        idx = to.get("block_index")
+        if args is None and idx is None:
+            return self._number(position, stream)
+        if stream == "main" and idx is not None:
+            key = (to.get("block_type"), int(idx))
+            if key not in self._blocks_seen:
+                self._blocks_seen.add(key)
+                return self._number(int(idx) + self.layer_offsets.get(key[0], 0), stream)
+            stream = "extra"  # a second self-attention in the same block (VACE)
+        elif stream == "main" and self.family.is_indexed and args is not None:
+            stream = "extra"  # outside the model's indexed blocks: a refiner
+        k = self._per_stream.get(stream, 0)
+        self._per_stream[stream] = k + 1
+        if stream == "main":
+            skipped = sorted(int(b) for b in to.get("stg_self_attn_blocks", ()) or ())
+            for b in skipped:  # blocks whose self-attention does not run in this forward (LTX-2 STG)
+                if b <= k:
+                    k += 1
+            return self._number(k, stream)
+        base = self.layer_offsets.get(stream)
+        return self._number(position if base is None else base + k, stream)
 
-    def layout(self, n_tokens: int, transformer_options: dict) -> TokenLayout:
-        """The token layout of a self-attention call over ``n_tokens`` tokens (cached per token count)."""
-        lay = self._layouts.get(n_tokens)
+    def _number(self, layer: int, stream: str) -> int:
+        self._stream_of[layer] = stream
+        return layer
+
+    def layout(self, n_tokens: int, transformer_options: dict, stream: str = "main") -> TokenLayout:
+        """The token layout of a self-attention call over ``n_tokens`` tokens (cached per token count and stream)."""
+        key = (n_tokens, stream)
+        lay = self._layouts.get(key)
         if lay is None:
-            lay = self._layouts[n_tokens] = self.family.layout(n_tokens, self.x_shape, transformer_options)
+            lay = self._layouts[key] = self.family.layout(n_tokens, self.x_shape, transformer_options, self.conds,
+                                                          stream)
         return lay
 
     def context(self, layer: int, n_tokens: int, transformer_options: dict) -> CallContext:
+        stream = self._stream_of.get(layer, "main")
+        lay = self.layout(n_tokens, transformer_options, stream)
+        if self.seen is not None:
+            what = (stream, lay.describe(n_tokens))
+            self.seen[what] = self.seen.get(what, 0) + 1
         return CallContext(layer=layer, step=self.step, is_self=True, chunk=self.chunk, total_steps=self.total,
-                           layout=self.layout(n_tokens, transformer_options))
+                           layout=lay)
+
+
+def call_shape(args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
+    """(query tokens, key tokens, query width H*D) of an override call, read without translating it; None when
+    the arguments are not tensors of a known layout."""
+    if len(args) < 2 or not all(hasattr(t, "shape") and hasattr(t, "dim") for t in args[:2]):
+        return None
+    q, k = args[0], args[1]
+    if kwargs.get("skip_reshape", False):
+        if q.dim() != 4 or k.dim() != 4:
+            return None
+        return int(q.shape[2]), int(k.shape[2]), int(q.shape[1] * q.shape[3])
+    if q.dim() < 3 or k.dim() < 2:
+        return None
+    return int(q.shape[1]), int(k.shape[1]), int(math.prod(q.shape[2:]))

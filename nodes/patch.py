@@ -16,8 +16,8 @@ import logging
 
 
 from ..engine import RunClock, SparseConfig, SparseEngine
-from .call import self_shaped, translate
-from .families import Family, family_of
+from .call import translate
+from .families import UNKNOWN, Family, family_of
 from .forward import INFO_KEY, Forward, StepCounter
 from .run_clock import clock_for
 
@@ -39,9 +39,10 @@ class SparseAttentionPatch:
         self.cfg = cfg
         self.engine = SparseEngine(cfg)
         self.previous = previous
-        self.family = family if family is not None else family_of(object())
+        self.family = family if family is not None else UNKNOWN
         self.layer_offsets = dict(layer_offsets or {})
         self.fallbacks: dict[str, int] = {}
+        self.layouts: dict[tuple[str, str], int] = {}  # (stream, layout) -> self-attention calls, last run
         self.snapshots: dict[int, dict] = {}
         self.runs = 0
         self.last_stats = None
@@ -70,7 +71,7 @@ class SparseAttentionPatch:
         """ComfyUI's override contract (nodes/call.py)."""
         to = kwargs.get("transformer_options") or {}
         forward = to.get(INFO_KEY)
-        layer = forward.next_layer(to) if forward is not None and self_shaped(args, kwargs) else None
+        layer = forward.next_layer(to, args, kwargs) if forward is not None else None
         call = translate(args, kwargs)
         if isinstance(call, str):
             return self._fallback(call, func, args, kwargs)
@@ -78,8 +79,8 @@ class SparseAttentionPatch:
         nq = q.shape[2]
         ctx = forward.context(layer, nq, to) if layer is not None else None
         reason = self.engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
-        if reason is None and ctx is None:
-            reason = "calls outside a tracked forward"
+        if reason is None and ctx is None:  # the family says a self-shaped call is cross-attention (LTX-2 a2v)
+            reason = "cross-attention" if forward is not None else "calls outside a tracked forward"
         if reason is not None:
             return self._fallback(reason, func, args, kwargs)
 
@@ -120,6 +121,7 @@ class SparseAttentionPatch:
         self.engine.begin_run()
         self.snapshots = {}
         self.fallbacks = {}
+        self.layouts = {}
         try:
             return executor(*args, **kwargs)
         finally:
@@ -146,7 +148,8 @@ class SparseAttentionPatch:
         """APPLY_MODEL wrapper: this forward's facts (step, chunk, latent shape, layer counter), computed once."""
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
-            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter)
+            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter,
+                                   conds=kwargs, seen=self.layouts)
             if self.family.bypass_module is not None:
                 with route_module_attention(self.family.bypass_module, to):
                     return executor(x, t, *args, **kwargs)

@@ -20,11 +20,12 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
     d = stats.as_dict()
     t = d["totals"]
     cfg = patch.cfg
-    lines = [stats.summary_line(), f"model family {patch.family.name}; method {cfg.method}, configured density "
+    lines = [stats.summary_line(), f"model family {patch.family.describe()}; method {cfg.method}, configured density "
              f"{cfg.density:.3f}, anchors {cfg.anchor_steps.describe()}, warm-up {warmup_text(cfg.warmup_steps)} "
              f"steps / {cfg.warmup_layers} layers, residual {'on' if cfg.residual else 'off'}",
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
     lines += _run_lines(patch.clock, stats)
+    lines += _layout_lines(getattr(patch, "layouts", {}))
     if patch.fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
@@ -57,6 +58,16 @@ def _run_lines(clock, stats) -> list[str]:
     if clock.total is None:
         line += " (steps counted; shares of the run in the schedule could not be resolved and were left out)"
     return [line, "steps (D dense, A anchor, r reuse): " + (stats.schedule_line() or "-")]
+
+
+def _layout_lines(layouts: dict) -> list[str]:
+    """The self-attention sequences the run saw: per stream, each layout (segments in order) and its calls."""
+    if not layouts:
+        return []
+    lines = ["segments seen (self-attention calls):"]
+    for (stream, layout), calls in sorted(layouts.items(), key=lambda kv: (kv[0][0] != "main", -kv[1])):
+        lines.append(f"  {stream}: {layout} ({calls} calls)")
+    return lines
 
 
 def _sparse_density(d) -> float:

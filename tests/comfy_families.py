@@ -239,7 +239,7 @@ def _qwen_image_edit(seed):
                         "joint_attention_dim": 48, "axes_dims_rope": (16, 24, 24)})
     # two reference images (the edit model's ReferenceLatent inputs): 8x8 and 4x12 latents
     refs = [torch.randn(1, 16, 1, 8, 8, generator=_g(seed + 5)), torch.randn(1, 16, 1, 4, 12, generator=_g(seed + 6))]
-    pos, neg = _pair(seed, 7, 48, reference_latents=refs)
+    pos, neg = _pair(seed, 7, 48, reference_latents=refs, reference_latents_method="index")
     return _finish(cfg, seed), torch.randn(1, 16, 1, 12, 16, generator=_g(seed + 1)), pos, neg
 
 
@@ -291,7 +291,7 @@ def _wan_fun_ref(seed):
 
 
 @family("ltx2_av", "comfy.supported_models", "LTXAV")
-def _ltx2_av(seed):
+def _ltx2_av(seed, audio_frames=20):
     import comfy.nested_tensor
     import comfy.supported_models as sm
     cfg = sm.LTXAV({"image_model": "ltxav", "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 2,
@@ -304,9 +304,15 @@ def _ltx2_av(seed):
         g = _g(s)
         return [[torch.randn(1, 7, 64, generator=g), {}]]
     video = torch.randn(1, 128, 3, 6, 8, generator=_g(seed + 1))     # 144 video tokens (patch 1x1x1)
-    audio = torch.randn(1, 8, 20, 16, generator=_g(seed + 4))        # 20 audio frames x (8 ch x 16 bins)
+    audio = torch.randn(1, 8, audio_frames, 16, generator=_g(seed + 4))  # audio frames x (8 ch x 16 bins)
     latent = comfy.nested_tensor.NestedTensor([video, audio])
     return _finish(cfg, seed), latent, cond(seed + 2), cond(seed + 3)
+
+
+@family("ltx2_av_equal", "comfy.supported_models", "LTXAV")
+def _ltx2_av_equal(seed):
+    """LTX-2 with as many audio frames as video tokens (144): audio<->video cross-attention is self-shaped."""
+    return _ltx2_av(seed, audio_frames=3 * 6 * 8)
 
 
 @family("minimax_h3", "comfy.supported_models", "MiniMaxH3")
@@ -325,6 +331,18 @@ def _minimax_h3(seed):
     inv = model.model.diffusion_model.rope.inv_freq
     inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.shape[0], dtype=torch.float32) / inv.shape[0]))
     return model, comfy.nested_tensor.NestedTensor([video, audio]), pos, neg
+
+
+@family("krea2", "comfy.supported_models", "Krea2")
+def _krea2(seed):
+    import comfy.supported_models as sm
+    # one text layer of width 48 fused by the model's own text transformer (a self-attention over the text)
+    cfg = sm.Krea2({"image_model": "krea2", "features": 128, "tdim": 64, "txtdim": 48, "heads": 2, "kvheads": 2,
+                    "multiplier": 2, "layers": 2, "patch": 2, "channels": 16, "txtlayers": 1, "txtheads": 2,
+                    "txtkvheads": 2})
+    refs = [torch.randn(1, 16, 1, 8, 8, generator=_g(seed + 5))]  # one reference image: 4 x 4 tokens
+    pos, neg = _pair(seed, 7, 48, reference_latents=refs, reference_latents_method="index")
+    return _finish(cfg, seed), torch.randn(1, 16, 1, 12, 16, generator=_g(seed + 1)), pos, neg
 
 
 def _trellis2_config():

@@ -40,6 +40,21 @@ def comfyui_path() -> Path | None:
     return None
 
 
+def comfyui_version(root: Path | None = None) -> tuple[int, ...]:
+    """The version of a ComfyUI tree (default: COMFYUI_PATH's), from its comfyui_version.py."""
+    import re
+
+    root = root or comfyui_path()
+    text = (root / "comfyui_version.py").read_text()
+    return tuple(int(x) for x in re.search(r'__version__ = "([0-9.]+)"', text).group(1).split("."))
+
+
+def workflow_needs(doc: dict) -> tuple[int, ...]:
+    """The oldest ComfyUI a bundled workflow loads on (tools/build_workflows.py records newer ones)."""
+    v = (doc.get("extra") or {}).get("sparse_attention_min_comfyui", "0.3.64")
+    return tuple(int(x) for x in str(v).split("."))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, comfyui_path
+from conftest import ROOT, comfyui_path, comfyui_version, workflow_needs
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
@@ -129,6 +129,8 @@ def test_frontend_search_add_and_load_workflows(server, tmp_path):
         # every bundled workflow loads with no missing node
         for path in sorted((ROOT / "workflows").glob("*.json")):
             doc = json.loads(path.read_text())
+            if comfyui_version() < workflow_needs(doc):
+                continue  # a model this ComfyUI does not have (its nodes are missing here by design)
             missing = page.evaluate(LOAD_AND_LIST_MISSING, doc)
             assert missing == [], f"{path.name}: missing {missing}"
             dialog = page.evaluate("() => document.body.innerText.includes('missing nodes')")

@@ -9,7 +9,8 @@ from comfyui_sparse_attention.engine.presets import PRESET_DIR, list_presets, lo
 
 FAMILIES = ["wan21_t2v_1.3b", "wan21_t2v_14b", "wan21_i2v_14b", "wan22_5b_ti2v", "wan22_14b_high_noise",
             "wan22_14b_low_noise", "hunyuan_video", "hunyuan_video_1.5", "ltx_video", "cosmos_predict2", "kandinsky5",
-            "flux", "qwen_image", "sd35", "lumina2_zimage", "hidream", "hunyuan3d_2"]
+            "flux", "qwen_image", "sd35", "lumina2_zimage", "hidream", "hunyuan3d_2", "minimax_h3",
+            "minimax_h3_turbo_8step", "minimax_h3_turbo_4step", "ltx2", "cogvideox", "z_image", "trellis2"]
 
 
 def test_every_family_has_a_preset():

@@ -103,7 +103,10 @@ class _Model:
 def test_family_registry_detects_numbers_and_links_presets():
     assert family_of(_Model("comfy.ldm.flux.model")).name == "flux"
     assert family_of(_Model("comfy.ldm.modules.diffusionmodules.mmdit")).name == "sd3"
-    assert family_of(_Model("somewhere.else")) is UNKNOWN
+    unknown = family_of(_Model("somewhere.else"))
+    assert unknown == UNKNOWN and "somewhere.else" in unknown.describe() and "1-D" in unknown.describe()
+    assert family_of(_Model("comfy.ldm.lightricks.av_model")).name == "ltx2"  # the longest module path wins
+    assert family_of(_Model("comfy.ldm.lightricks.model")).name == "ltxv"
     presets = set(list_presets())
     for fam in FAMILIES:
         for dim in (1536, 3072, 5120):
@@ -111,7 +114,8 @@ def test_family_registry_detects_numbers_and_links_presets():
     wan = BY_NAME["wan"]
     assert wan.preset_for(_Model("x", dim=1536)) == "wan21_t2v_1.3b"
     assert wan.preset_for(_Model("x", dim=5120, model_type="i2v")) == "wan21_i2v_14b"
-    assert BY_NAME["flux"].layer_offsets(_Model("x", double_blocks=[0] * 19)) == {"single": 19}
+    assert BY_NAME["flux"].layer_offsets(_Model("x", double_blocks=[0] * 19, single_blocks=[0] * 38)) == \
+        {"single": 19, "extra": 57}  # extra (refiner) calls are numbered after every main block
     assert BY_NAME["wan"].layer_offsets(_Model("x")) == {}
     assert len({f.name for f in FAMILIES}) == len(FAMILIES)
     assert len({m for f in FAMILIES for m in f.modules}) == sum(len(f.modules) for f in FAMILIES)

@@ -6,7 +6,12 @@
                                                              # writes workflows/*.json and *.jpg
 
 The templates pinned by ComfyUI 0.3.75 are used (not the newest) so the workflows load there and on
-every newer ComfyUI: newer templates use core nodes 0.3.75 lacks (e.g. ComfySwitchNode).
+every newer ComfyUI: newer templates use core nodes 0.3.75 lacks (e.g. ComfySwitchNode). Models that only
+newer ComfyUI runs come from the templates that release pins (NEWER below, e.g. MiniMax H3 from ComfyUI
+0.33.0's comfyui-workflow-templates 0.11.44); the workflow records that minimum in
+``extra.sparse_attention_min_comfyui`` and the tests validate it only on trees at least that new:
+
+    python tools/build_workflows.py --templates DIR033 --only video_minimax_h3_t2v   # DIR033: 0.33.0's templates
 
 For each template below, every model loader's MODEL output (UNETLoader, CheckpointLoaderSimple,
 ImageOnlyCheckpointLoader; top level and inside subgraphs) is re-routed through a "Sparse Attention
@@ -53,7 +58,15 @@ WORKFLOWS = {
     "3d_hunyuan3d_2_image_to_model": ("3d_hunyuan3d_image_to_model", "Hunyuan3D 2.0 image-to-model",
                                       {"": "hunyuan3d_2"},
                                       "One anchor at step 1 (the 3-D setting of the MC-Sparse paper)."),
+    "video_minimax_h3_t2v": ("video_minimax_h3_t2v", "MiniMax H3 text-to-video with audio", {"": "minimax_h3"},
+                             "The template samples 20 steps (preset minimax_h3); with its turbo_mode switch on "
+                             "(8-step LoRA) pick minimax_h3_turbo_8step, with the 4-step LoRA "
+                             "minimax_h3_turbo_4step. Video tokens take the density; text, audio rows and audio "
+                             "keys of video queries follow the modality densities (docs/method.md). The preset "
+                             "values are not yet measured on H3."),
 }
+# workflows whose template (and model) need a newer ComfyUI than 0.3.75: the minimum version
+NEWER = {"video_minimax_h3_t2v": "0.33.0"}
 
 
 def _graphs(doc):
@@ -256,6 +269,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--templates", help="folder of template JSONs (default: the installed package)")
     ap.add_argument("--out", default=str(ROOT / "workflows"))
+    ap.add_argument("--only", nargs="*", help="build only these workflows (names as in WORKFLOWS)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     src = (Path(args.templates) if args.templates
@@ -263,7 +277,11 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, (template, title, presets, expect) in WORKFLOWS.items():
+        if args.only and name not in args.only:
+            continue
         doc = copy.deepcopy(json.loads((src / f"{template}.json").read_text(encoding="utf-8")))
+        if name in NEWER:
+            doc.setdefault("extra", {})["sparse_attention_min_comfyui"] = NEWER[name]
         used = insert_presets(doc, presets)
         if not used:
             raise SystemExit(f"{template}: no model loader found to patch")
