@@ -72,12 +72,13 @@ def rows_above_threshold(scores: torch.Tensor, k: int, iters: int = 20) -> tuple
     """About the ``k`` largest entries of each row, sorted ascending, without a full top-k.
 
     scores: float (R, L) >= 0 (+inf marks forced entries). Each row keeps the entries above a threshold:
-    for short rows (L <= 4 * SAMPLE) found by bisection in log space so the count is exactly k (or just
-    under it on ties); for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
-    largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %).
-    The kept entries are compacted in order with a cumulative sum and a scatter: linear passes instead
-    of sorting every row, which matters at L = 75k tokens and thousands of rows. Returns (indices int32
-    (R, W) with -1 past each count, counts int32 (R,)), W = max count.
+    for short rows (L <= 4 * SAMPLE) found by bisection in log space so the count is exactly k; for long rows
+    estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th largest sampled value), one pass
+    instead of ~20, so the count is k up to sampling noise (a few %). Entries tied at the threshold fill the
+    row up to k in index order (k equal keys beyond the budget keep k of them, never none). The kept entries
+    are compacted in order with a cumulative sum and a scatter: linear passes instead of sorting every row,
+    which matters at L = 75k tokens and thousands of rows. Returns (indices int32 (R, W) with -1 past each
+    count, counts int32 (R,)), W = max count.
     """
     r, length = scores.shape
     k = max(0, min(k, length))
@@ -87,7 +88,7 @@ def rows_above_threshold(scores: torch.Tensor, k: int, iters: int = 20) -> tuple
         sample = scores[:, cols]
         rank = max(1, min(SAMPLE, round(k * SAMPLE / length)))
         thresh = torch.topk(sample, rank, dim=-1).values[:, -1:]
-        keep = scores >= thresh
+        above, tied = scores > thresh, scores == thresh
     else:
         finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
         top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
@@ -98,7 +99,10 @@ def rows_above_threshold(scores: torch.Tensor, k: int, iters: int = 20) -> tuple
             over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
             lo = torch.where(over, mid, lo)
             hi = torch.where(over, hi, mid)
-        keep = scores > torch.exp(hi)
+        above = scores > torch.exp(hi)  # at most k entries (or every forced one)
+        tied = (scores > torch.exp(lo)) & ~above  # the band the bisection could not split: equal values
+    room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
+    keep = above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
     pos = torch.cumsum(keep, dim=-1, dtype=torch.int32) - 1
     counts = keep.sum(-1).to(torch.int32)
     width = int(counts.max()) if counts.numel() else 0

@@ -186,6 +186,23 @@ class AnchorSchedule:
         every = self.period(total)
         return every > 0 and step >= warmup_steps and (step - warmup_steps) % every == 0
 
+    def anchor_between(self, last: int, step: int, warmup_steps: int, total: int | None = None) -> bool:
+        """Whether an anchor step lies in (last, step]: the selection anchored at ``last`` is due for renewal at
+        ``step`` even when the anchor step itself never ran (a step cache such as EasyCache skipped the model
+        call), so the next computed step anchors instead."""
+        if step <= last:
+            return False
+        if any(last < s <= step for s in self.resolved(total)):
+            return True
+        every = self.period(total)
+        if every <= 0:
+            return False
+        lo = max(last + 1, warmup_steps)
+        if lo > step:
+            return False
+        first = warmup_steps + -(-(lo - warmup_steps) // every) * every  # first periodic anchor at or after lo
+        return first <= step
+
     def text(self) -> str:
         """The widget form, e.g. "10,26", "20%,50%", "every 5", "0 + every 25%" or "" (parse round-trips)."""
         items = [str(s) for s in self.steps] + [f"{f * 100:g}%" for f in self.fractions]
