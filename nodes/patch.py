@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 KEY = "sparse_attention"
 OVERRIDE = "optimized_attention_override"
 RUN_KEY = "sparse_attention_run"
+CHAINED = "sparse_attention_chained"  # an override installed after ours on this model, run for our dense calls
 MULTIGPU_DEVICE = "multigpu_thread_device"  # set by ComfyUI's MultiGPU worker threads in transformer_options
 _not_compiled = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
 
@@ -148,15 +149,18 @@ class SparseAttentionPatch:
             return self._active[-1] if self._active else self.idle
 
     # dense path ------------------------------------------------------------------------------------
-    def _dense(self, func, args, kwargs):
-        if self.previous is not None:
-            return self.previous(func, *args, **kwargs)
+    def _dense(self, func, args, kwargs, transformer_options: dict):
+        """The dense call: the override chained on this model's options (installed after ours), else the one
+        installed before ours, else the model's own attention."""
+        chained = transformer_options.get(CHAINED, self.previous)
+        if chained is not None:
+            return chained(func, *args, **kwargs)
         return func(*args, **kwargs)
 
     def _fallback(self, run: SamplingRun, reason: str, func, args, kwargs):
         run.count(reason)
         self._log_once(reason, "sparse attention: dense for %s (logged once)", reason)
-        return self._dense(func, args, kwargs)
+        return self._dense(func, args, kwargs, kwargs.get("transformer_options") or {})
 
     def _log_once(self, key: str, msg: str, *args, level=logging.INFO) -> None:
         with self._lock:
@@ -191,7 +195,7 @@ class SparseAttentionPatch:
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
-            return self._dense(func, (dq, dk, dv, call.heads), kw)
+            return self._dense(func, (dq, dk, dv, call.heads), kw, to)
 
         try:
             out = engine.attend(q, k, v, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
@@ -219,6 +223,7 @@ class SparseAttentionPatch:
         outer = None if options is None else options.get(RUN_KEY, None)
         if options is not None:
             options[RUN_KEY] = run
+            self.reassert(options)  # an override installed after ours is chained from the first step
         with self._lock:
             self._active.append(run)
         try:
@@ -266,15 +271,23 @@ class SparseAttentionPatch:
         return executor(x, t, *args, **kwargs)
 
     def prepare_state(self, patcher, *args):
-        """ON_PREPARE_STATE: re-assert the override so a node applied later cannot silently drop it;
-        an override installed later is kept and chained (used for dense calls)."""
+        """ON_PREPARE_STATE: re-assert the override so a node applied later cannot silently drop it (its override
+        is chained for our dense calls). ComfyUI 0.33.0 passes the run's model options, 0.3.75 none (the
+        patcher's own)."""
         live = args[1] if len(args) > 1 and isinstance(args[1], dict) else patcher.model_options
-        opts = live.setdefault("transformer_options", {})
-        current = opts.get(OVERRIDE)
-        if current is not self:
-            if current is not None and current is not self.previous:
-                self.previous = current
-            opts[OVERRIDE] = self
+        self.reassert(live.setdefault("transformer_options", {}))
+
+    def reassert(self, transformer_options: dict) -> None:
+        """Make ours the override of these options; one installed after ours is kept in the same options (never
+        on this shared object: another clone must not inherit it) and runs our dense calls."""
+        current = transformer_options.get(OVERRIDE)
+        if current is self:
+            return
+        if isinstance(current, SparseAttentionPatch):  # another patch of ours on a clone: chain what it chains
+            current = transformer_options.get(CHAINED, current.previous)
+        if current is not None and current is not self.previous:
+            transformer_options[CHAINED] = current
+        transformer_options[OVERRIDE] = self
 
     def cleanup(self, patcher, *args):
         """ON_CLEANUP: nothing may stay cached between runs. Runs in progress (a clone's sampler) keep theirs:
@@ -318,7 +331,12 @@ def install(model, cfg: SparseConfig):
     opts = m.model_options.setdefault("transformer_options", {})
     previous = opts.get(OVERRIDE)
     if isinstance(previous, SparseAttentionPatch):
-        previous = previous.previous  # re-patching replaces our own earlier patch, keeps what it chained
+        # re-patching replaces our own earlier patch (its override, chain and wrappers), keeps what it chained
+        previous = opts.pop(CHAINED, previous.previous)
+        for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL):
+            m.remove_wrappers_with_key(kind, KEY)
+        for kind in (pe.CallbacksMP.ON_PREPARE_STATE, pe.CallbacksMP.ON_CLEANUP):
+            m.remove_callbacks_with_key(kind, KEY)
     diffusion_model = m.get_model_object("diffusion_model")
     family = family_of(diffusion_model)
     patch = SparseAttentionPatch(cfg, previous=previous, family=family,
