@@ -157,3 +157,42 @@ def test_a_stale_run_in_the_options_is_not_used():
     ended = patch.last_run
     outs = forward(patch, {RUN_KEY: ended}, 0, 1)  # options kept past their run
     assert len(outs) == 2 and ended.engines.cache_bytes == 0 and patch.idle.engines.cache_bytes > 0
+
+
+def test_any_engine_exception_sends_the_call_and_its_layer_dense(monkeypatch):
+    from comfyui_sparse_attention.engine.policy_mc_sparse import McSparsePolicy
+
+    def broken(self, *a, **k):
+        raise KeyError("simulated")
+    monkeypatch.setattr(McSparsePolicy, "select", broken)
+    patch = SparseAttentionPatch(CFG)
+    outs = sample(patch, 1)
+    dense = [SDPA(*qkv(1 + layer, step)) for step in range(STEPS) for layer in range(2)]
+    assert all(torch.allclose(o, d, atol=1e-5) for o, d in zip(outs, dense))
+    assert patch.fallbacks == {"an engine error (KeyError)": 2}  # once per layer: the layer then stays dense
+    assert patch.last_stats.totals()["fallbacks"] == 2 * (STEPS - 1)
+
+
+def test_an_interruption_is_never_swallowed(monkeypatch):
+    import sys
+    import types
+
+    from comfyui_sparse_attention.engine.policy_mc_sparse import McSparsePolicy
+
+    class InterruptProcessingException(Exception):
+        pass
+    fake = types.ModuleType("comfy.model_management")
+    fake.InterruptProcessingException = InterruptProcessingException
+    monkeypatch.setitem(sys.modules, "comfy.model_management", fake)
+
+    def interrupted(self, *a, **k):
+        raise InterruptProcessingException()
+    monkeypatch.setattr(McSparsePolicy, "select", interrupted)
+    patch = SparseAttentionPatch(CFG)
+    try:
+        sample(patch, 1)
+    except InterruptProcessingException:
+        pass
+    else:
+        raise AssertionError("the interruption was swallowed")
+    assert patch.runs == 1 and patch.cache_bytes() == 0 and not patch.fallbacks
