@@ -111,6 +111,7 @@ class SparseAttentionPatch:
         self._active: list[SamplingRun] = []  # runs in progress, oldest first
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._local = threading.local()  # .dense: this thread is inside one of our dense calls
 
     def __deepcopy__(self, memo):
         return self
@@ -153,9 +154,13 @@ class SparseAttentionPatch:
         """The dense call: the override chained on this model's options (installed after ours), else the one
         installed before ours, else the model's own attention."""
         chained = transformer_options.get(CHAINED, self.previous)
-        if chained is not None:
+        if chained is None:
+            return func(*args, **kwargs)
+        self._local.dense = True
+        try:
             return chained(func, *args, **kwargs)
-        return func(*args, **kwargs)
+        finally:
+            self._local.dense = False
 
     def _fallback(self, run: SamplingRun, reason: str, func, args, kwargs):
         run.count(reason)
@@ -173,6 +178,9 @@ class SparseAttentionPatch:
     @_not_compiled
     def __call__(self, func, *args, **kwargs):
         """ComfyUI's override contract (nodes/call.py)."""
+        if getattr(self._local, "dense", False):
+            # an override we chain that itself calls the override it found (ours) for this dense call
+            return func(*args, **kwargs)
         to = kwargs.get("transformer_options") or {}
         run = self.run_of(to)
         forward = to.get(INFO_KEY)

@@ -196,3 +196,26 @@ def test_an_interruption_is_never_swallowed(monkeypatch):
     else:
         raise AssertionError("the interruption was swallowed")
     assert patch.runs == 1 and patch.cache_bytes() == 0 and not patch.fallbacks
+
+
+def test_an_override_that_calls_ours_back_does_not_recurse():
+    """A pack installed after ours that wraps the override it found (ours) and calls it for every call: we chain it
+    for our dense calls, and its call back into ours runs the model's attention."""
+    patch = SparseAttentionPatch(CFG.replace(warmup_steps=2))
+    seen = []
+
+    def wrapping(func, *args, **kwargs):
+        seen.append(1)
+        return patch(func, *args, **kwargs)  # the override it found when it was installed
+    guider = Guider()
+    guider.model_options["transformer_options"]["optimized_attention_override"] = wrapping  # installed after ours
+    outs = []
+
+    def run(noise, latent, sampler, sigmas):
+        for step in range(STEPS):
+            outs.extend(forward(patch, guider.model_options["transformer_options"], step, 1))
+    patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+    assert len(outs) == 2 * STEPS and all(torch.isfinite(o).all() for o in outs)
+    dense = [SDPA(*qkv(1 + layer, step)) for step in range(2) for layer in range(2)]
+    assert all(torch.allclose(o, d, atol=1e-5) for o, d in zip(outs, dense))  # the warm-up steps: dense
+    assert len(seen) == patch.last_stats.totals()["dense"] == 4
