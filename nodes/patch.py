@@ -177,26 +177,25 @@ class SparseAttentionPatch:
     # the override ----------------------------------------------------------------------------------
     @_not_compiled
     def __call__(self, func, *args, **kwargs):
-        """ComfyUI's override contract (nodes/call.py)."""
+        """ComfyUI's override contract (nodes/call.py). Whatever goes wrong on our side (reading the call, the
+        engine, the report's picture) never fails the run: the call goes dense, counted and logged once; only
+        ComfyUI's interruption passes through."""
         if getattr(self._local, "dense", False):
             # an override we chain that itself calls the override it found (ours) for this dense call
             return func(*args, **kwargs)
         to = kwargs.get("transformer_options") or {}
         run = self.run_of(to)
-        forward = to.get(INFO_KEY)
-        layer = forward.next_layer(to) if forward is not None and self_shaped(args, kwargs) else None
-        call = translate(args, kwargs)
-        if isinstance(call, str):
-            return self._fallback(run, call, func, args, kwargs)
+        try:
+            plan = self._plan(run, args, kwargs, to)
+        except Exception as exc:  # a layout or call this pack cannot read
+            if interrupting(exc):
+                raise
+            plan = self._error("an error reading the call", exc)
+        if isinstance(plan, str):
+            return self._fallback(run, plan, func, args, kwargs)
+        call, ctx, engine = plan
         q, k, v = call.q, call.k, call.v
         nq = q.shape[2]
-        ctx = forward.context(layer, nq, to) if layer is not None else None
-        engine = run.engine_for(q, to)
-        reason = engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
-        if reason is None and ctx is None:
-            reason = "calls outside a tracked forward"
-        if reason is not None:
-            return self._fallback(run, reason, func, args, kwargs)
 
         def dense_fn(dq, dk, dv):
             kw = dict(kwargs)
@@ -211,13 +210,39 @@ class SparseAttentionPatch:
             if interrupting(exc):
                 raise
             # this call goes dense, and its layer for the rest of the run; counted, reported, logged once
-            kind = f"an engine error ({type(exc).__name__})"
-            self._log_once(kind, "sparse attention: %s: %s", kind, str(exc).splitlines()[0][:300] if str(exc) else "",
-                           level=logging.WARNING)
+            kind = self._error("an engine error", exc)
             engine.give_up(ctx, nq)
             return self._fallback(run, kind, func, args, kwargs)
-        run.snapshot(engine, ctx, nq)
+        try:
+            run.snapshot(engine, ctx, nq)
+        except Exception as exc:  # the report's picture only
+            if interrupting(exc):
+                raise
+            self._error("an error drawing the report's picture", exc)
         return call.output(out)
+
+    def _plan(self, run: SamplingRun, args, kwargs, to: dict):
+        """(call, ctx, engine) for a call the engine takes, or the reason the call runs dense."""
+        forward = to.get(INFO_KEY)
+        layer = forward.next_layer(to) if forward is not None and self_shaped(args, kwargs) else None
+        call = translate(args, kwargs)
+        if isinstance(call, str):
+            return call
+        q, k = call.q, call.k
+        nq = q.shape[2]
+        ctx = forward.context(layer, nq, to) if layer is not None else None
+        engine = run.engine_for(q, to)
+        reason = engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
+        if reason is None and ctx is None:
+            reason = "calls outside a tracked forward"
+        return reason if reason is not None else (call, ctx, engine)
+
+    def _error(self, what: str, exc: Exception) -> str:
+        """Log an error of ours once per kind (a warning with its message); returns the kind for the report."""
+        kind = f"{what} ({type(exc).__name__})"
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        self._log_once(kind, "sparse attention: %s: %s", kind, first, level=logging.WARNING)
+        return kind
 
     # lifecycle (ComfyUI callbacks and wrappers) -------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):

@@ -219,3 +219,25 @@ def test_an_override_that_calls_ours_back_does_not_recurse():
     dense = [SDPA(*qkv(1 + layer, step)) for step in range(2) for layer in range(2)]
     assert all(torch.allclose(o, d, atol=1e-5) for o, d in zip(outs, dense))  # the warm-up steps: dense
     assert len(seen) == patch.last_stats.totals()["dense"] == 4
+
+
+def test_an_error_reading_the_call_or_drawing_the_picture_never_fails_the_run(monkeypatch):
+    from comfyui_sparse_attention.engine.selection import TokenSelection
+    from comfyui_sparse_attention.nodes import forward as forward_mod
+
+    def broken_layout(self, n, transformer_options):
+        raise TypeError("a family layout this pack cannot read")
+    with monkeypatch.context() as m:
+        m.setattr(forward_mod.Forward, "layout", broken_layout)
+        patch = SparseAttentionPatch(CFG)
+        outs = sample(patch, 1)
+    dense = [SDPA(*qkv(1 + layer, step)) for step in range(STEPS) for layer in range(2)]
+    assert all(torch.allclose(o, d, atol=1e-5) for o, d in zip(outs, dense))
+    assert patch.fallbacks == {"an error reading the call (TypeError)": 2 * STEPS}
+
+    def broken_picture(self, n, width=256):
+        raise RuntimeError("no picture")
+    monkeypatch.setattr(TokenSelection, "picture", broken_picture)
+    patch = SparseAttentionPatch(CFG)
+    sample(patch, 1)
+    assert patch.last_stats.totals()["reuses"] > 0 and not patch.snapshots and not patch.fallbacks
