@@ -214,9 +214,10 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
 
     scores: float (..., L) >= 0, any strides (+inf marks forced entries). Returns bool (..., L). Each row keeps
     the entries above a threshold: for short rows (L <= 4 * SAMPLE) found by bisection in log space so the
-    count is exactly k (or just under it on ties); for long rows estimated from a fixed sample of SAMPLE
-    columns (the k*SAMPLE/L-th largest sampled value), one pass instead of ~20, so the count is k up to
-    sampling noise (a few %).
+    count is exactly k; for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
+    largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %).
+    Entries tied at the threshold fill the row up to k in index order (k equal keys beyond the budget keep k
+    of them, never none).
     """
     length = scores.shape[-1]
     k = max(0, min(k, length))
@@ -229,17 +230,21 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
         cols = (torch.arange(SAMPLE, device=scores.device, dtype=torch.float64) * step + step / 2).long()
         rank = max(1, min(SAMPLE, round(k * SAMPLE / length)))
         thresh = torch.topk(scores[..., cols], rank, dim=-1).values[..., -1:]
-        return scores >= thresh
-    finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
-    top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
-    lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
-    hi = torch.log(top)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
-        lo = torch.where(over, mid, lo)
-        hi = torch.where(over, hi, mid)
-    return scores > torch.exp(hi)
+        above, tied = scores > thresh, scores == thresh
+    else:
+        finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
+        top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
+        lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
+        hi = torch.log(top)
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
+            lo = torch.where(over, mid, lo)
+            hi = torch.where(over, hi, mid)
+        above = scores > torch.exp(hi)  # at most k entries (or every forced one)
+        tied = (scores > torch.exp(lo)) & ~above  # the band the bisection could not split: equal values
+    room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
+    return above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
 
 
 def compact_rows(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

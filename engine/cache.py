@@ -43,6 +43,14 @@ class Entry:
     def map(self, fn) -> "Entry":
         return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn))
 
+    def fits(self, q: torch.Tensor) -> bool:
+        """Whether this entry can serve a call with q (B, H, N, D): the same batch size, head count and device
+        (the key holds only the layer, the chunk and the token count)."""
+        counts = self.selection.kv_counts
+        if tuple(counts.shape[:2]) != tuple(q.shape[:2]) or counts.device != q.device:
+            return False
+        return self.residual is None or tuple(self.residual.data.shape) == tuple(q.shape)
+
     @property
     def batch(self) -> int:
         return int(self.selection.tensors()[0].shape[0])

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.backend import BACKENDS
+from .messages import MAX_TEXT, shown
 from .modalities import Densities
 from .policy import method_names
+from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
 
 RESIDUAL_PRECISIONS = ("fp8", "model")
@@ -76,44 +78,44 @@ class SparseConfig:
         # friendly forms: anchor_steps="10,26", dense_layers="0-2", densities={...}
         object.__setattr__(self, "anchor_steps", AnchorSchedule.parse(self.anchor_steps))
         object.__setattr__(self, "warmup_steps", parse_warmup(self.warmup_steps))
-        if not isinstance(self.dense_layers, tuple) or any(not isinstance(x, int) for x in self.dense_layers):
+        if not isinstance(self.dense_layers, tuple) or not all(_is_int(x) for x in self.dense_layers):
             object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         if isinstance(self.densities, dict):
-            object.__setattr__(self, "densities", Densities(**self.densities))
-        _check(self.method in method_names(), "method", f"must be one of {method_names()}, got {self.method!r}")
+            object.__setattr__(self, "densities", densities_of(self.densities))
+        _check(isinstance(self.densities, Densities), "densities",
+               f"expected a mapping of modality pairs, got {shown(self.densities)}")
+        _choice("method", self.method, method_names())
         _frac("density", self.density)
         for f in dataclasses.fields(Densities):
             v = getattr(self.densities, f.name)
-            if v is not None:
+            if v is not None or f.name != "image_to_image":  # only image_to_image may follow the global density
                 _frac(f"densities.{f.name}", v)
-        for name in ("block_q", "block_k"):
-            _check(getattr(self, name) in (64, 128), name, f"must be 64 or 128, got {getattr(self, name)!r}")
-        _check(self.group_size in (64, 128), "group_size", f"must be 64 or 128, got {self.group_size!r}")
+        for name in ("block_q", "block_k", "group_size"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v in (64, 128), name, f"must be 64 or 128 (an integer), got {shown(v)}")
         for name in ("warmup_layers", "sink_blocks", "min_tokens"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name,
-                   f"must be a non-negative integer, got {v!r}")
-        _check(all(isinstance(x, int) and x >= 0 for x in self.dense_layers), "dense_layers",
-               f"must be non-negative layer indices, got {self.dense_layers!r}")
+            _check(_is_int(v) and v >= 0, name, f"must be a non-negative integer, got {shown(v)}")
+        _check(all(_is_int(x) and 0 <= x <= MAX_LAYER for x in self.dense_layers), "dense_layers",
+               f"must be layer indices in [0, {MAX_LAYER}], got {shown(self.dense_layers)}")
         _check(self.anchor_steps.every >= 0 and all(s >= 0 for s in self.anchor_steps.steps), "anchor_steps",
                "steps must be non-negative")
         if self.mass is not None:
             _frac("mass", self.mass)
-        _check(self.temporal_weight > 0 and math.isfinite(self.temporal_weight), "temporal_weight",
-               f"must be a positive number, got {self.temporal_weight!r}")
+        _check(_is_number(self.temporal_weight) and self.temporal_weight > 0, "temporal_weight",
+               f"must be a positive number, got {shown(self.temporal_weight)}")
         for name in ("cache_budget_mb", "cpu_budget_mb"):
             v = getattr(self, name)
-            if name == "cache_budget_mb" and v == "auto":
+            if name == "cache_budget_mb" and isinstance(v, str) and v == "auto":
                 continue
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
-            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
-                   f"must be a number >= 0{alt}, got {v!r}")
-        _check(self.grouping in GROUPINGS, "grouping", f"must be one of {GROUPINGS}, got {self.grouping!r}")
-        _check(self.residual_precision in RESIDUAL_PRECISIONS, "residual_precision",
-               f"must be one of {RESIDUAL_PRECISIONS}, got {self.residual_precision!r}")
-        _check(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+            _check(_is_number(v) and v >= 0, name, f"must be a finite number >= 0{alt}, got {shown(v)}")
+        _choice("grouping", self.grouping, GROUPINGS)
+        _choice("residual_precision", self.residual_precision, RESIDUAL_PRECISIONS)
+        _choice("backend", self.backend, BACKENDS)
         for name in ("residual", "select_every_step", "offload"):
-            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+            _check(isinstance(getattr(self, name), bool), name,
+                   f"must be true or false, got {shown(getattr(self, name))}")
 
     @property
     def image_density(self) -> float:
@@ -123,47 +125,44 @@ class SparseConfig:
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "config") -> "SparseConfig":
         """Build from a plain dict (keys as the fields; ``densities`` a dict; ``anchor_steps`` as parsed
-        by AnchorSchedule.parse). Unknown keys are errors. ``source`` names the origin in messages."""
+        by AnchorSchedule.parse). Unknown keys are errors. ``source`` names the origin in messages; every
+        error is a ValueError naming it and the field."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(shown(k) for k in data if k not in known)
         if unknown:
-            raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"{source}: unknown field(s) {', '.join(unknown[:10])}; known: {', '.join(sorted(known))}")
         kw = dict(data)
         try:
             if "densities" in kw:
-                dens = kw["densities"] or {}
-                if not isinstance(dens, dict):
-                    raise ValueError("densities: expected a mapping")
-                dfields = {f.name for f in dataclasses.fields(Densities)}
-                bad = sorted(set(dens) - dfields)
-                if bad:
-                    raise ValueError(f"densities: unknown key(s) {bad}; known: {sorted(dfields)}")
-                kw["densities"] = Densities(**dens)
+                kw["densities"] = densities_of(kw["densities"] or {})
             if "anchor_steps" in kw:
                 kw["anchor_steps"] = AnchorSchedule.parse(kw["anchor_steps"])
             if "dense_layers" in kw:
                 kw["dense_layers"] = parse_layers(kw["dense_layers"])
             return cls(**kw)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
-        except TypeError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: a value of a type no check anticipated
             raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict | None = None) -> "SparseConfig":
-        """Load a preset: a YAML mapping whose ``sparse`` key (or the whole file) holds the fields."""
-        import yaml
-
+        """Load a preset: a YAML mapping whose ``sparse`` key (or the whole file) holds the fields, read
+        strictly (engine/preset_yaml.py). Errors are ValueError naming the file and the field."""
         path = Path(path)
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"{path.name}: cannot read preset ({exc})") from None
-        if isinstance(doc, dict) and "sparse" in doc:
+        doc = read_yaml(path)
+        if doc is None:
+            doc = {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path.name}: expected a mapping of settings (or a 'sparse' mapping), "
+                             f"got {type(doc).__name__}")
+        if "sparse" in doc:
             doc = doc["sparse"]
-        data = dict(doc or {})
+            if doc is None:
+                doc = {}
+            if not isinstance(doc, dict):
+                raise ValueError(f"{path.name}: sparse: expected a mapping of settings, got {shown(doc)}")
+        data = dict(doc)
         data.update(overrides or {})
         return cls.from_dict(data, source=path.name)
 
@@ -171,28 +170,70 @@ class SparseConfig:
         return dataclasses.replace(self, **changes)
 
 
+MAX_LAYER = 9_999  # no model has this many blocks (Flux: 57 with its single-stream blocks after the double ones)
+
+
+def densities_of(value) -> Densities:
+    """A Densities from a mapping of modality pairs (unknown keys are errors naming the field)."""
+    if isinstance(value, Densities):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"densities: expected a mapping of modality pairs, got {shown(value)}")
+    names = {f.name for f in dataclasses.fields(Densities)}
+    bad = sorted(shown(k) for k in value if k not in names)
+    if bad:
+        raise ValueError(f"densities: unknown key(s) {', '.join(bad)}; known: {', '.join(sorted(names))}")
+    return Densities(**value)
+
+
 def parse_layers(value) -> tuple[int, ...]:
-    """"0,1,5-7" / [0, 1] / "" -> sorted tuple of layer indices."""
+    """"0,1,5-7" / [0, 1] / "" -> sorted tuple of layer indices (each in [0, MAX_LAYER])."""
     if value is None or value == "":
         return ()
     if isinstance(value, (list, tuple)):
-        items = [str(v) for v in value]
+        if len(value) > MAX_LAYER + 1:
+            raise ValueError(f"dense_layers: {len(value)} entries (at most {MAX_LAYER + 1} layers)")
+        items = [str(v) if not isinstance(v, bool) else "?" for v in value]
+    elif isinstance(value, (str, int)) and not isinstance(value, bool):
+        text = str(value)
+        if len(text) > MAX_TEXT:
+            raise ValueError(f"dense_layers: {len(text)} characters (at most {MAX_TEXT}): {shown(text)}")
+        items = [p for p in text.replace(";", ",").split(",")]
     else:
-        items = [p for p in str(value).replace(";", ",").split(",")]
+        raise ValueError(f"dense_layers: expected layer numbers like '0,1,5-7', got {shown(value)}")
     out: set[int] = set()
     for item in (p.strip() for p in items):
         if not item:
             continue
+        if len(item) > 16:
+            raise ValueError(f"dense_layers: cannot read {shown(item)} (layers are numbered 0 to {MAX_LAYER})")
         if "-" in item:
             a, b = item.split("-", 1)
-            if not (a.strip().isdigit() and b.strip().isdigit()) or int(a) > int(b):
-                raise ValueError(f"dense_layers: cannot read range {item!r}")
+            if not (_digits(a.strip()) and _digits(b.strip())) or int(a) > int(b):
+                raise ValueError(f"dense_layers: cannot read range {shown(item)}")
+            if int(b) > MAX_LAYER:
+                raise ValueError(f"dense_layers: range {shown(item)} goes beyond layer {MAX_LAYER}")
             out.update(range(int(a), int(b) + 1))
-        elif item.isdigit():
+        elif _digits(item):
+            if int(item) > MAX_LAYER:
+                raise ValueError(f"dense_layers: layer {shown(item)} is beyond layer {MAX_LAYER}")
             out.add(int(item))
         else:
-            raise ValueError(f"dense_layers: cannot read {item!r} (expected e.g. '0,1,5-7')")
+            raise ValueError(f"dense_layers: cannot read {shown(item)} (expected e.g. '0,1,5-7')")
     return tuple(sorted(out))
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    """A finite int or float (not a boolean)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _check(ok: bool, name: str, msg: str) -> None:
@@ -200,6 +241,9 @@ def _check(ok: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
+def _choice(name: str, v, options: tuple) -> None:
+    _check(isinstance(v, str) and v in options, name, f"must be one of {options}, got {shown(v)}")
+
+
 def _frac(name: str, v) -> None:
-    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 < float(v) <= 1.0, name,
-           f"must lie in (0, 1], got {v!r}")
+    _check(_is_number(v) and 0.0 < float(v) <= 1.0, name, f"must lie in (0, 1], got {shown(v)}")

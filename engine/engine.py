@@ -14,6 +14,7 @@ residual"). What a method needs is said by its Policy object (engine/policy.py).
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -35,7 +36,10 @@ SPILL_SHARES = (0.5, 1.0)  # of the device cache moved off the GPU at a first / 
 
 
 class SparseEngine:
-    """Holds one configuration, the run's caches and statistics. Not thread-safe (one sampler)."""
+    """Holds one configuration, the run's caches and statistics for one device.
+
+    Thread-safe: calls from several threads are serialised by ``lock`` (a sampler split over devices gets one
+    engine per device, engine/engines.py, so devices still run in parallel)."""
 
     def __init__(self, cfg: SparseConfig):
         self.cfg = cfg
@@ -46,6 +50,8 @@ class SparseEngine:
         self._anchored_at: dict[tuple, int] = {}
         self._step: int | None = None
         self.last_stats: RunStats | None = None
+        self.lock = threading.RLock()
+        self._dense_layers: tuple = ((), frozenset())  # (cfg.dense_layers, the same as a set)
 
     @property
     def policy(self):
@@ -55,17 +61,29 @@ class SparseEngine:
     # run lifecycle
     def begin_run(self) -> None:
         """Start a sampling run: forget every cache entry and statistic of the previous one."""
-        self._forget()
-        self.stats = RunStats()
+        with self.lock:
+            self._forget()
+            self.stats = RunStats()
 
-    def end_run(self) -> RunStats:
+    def end_run(self, log_summary: bool = True) -> RunStats:
         """Finish the run: resolve timings, free all cached tensors, return the statistics."""
-        stats = self.stats.finish(self.cache.info())
-        self._forget()
-        self.last_stats = stats
-        self.stats = RunStats()
-        log.info(stats.summary_line())
+        with self.lock:
+            stats = self.stats.finish(self.cache.info())
+            self._forget()
+            self.last_stats = stats
+            self.stats = RunStats()
+        if log_summary:
+            log.info(stats.summary_line())
         return stats
+
+    def give_up(self, ctx: CallContext, n_tokens: int) -> None:
+        """Run this call's layer densely for the rest of the run (its sparse path raised): counted as fallbacks."""
+        with self.lock:
+            key = ctx.key(n_tokens)
+            self.cache.drop(key)
+            if key not in self.cache.fallback_keys:
+                self.cache.fallback_keys.add(key)
+                self.cache.counters["fallbacks"] += 1
 
     def _forget(self) -> None:
         self.cache.reset()
@@ -101,17 +119,33 @@ class SparseEngine:
         cfg = self.cfg
         if cfg.method == "dense" or not ctx.is_self or n_tokens < cfg.min_tokens:
             return DENSE
+        if ctx.layout.misfit(n_tokens) is not None:  # a layout that does not describe this call: never guess
+            return DENSE
         warmup = resolve_warmup(cfg.warmup_steps, ctx.total_steps)
-        if ctx.step < warmup or ctx.layer < cfg.warmup_layers or ctx.layer in cfg.dense_layers:
+        if ctx.step < warmup or ctx.layer < cfg.warmup_layers or ctx.layer in self._dense_set():
             return DENSE
         key = ctx.key(n_tokens)
         if key in self.cache.fallback_keys:
             return FALLBACK
-        if self.cache.lookup(key) is None:
+        found = self.cache.lookup(key)
+        if found is None:
             return ANCHOR
-        if cfg.anchor_steps.is_anchor(ctx.step, warmup, ctx.total_steps) and self._anchored_at.get(key) != ctx.step:
-            return ANCHOR
-        return REUSE
+        last = self._anchored_at.get(found[0])
+        schedule = cfg.anchor_steps
+        if last is None:
+            due = schedule.is_anchor(ctx.step, warmup, ctx.total_steps)
+        elif ctx.step < last:  # the steps went back (a run restarted without begin_run): select afresh
+            due = True
+        else:  # an anchor step that no call reached (a step cache skipped it) makes this step the anchor
+            due = schedule.anchor_between(last, ctx.step, warmup, ctx.total_steps)
+        return ANCHOR if due else REUSE
+
+    def _dense_set(self) -> frozenset:
+        """cfg.dense_layers as a set, rebuilt only when the configuration's tuple changes."""
+        layers = self.cfg.dense_layers
+        if self._dense_layers[0] is not layers:
+            self._dense_layers = (layers, frozenset(layers))
+        return self._dense_layers[1]
 
     # the call
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CallContext, *, scale=None,
@@ -119,9 +153,21 @@ class SparseEngine:
         """Attention for one call. q: (B, H, Nq, D); k, v: (B, H, Nk, D); returns (B, H, Nq, D) in q's dtype.
 
         dense_fn(q, k, v) -> (B, H, Nq, D): the model's own dense attention (used for dense calls, so
-        any installed backend stays in charge of them); default: kernels.attention_dense.
+        any installed backend stays in charge of them); default: kernels.attention_dense. Tensors on the meta
+        device (shape-only passes) run dense and are not counted. A cached entry that cannot serve this call
+        (another batch size, head count or device under the same key) is replaced by a new anchor.
         """
+        if q.device.type == "meta":
+            return self._dense(q, k, v, scale, dense_fn)
+        with self.lock:
+            return self._attend(q, k, v, ctx, scale, dense_fn)
+
+    def _attend(self, q, k, v, ctx, scale, dense_fn):
         if self._step != ctx.step:
+            if self._step is not None and ctx.step < self._step:
+                # the steps went back: a new run began without begin_run; nothing cached belongs to it
+                self.cache.clear()
+                self._anchored_at.clear()
             self._step = ctx.step
             self.cache.new_step()
         n = q.shape[2]
@@ -133,10 +179,14 @@ class SparseEngine:
             self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
         key = ctx.key(n)
-        if decision == ANCHOR:
+        entry = None
+        if decision == REUSE:
+            with self.stats.timed(ctx.layer, "transfer", dev):
+                entry = self.cache.get(key, dev)
+            if entry is None or not entry.fits(q):
+                entry = None
+        if entry is None:
             return self._anchor_with_room(q, k, v, ctx, key, scale, dense_fn)
-        with self.stats.timed(ctx.layer, "transfer", dev):
-            entry = self.cache.get(key, dev)
         selection = entry.selection
         policy = self.policy
         if policy.reselects(self.cfg):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from .config import SparseConfig
+from .preset_yaml import read_yaml
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -21,8 +20,8 @@ def list_presets(directory: Path = PRESET_DIR) -> list[str]:
 
 
 def preset_title(name: str, directory: Path = PRESET_DIR) -> str:
-    doc = yaml.safe_load((directory / f"{name}.yaml").read_text(encoding="utf-8")) or {}
-    return str(doc.get("title", name))
+    doc = read_yaml(directory / f"{name}.yaml") or {}
+    return str(doc.get("title", name)) if isinstance(doc, dict) else name
 
 
 def load_preset(name: str, overrides: dict | None = None, directory: Path = PRESET_DIR) -> SparseConfig:

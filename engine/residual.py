@@ -76,18 +76,22 @@ class Residual:
         scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device)
         for sl in _head_chunks(diff):
             x = diff[:, sl].float()
-            s = x.abs().amax(-1, keepdim=True) / FP8_MAX
+            finite = torch.isfinite(x)
+            # the scale comes from the row's finite values: an inf or NaN (non-finite model input) stays in its
+            # own element, stored as NaN, as it is in the dense output, instead of turning the row into NaN
+            s = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(-1, keepdim=True) / FP8_MAX
             s = torch.where(s > 0, s, torch.ones_like(s))
             scale[:, sl] = s
-            data[:, sl] = (x / s).to(FP8)
+            data[:, sl] = torch.where(finite, x / s, torch.full_like(x, float("nan"))).to(FP8)
         return Residual(data, scale)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
-        """out (B, H, N, D) += the residual, in place; returns out."""
+        """out (B, H, N, D) += the residual, in place; returns out. fp8 rows are decoded in fp32 (an fp16 copy of
+        a small row's scale would be subnormal or zero)."""
         if self.scale is None:
             return out.add_(self.data)
         for sl in _head_chunks(out):
-            out[:, sl].addcmul_(self.data[:, sl].to(out.dtype), self.scale[:, sl].to(out.dtype))
+            out[:, sl] = out[:, sl].float().addcmul_(self.data[:, sl].float(), self.scale[:, sl]).to(out.dtype)
         return out
 
     def norm(self) -> float:

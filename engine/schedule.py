@@ -14,19 +14,24 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .messages import MAX_TEXT, shown
+
+MAX_ITEMS = 10_000  # listed anchor steps (a schedule never lists more steps than a run has)
 _NUM = r"\d+(?:\.\d*)?|\.\d+"
 
 
 def _fraction(value: float, name: str) -> float:
     f = float(value)
     if not (0.0 < f <= 1.0) or not math.isfinite(f):
-        raise ValueError(f"{name}: a fraction of the run must lie in (0, 1] (e.g. 0.2 or '20%'), got {value!r}")
+        raise ValueError(f"{name}: a fraction of the run must lie in (0, 1] (e.g. 0.2 or '20%'), got {shown(value)}")
     return f
 
 
 def _read_item(text: str, name: str) -> int | float:
     """'12' -> step 12; '20%' -> 0.2; '0.2' -> 0.2 (fractions lie in (0, 1])."""
     t = text.strip()
+    if len(t) > 32:  # no step count or fraction is this long (and int() refuses over 4300 digits)
+        raise ValueError(f"{name}: cannot read {shown(text)} (a step like 10, or a fraction of the run like 20%)")
     if re.fullmatch(r"\d+", t):
         return int(t)
     m = re.fullmatch(rf"({_NUM})\s*%", t)
@@ -34,7 +39,7 @@ def _read_item(text: str, name: str) -> int | float:
         return _fraction(float(m.group(1)) / 100.0, name)
     if re.fullmatch(_NUM, t):
         return _fraction(float(t), name)
-    raise ValueError(f"{name}: cannot read {text!r} (a step like 10, or a fraction of the run like 20% or 0.2)")
+    raise ValueError(f"{name}: cannot read {shown(text)} (a step like 10, or a fraction of the run like 20% or 0.2)")
 
 
 def resolve_fraction(f: float, total: int) -> int:
@@ -45,14 +50,14 @@ def resolve_fraction(f: float, total: int) -> int:
 def parse_warmup(value) -> int | float:
     """Warm-up as steps (int >= 0) or a fraction of the run (float in (0, 1]): 10, '10', '10%', 0.1."""
     if isinstance(value, bool):
-        raise ValueError(f"warmup_steps: expected steps or a fraction of the run, got {value!r}")
+        raise ValueError(f"warmup_steps: expected steps or a fraction of the run, got {shown(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"warmup_steps: must be a non-negative integer or a fraction, got {value!r}")
+            raise ValueError(f"warmup_steps: must be a non-negative integer or a fraction, got {shown(value)}")
         return value
     if isinstance(value, float):
         if value.is_integer() and value >= 1:
-            raise ValueError(f"warmup_steps: write whole steps without a decimal point (got {value!r})")
+            raise ValueError(f"warmup_steps: write whole steps without a decimal point (got {shown(value)})")
         return _fraction(value, "warmup_steps")
     if isinstance(value, str):
         return _read_item(value, "warmup_steps") if value.strip() else 0
@@ -95,30 +100,41 @@ class AnchorSchedule:
         if isinstance(value, int):
             return AnchorSchedule.parse(f"every {value}")
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"steps", "every"})
+            unknown = sorted(shown(k) for k in set(value) - {"steps", "every"})
             if unknown:
-                raise ValueError(f"anchor_steps: unknown key(s) {unknown}; known: ['every', 'steps']")
-            items = list(value.get("steps", ()) or ())
+                raise ValueError(f"anchor_steps: unknown key(s) {', '.join(unknown)}; known: 'every', 'steps'")
+            items = value.get("steps", ()) or ()
+            if isinstance(items, (int, float, str)) and not isinstance(items, bool):
+                items = [items]  # one step
+            if not isinstance(items, (list, tuple)):
+                raise ValueError(f"anchor_steps: steps: expected a list of steps, got {shown(items)}")
+            items = list(items)
             every = value.get("every")
+            if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float, str))):
+                raise ValueError(f"anchor_steps: every: expected a step count or a fraction, got {shown(every)}")
             text = [str(every if not isinstance(every, float) else f"{every!r}")] if every is not None else []
             base = AnchorSchedule.parse(items) if items else AnchorSchedule()
             extra = AnchorSchedule.parse("every " + text[0]) if text else AnchorSchedule()
             return AnchorSchedule(base.steps, extra.every, base.fractions, extra.every_fraction)
         if isinstance(value, (list, tuple)):
+            if len(value) > MAX_ITEMS:
+                raise ValueError(f"anchor_steps: {len(value)} steps listed (at most {MAX_ITEMS})")
             items = []
             for v in value:
                 if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-                    raise ValueError(f"anchor_steps: expected steps or fractions, got {v!r}")
+                    raise ValueError(f"anchor_steps: expected steps or fractions, got {shown(v)}")
                 if isinstance(v, float):
                     items.append(_fraction(v, "anchor_steps"))
                 elif isinstance(v, int):
                     if v < 0:
-                        raise ValueError(f"anchor_steps: steps must be non-negative, got {v!r}")
+                        raise ValueError(f"anchor_steps: steps must be non-negative, got {shown(v)}")
                     items.append(v)
                 else:
                     items.append(_read_item(v, "anchor_steps"))
             return AnchorSchedule._of(items, 0, None)
         if isinstance(value, str):
+            if len(value) > MAX_TEXT:
+                raise ValueError(f"anchor_steps: {len(value)} characters (at most {MAX_TEXT}): {shown(value)}")
             items, every, every_f = [], 0, None
             for part in re.split(r"[,;+]", value):
                 p = part.strip().lower()
@@ -128,7 +144,7 @@ class AnchorSchedule:
                     num = p[5:].strip(" :=")
                     item = _read_item(num, "anchor_steps") if num else None
                     if item is None or item == 0:
-                        raise ValueError(f"anchor_steps: cannot read {value!r} ('every N' needs N >= 1 steps "
+                        raise ValueError(f"anchor_steps: cannot read {shown(value)} ('every N' needs N >= 1 steps "
                                          "or a fraction like 'every 25%')")
                     if isinstance(item, int):
                         every = item
@@ -137,7 +153,7 @@ class AnchorSchedule:
                     continue
                 items.append(_read_item(p, "anchor_steps"))
             return AnchorSchedule._of(items, every, every_f)
-        raise ValueError(f"anchor_steps: unsupported value {value!r}")
+        raise ValueError(f"anchor_steps: unsupported value {shown(value)}")
 
     @staticmethod
     def _of(items, every, every_fraction) -> "AnchorSchedule":
@@ -169,6 +185,23 @@ class AnchorSchedule:
             return True
         every = self.period(total)
         return every > 0 and step >= warmup_steps and (step - warmup_steps) % every == 0
+
+    def anchor_between(self, last: int, step: int, warmup_steps: int, total: int | None = None) -> bool:
+        """Whether an anchor step lies in (last, step]: the selection anchored at ``last`` is due for renewal at
+        ``step`` even when the anchor step itself never ran (a step cache such as EasyCache skipped the model
+        call), so the next computed step anchors instead."""
+        if step <= last:
+            return False
+        if any(last < s <= step for s in self.resolved(total)):
+            return True
+        every = self.period(total)
+        if every <= 0:
+            return False
+        lo = max(last + 1, warmup_steps)
+        if lo > step:
+            return False
+        first = warmup_steps + -(-(lo - warmup_steps) // every) * every  # first periodic anchor at or after lo
+        return first <= step
 
     def text(self) -> str:
         """The widget form, e.g. "10,26", "20%,50%", "every 5", "0 + every 25%" or "" (parse round-trips)."""

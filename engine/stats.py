@@ -94,6 +94,34 @@ class RunStats:
         self.finished = True
         return self
 
+    @staticmethod
+    def merged(parts: list["RunStats"]) -> "RunStats":
+        """One RunStats from several finished ones (one engine per device): calls, densities, fidelities and
+        seconds add up per layer and step; cache figures add up over the devices (budgets are each device's)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = RunStats()
+        for part in parts:
+            for idx, s in part.layers.items():
+                acc = out.layer(idx)
+                for name in ("calls", "dense", "anchors", "reuses", "fallbacks", "density_sum"):
+                    setattr(acc, name, getattr(acc, name) + getattr(s, name))
+                acc.fidelity.extend(s.fidelity)
+                for phase, sec in s.seconds.items():
+                    acc.seconds[phase] = acc.seconds.get(phase, 0.0) + sec
+            for step, kinds in part.steps.items():
+                per = out.steps.setdefault(step, {})
+                for kind, count in kinds.items():
+                    per[kind] = per.get(kind, 0) + count
+            for key, value in part.cache.items():
+                if key.endswith("budget_bytes") or key == "auto_limit_bytes" or value is None:
+                    out.cache.setdefault(key, value)
+                else:
+                    out.cache[key] = out.cache.get(key, 0) + value
+        out.cache["devices"] = len(parts)
+        out.finished = all(p.finished for p in parts)
+        return out
+
     # views
     def totals(self) -> dict:
         calls = sum(s.calls for s in self.layers.values())

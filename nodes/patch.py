@@ -1,11 +1,18 @@
 """The model patch: an attention override that hands long self-attention to the engine.
 
 Installed on ``model.clone()`` as ``transformer_options["optimized_attention_override"]``. Each call is
-translated (nodes/call.py), given its per-forward facts (nodes/forward.py) and passed to the engine, which
-decides; the calls it does not take run the override installed before ours (SageAttention, another pack) or
-the model's own ``func``, with their arguments untouched. ComfyUI callbacks/wrappers (keyed, so removing the
-node removes them) reset the engine at the start of each sampling run, free its caches at the end, record
-each forward's facts, and re-assert the override before every model evaluation.
+translated (nodes/call.py), given its per-forward facts (nodes/forward.py) and passed to the engine of its
+sampling run and device, which decides; the calls it does not take run the override installed before ours
+(SageAttention, another pack) or the model's own ``func``, with their arguments untouched. ComfyUI
+callbacks/wrappers (keyed, so removing the node removes them) open a run at the start of each sampling run and
+free it at the end, record each forward's facts, and re-assert the override before every model evaluation.
+
+State lives per sampling run (``SamplingRun``, stored in that run's own ``transformer_options``): clones of a
+patched model share the patch object (ComfyUI deep-copies model options on clone and the patch copies as
+itself), but two samplers never share caches. Within a run, each device has its own engine (ComfyUI's MultiGPU
+CFG Split runs cond and uncond on different GPUs in threads). Under ``torch.compile`` the override is one
+graph break (``torch.compiler.disable``): it runs eagerly with the live options of every call, so nothing the
+engine decides is baked into a graph and no step recompiles (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -13,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
+import threading
 
+import torch
 
-from ..engine import RunClock, SparseConfig, SparseEngine
+from ..engine import DeviceEngines, RunClock, SparseConfig
 from .call import translate
 from .families import UNKNOWN, Family, family_of
 from .forward import INFO_KEY, Forward, StepCounter
@@ -25,108 +35,249 @@ log = logging.getLogger(__name__)
 
 KEY = "sparse_attention"
 OVERRIDE = "optimized_attention_override"
+RUN_KEY = "sparse_attention_run"
+CHAINED = "sparse_attention_chained"  # an override installed after ours on this model, run for our dense calls
+MULTIGPU_DEVICE = "multigpu_thread_device"  # set by ComfyUI's MultiGPU worker threads in transformer_options
+_not_compiled = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda fn: fn)
+
+
+def interrupting(exc: BaseException) -> bool:
+    """True for ComfyUI's interruption (the user pressed cancel): it must reach the sampler, never go dense."""
+    mm = sys.modules.get("comfy.model_management")
+    cls = getattr(mm, "InterruptProcessingException", None)
+    return cls is not None and isinstance(exc, cls)
+
+
+class SamplingRun:
+    """One sampling run of a patched model: its engines (one per device), where it sits in the whole denoising
+    run (``clock``), the step counter of samplers without a sigma schedule, the dense fallbacks by reason and
+    the report's pictures. Thread-safe. Copies as itself (ComfyUI copies the options that carry it)."""
+
+    def __init__(self, cfg: SparseConfig, clock: RunClock | None):
+        self.engines = DeviceEngines(cfg)
+        self.clock = clock
+        self.counter = StepCounter()
+        self.fallbacks: dict[str, int] = {}
+        self.layouts: dict[tuple[str, str], int] = {}  # (stream, layout) -> self-attention calls
+        self.snapshots: dict[int, dict] = {}
+        self.stats = None
+        self.lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def engine_for(self, q: torch.Tensor, transformer_options: dict):
+        """The engine of the device this call runs on (ComfyUI's MultiGPU worker device when set, else q's)."""
+        device = transformer_options.get(MULTIGPU_DEVICE)
+        return self.engines.engine(str(device if device is not None else q.device))
+
+    def count(self, reason: str) -> None:
+        with self.lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def snapshot(self, engine, ctx, n: int) -> None:
+        """Keep a small picture of each layer's first selection of the run (for the report node)."""
+        if ctx.layer in self.snapshots:
+            return
+        with engine.lock:
+            entry = engine.cache.peek(ctx.key(n))
+            picture = None if entry is None else entry.selection.picture(n)
+        if picture is not None:
+            with self.lock:
+                self.snapshots.setdefault(ctx.layer, picture)
+
+    def finish(self):
+        """End the run: free every engine's cache, keep and return the merged statistics."""
+        self.stats = self.engines.end_run()
+        return self.stats
 
 
 class SparseAttentionPatch:
-    """Callable override state: config, engine, the previous override, counters and the last run's stats.
+    """Callable override: configuration, the previous override, the family, and the sampling runs.
 
-    ``copy.deepcopy`` returns the object itself (older ComfyUI deep-copies model options on clone),
-    so every clone of the patched model shares one engine.
+    ``copy.deepcopy`` returns the object itself (older ComfyUI deep-copies model options on clone), so every
+    clone of the patched model shares this object; what a run computes lives in its ``SamplingRun``. The
+    report reads the last finished run (``last_stats``, ``fallbacks``, ``snapshots``, ``clock``).
     """
 
     def __init__(self, cfg: SparseConfig, previous=None, family: Family | None = None,
                  layer_offsets: dict[str, int] | None = None):
         self.cfg = cfg
-        self.engine = SparseEngine(cfg)
         self.previous = previous
         self.family = family if family is not None else UNKNOWN
         self.layer_offsets = dict(layer_offsets or {})
-        self.fallbacks: dict[str, int] = {}
-        self.layouts: dict[tuple[str, str], int] = {}  # (stream, layout) -> self-attention calls, last run
-        self.snapshots: dict[int, dict] = {}
         self.runs = 0
-        self.last_stats = None
-        self.clock: RunClock | None = None  # where the current (or last) sampler sits in the whole run
-        self._counter = StepCounter()
+        self.last_run: SamplingRun | None = None
+        self.idle = SamplingRun(cfg, None)  # calls made outside any sampling run this patch saw begin
+        self._active: list[SamplingRun] = []  # runs in progress, oldest first
+        self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self._local = threading.local()  # .dense: this thread is inside one of our dense calls
 
     def __deepcopy__(self, memo):
         return self
 
-    # dense path ------------------------------------------------------------------------------------
-    def _dense(self, func, args, kwargs):
-        if self.previous is not None:
-            return self.previous(func, *args, **kwargs)
-        return func(*args, **kwargs)
+    # what the report shows: the last finished run ------------------------------------------------------
+    @property
+    def last_stats(self):
+        return None if self.last_run is None else self.last_run.stats
 
-    def _fallback(self, reason: str, func, args, kwargs):
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.info("sparse attention: dense for %s (logged once)", reason)
-        return self._dense(func, args, kwargs)
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        return {} if self.last_run is None else dict(self.last_run.fallbacks)
+
+    @property
+    def snapshots(self) -> dict[int, dict]:
+        return {} if self.last_run is None else self.last_run.snapshots
+
+    @property
+    def layouts(self) -> dict[tuple[str, str], int]:
+        return {} if self.last_run is None else dict(self.last_run.layouts)
+
+    @property
+    def clock(self) -> RunClock | None:
+        return None if self.last_run is None else self.last_run.clock
+
+    def cache_bytes(self) -> int:
+        """Bytes cached by the runs in progress and by calls outside a run (0 once every run has ended)."""
+        with self._lock:
+            runs = [self.idle, *self._active]
+        return sum(r.engines.cache_bytes for r in runs)
+
+    def run_of(self, transformer_options: dict) -> SamplingRun:
+        """The run a call belongs to: the one its options carry, else the newest run in progress, else idle."""
+        run = transformer_options.get(RUN_KEY)
+        if isinstance(run, SamplingRun):
+            with self._lock:
+                if run in self._active:
+                    return run
+        with self._lock:
+            return self._active[-1] if self._active else self.idle
+
+    # dense path ------------------------------------------------------------------------------------
+    def _dense(self, func, args, kwargs, transformer_options: dict):
+        """The dense call: the override chained on this model's options (installed after ours), else the one
+        installed before ours, else the model's own attention."""
+        chained = transformer_options.get(CHAINED, self.previous)
+        if chained is None:
+            return func(*args, **kwargs)
+        self._local.dense = True
+        try:
+            return chained(func, *args, **kwargs)
+        finally:
+            self._local.dense = False
+
+    def _fallback(self, run: SamplingRun, reason: str, func, args, kwargs):
+        run.count(reason)
+        self._log_once(reason, "sparse attention: dense for %s (logged once)", reason)
+        return self._dense(func, args, kwargs, kwargs.get("transformer_options") or {})
+
+    def _log_once(self, key: str, msg: str, *args, level=logging.INFO) -> None:
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        log.log(level, msg, *args)
 
     # the override ----------------------------------------------------------------------------------
+    @_not_compiled
     def __call__(self, func, *args, **kwargs):
-        """ComfyUI's override contract (nodes/call.py)."""
+        """ComfyUI's override contract (nodes/call.py). Whatever goes wrong on our side (reading the call, the
+        engine, the report's picture) never fails the run: the call goes dense, counted and logged once; only
+        ComfyUI's interruption passes through."""
+        if getattr(self._local, "dense", False):
+            # an override we chain that itself calls the override it found (ours) for this dense call
+            return func(*args, **kwargs)
         to = kwargs.get("transformer_options") or {}
-        forward = to.get(INFO_KEY)
-        layer = forward.next_layer(to, args, kwargs) if forward is not None else None
-        call = translate(args, kwargs)
-        if isinstance(call, str):
-            return self._fallback(call, func, args, kwargs)
+        run = self.run_of(to)
+        try:
+            plan = self._plan(run, args, kwargs, to)
+        except Exception as exc:  # a layout or call this pack cannot read
+            if interrupting(exc):
+                raise
+            plan = self._error("an error reading the call", exc)
+        if isinstance(plan, str):
+            return self._fallback(run, plan, func, args, kwargs)
+        call, ctx, engine = plan
         q, k, v = call.q, call.k, call.v
         nq = q.shape[2]
-        ctx = forward.context(layer, nq, to) if layer is not None else None
-        reason = self.engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
-        if reason is None and ctx is None:  # the family says a self-shaped call is cross-attention (LTX-2 a2v)
-            reason = "cross-attention" if forward is not None else "calls outside a tracked forward"
-        if reason is not None:
-            return self._fallback(reason, func, args, kwargs)
 
         def dense_fn(dq, dk, dv):
             kw = dict(kwargs)
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
-            return self._dense(func, (dq, dk, dv, call.heads), kw)
+            return self._dense(func, (dq, dk, dv, call.heads), kw, to)
 
         try:
-            out = self.engine.attend(q, k, v, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
-        except (RuntimeError, ValueError) as exc:  # out of memory, a backend refusing the case, ...
-            # never fail a sampling run: this call goes dense; the reason is counted and logged once
-            kind = f"an engine error ({type(exc).__name__})"
-            if kind not in self._logged:
-                log.warning("sparse attention: %s: %s", kind, str(exc).splitlines()[0][:300])
-            return self._fallback(kind, func, args, kwargs)
-        self._snapshot(ctx, nq)
+            out = engine.attend(q, k, v, ctx, scale=kwargs.get("scale"), dense_fn=dense_fn)
+        except Exception as exc:  # out of memory, a backend refusing the case, a bug: never fail the run
+            if interrupting(exc):
+                raise
+            # this call goes dense, and its layer for the rest of the run; counted, reported, logged once
+            kind = self._error("an engine error", exc)
+            engine.give_up(ctx, nq)
+            return self._fallback(run, kind, func, args, kwargs)
+        try:
+            run.snapshot(engine, ctx, nq)
+        except Exception as exc:  # the report's picture only
+            if interrupting(exc):
+                raise
+            self._error("an error drawing the report's picture", exc)
         return call.output(out)
 
-    def _snapshot(self, ctx, n):
-        """Keep a small picture of each layer's first selection of the run (for the report node)."""
-        if ctx.layer in self.snapshots:
-            return
-        entry = self.engine.cache.peek(ctx.key(n))
-        if entry is not None:
-            self.snapshots[ctx.layer] = entry.selection.picture(n)
+    def _plan(self, run: SamplingRun, args, kwargs, to: dict):
+        """(call, ctx, engine) for a call the engine takes, or the reason the call runs dense."""
+        forward = to.get(INFO_KEY)
+        layer = forward.next_layer(to, args, kwargs) if forward is not None else None
+        call = translate(args, kwargs)
+        if isinstance(call, str):
+            return call
+        q, k = call.q, call.k
+        nq = q.shape[2]
+        ctx = forward.context(layer, nq, to) if layer is not None else None
+        engine = run.engine_for(q, to)
+        reason = engine.skip_reason(ctx, nq, k.shape[2], q.shape[-1])
+        if reason is None and ctx is None:  # the family says a self-shaped call is cross-attention (LTX-2 a2v)
+            reason = "cross-attention" if forward is not None else "calls outside a tracked forward"
+        return reason if reason is not None else (call, ctx, engine)
+
+    def _error(self, what: str, exc: Exception) -> str:
+        """Log an error of ours once per kind (a warning with its message); returns the kind for the report."""
+        kind = f"{what} ({type(exc).__name__})"
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        self._log_once(kind, "sparse attention: %s: %s", kind, first, level=logging.WARNING)
+        return kind
 
     # lifecycle (ComfyUI callbacks and wrappers) -------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
         """OUTER_SAMPLE wrapper: one sampling run; place it in the whole denoising run and check the schedule
-        against it (before any step runs), reset before, free and report after."""
+        against it (before any step runs), open its state in the run's own options, free and report after."""
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        self.clock = self._locate(executor, sigmas)
-        self._check_schedule(self.clock)
-        self._counter = StepCounter()
-        self.engine.begin_run()
-        self.snapshots = {}
-        self.fallbacks = {}
-        self.layouts = {}
+        clock = self._locate(executor, sigmas)
+        self._check_schedule(clock)
+        run = SamplingRun(self.cfg, clock)
+        options = _run_options(executor)
+        outer = None if options is None else options.get(RUN_KEY, None)
+        if options is not None:
+            options[RUN_KEY] = run
+            self.reassert(options)  # an override installed after ours is chained from the first step
+        with self._lock:
+            self._active.append(run)
         try:
             return executor(*args, **kwargs)
         finally:
-            self.last_stats = self.engine.end_run()
-            self.runs += 1
+            if options is not None:
+                if outer is None:
+                    options.pop(RUN_KEY, None)
+                else:
+                    options[RUN_KEY] = outer
+            stats = run.finish()
+            with self._lock:
+                self._active.remove(run)
+                self.last_run = run
+                self.runs += 1
+            log.info(stats.summary_line())
 
     def _locate(self, executor, sigmas) -> RunClock:
         """The run clock of this sampler (nodes/run_clock.py)."""
@@ -141,34 +292,56 @@ class SparseAttentionPatch:
         if clock.exact and clock.total is not None:
             beyond = [s for s in self.cfg.anchor_steps.steps if s >= clock.total]
             if beyond:
-                raise ValueError(f"Sparse Attention: anchor_steps: step(s) {beyond} lie beyond this {clock.total}-step "
-                                 "run (steps count from 0); give them as shares of the run, e.g. '20%, 50%'")
+                raise ValueError(f"Sparse Attention: anchor_steps: step(s) {beyond[:10]} lie beyond this "
+                                 f"{clock.total}-step run (steps count from 0); give them as shares of the run, "
+                                 "e.g. '20%, 50%'")
 
     def apply_model(self, executor, x, t, *args, **kwargs):
         """APPLY_MODEL wrapper: this forward's facts (step, chunk, latent shape, layer counter), computed once."""
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
-            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter,
-                                   conds=kwargs, seen=self.layouts)
+            run = self.run_of(to)
+            with run.lock:  # the step counter is shared by the run's worker threads
+                to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter,
+                                       conds=kwargs, seen=run.layouts)
             if self.family.bypass_module is not None:
                 with route_module_attention(self.family.bypass_module, to):
                     return executor(x, t, *args, **kwargs)
         return executor(x, t, *args, **kwargs)
 
     def prepare_state(self, patcher, *args):
-        """ON_PREPARE_STATE: re-assert the override so a node applied later cannot silently drop it;
-        an override installed later is kept and chained (used for dense calls)."""
+        """ON_PREPARE_STATE: re-assert the override so a node applied later cannot silently drop it (its override
+        is chained for our dense calls). ComfyUI 0.33.0 passes the run's model options, 0.3.75 none (the
+        patcher's own)."""
         live = args[1] if len(args) > 1 and isinstance(args[1], dict) else patcher.model_options
-        opts = live.setdefault("transformer_options", {})
-        current = opts.get(OVERRIDE)
-        if current is not self:
-            if current is not None and current is not self.previous:
-                self.previous = current
-            opts[OVERRIDE] = self
+        self.reassert(live.setdefault("transformer_options", {}))
+
+    def reassert(self, transformer_options: dict) -> None:
+        """Make ours the override of these options; one installed after ours is kept in the same options (never
+        on this shared object: another clone must not inherit it) and runs our dense calls."""
+        current = transformer_options.get(OVERRIDE)
+        if current is self:
+            return
+        if isinstance(current, SparseAttentionPatch):  # another patch of ours on a clone: chain what it chains
+            current = transformer_options.get(CHAINED, current.previous)
+        if current is not None and current is not self.previous:
+            transformer_options[CHAINED] = current
+        transformer_options[OVERRIDE] = self
 
     def cleanup(self, patcher, *args):
-        """ON_CLEANUP: nothing may stay cached between runs."""
-        self.engine.cache.clear()
+        """ON_CLEANUP: nothing may stay cached between runs. Runs in progress (a clone's sampler) keep theirs:
+        each run frees its own state when it ends."""
+        self.idle.engines.clear()
+
+
+def _run_options(executor) -> dict | None:
+    """The transformer_options of the sampling run an OUTER_SAMPLE executor belongs to (the guider's per-run
+    copy of the model options, which ComfyUI passes down to every model call of the run), or None."""
+    options = getattr(getattr(executor, "class_obj", None), "model_options", None)
+    if not isinstance(options, dict):
+        return None
+    to = options.setdefault("transformer_options", {})
+    return to if isinstance(to, dict) else None
 
 
 @contextlib.contextmanager
@@ -197,7 +370,12 @@ def install(model, cfg: SparseConfig):
     opts = m.model_options.setdefault("transformer_options", {})
     previous = opts.get(OVERRIDE)
     if isinstance(previous, SparseAttentionPatch):
-        previous = previous.previous  # re-patching replaces our own earlier patch, keeps what it chained
+        # re-patching replaces our own earlier patch (its override, chain and wrappers), keeps what it chained
+        previous = opts.pop(CHAINED, previous.previous)
+        for kind in (pe.WrappersMP.OUTER_SAMPLE, pe.WrappersMP.APPLY_MODEL):
+            m.remove_wrappers_with_key(kind, KEY)
+        for kind in (pe.CallbacksMP.ON_PREPARE_STATE, pe.CallbacksMP.ON_CLEANUP):
+            m.remove_callbacks_with_key(kind, KEY)
     diffusion_model = m.get_model_object("diffusion_model")
     family = family_of(diffusion_model)
     patch = SparseAttentionPatch(cfg, previous=previous, family=family,

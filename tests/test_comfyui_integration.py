@@ -40,7 +40,7 @@ for family in {families!r}:
     # a second run gives identical results and leaves no cache memory behind
     o2 = C.sample(low, latent, pos, neg)
     r["repeat_equal"] = bool(torch.equal(o, o2))
-    r["cache_after"] = lp.engine.cache.device_bytes + lp.engine.cache.cpu_bytes
+    r["cache_after"] = lp.cache_bytes()
     r["runs"] = lp.runs
     # chaining: a recording override installed first handles every dense call
     seen = []

@@ -214,9 +214,10 @@ def _run_patch(patch, x_shape, calls, conds=None):
                               transformer_options=to))
         return x
 
-    patch.engine.begin_run()
-    patch.apply_model(executor, torch.zeros(x_shape), torch.zeros(1), None, None, None, {}, **(conds or {}))
-    patch.last_stats = patch.engine.end_run()
+    def sampler(*args, **kwargs):  # one sampling run (OUTER_SAMPLE) holding one forward (APPLY_MODEL)
+        patch.apply_model(executor, torch.zeros(x_shape), torch.zeros(1), None, None, None, {}, **(conds or {}))
+
+    patch.outer_sample(sampler)
     return outs
 
 
