@@ -86,7 +86,8 @@ def decode_into(out: torch.Tensor, res) -> torch.Tensor:
 
 def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype):
     """Residual pair of ``diff`` (B, H, N, D), any float dtype: precision "model" -> (diff as ``dtype``,
-    None); "fp8" -> (float8_e4m3fn data, fp32 (B, H, N, 1) scale = row amax / 448, 1 for all-zero rows)."""
+    None); "fp8" -> (float8_e4m3fn data, fp32 (B, H, N, 1) scale = amax / 448 of the row's finite values, 1 for
+    all-zero rows; a non-finite element stays NaN in its own element)."""
     if precision not in RESIDUAL_PRECISIONS:
         raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {precision!r}")
     if precision == "model":
@@ -98,8 +99,9 @@ def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype):
     scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device)
     for sl in _head_slices(diff):
         x = diff[:, sl].float()
-        s = x.abs().amax(-1, keepdim=True) / FP8_MAX
+        finite = torch.isfinite(x)
+        s = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(-1, keepdim=True) / FP8_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
         scale[:, sl] = s
-        data[:, sl] = (x / s).to(FP8)
+        data[:, sl] = torch.where(finite, x / s, torch.full_like(x, float("nan"))).to(FP8)
     return data, scale

@@ -214,10 +214,12 @@ def fp8_grid(x):
 def store_residual_out(RO, ROS, b, h, pid_bh, rows, row_ok, srb, srh, srn, N_Q, r, d,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, FP8_OUT: tl.constexpr):
     """Store a residual tile r [M, D_PAD] fp32: as RO's dtype, or (FP8_OUT) as float8_e4m3fn with an fp32
-    per-row scale amax / 448 (1 for all-zero rows) into ROS, contiguous (B*H, N_Q)."""
+    per-row scale amax / 448 over the row's finite values (1 for all-zero rows) into ROS, contiguous (B*H, N_Q):
+    a non-finite element (an inf in the model's v) stays NaN in its own element, never spreads to its row."""
     if FP8_OUT:
-        s = tl.max(tl.abs(r), 1) / 448.0
+        finite = tl.abs(r) < float("inf")
+        s = tl.max(tl.where(finite, tl.abs(r), 0.0), 1) / 448.0
         s = tl.where(s > 0, s, 1.0)
         tl.store(ROS + pid_bh.to(tl.int64) * N_Q + rows, s, mask=row_ok)
-        r = fp8_grid(r / s[:, None])
+        r = tl.where(finite, fp8_grid(tl.where(finite, r, 0.0) / s[:, None]), float("nan"))
     store_rows(RO + b * srb + h * srh, rows, srn, row_ok, d, r.to(RO.dtype.element_ty), HEAD_DIM, D_PAD)

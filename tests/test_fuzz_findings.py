@@ -239,8 +239,6 @@ def test_engine_encode_keeps_finite_rows_exact_with_inf_elsewhere():
     assert not torch.isfinite(dec[0, 0, 1, 3])
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/_residual.encode_residual (kernel room) derives the fp8 scale from a "
-                                       "non-finite row maximum: one inf turns its whole row into NaN")
 def test_kernel_residual_encoding_confines_an_inf_to_its_element():
     from comfyui_sparse_attention.kernels._residual import encode_residual
     diff = torch.randn(1, 1, 4, 8)
