@@ -29,6 +29,8 @@ class Entry:
     selection: object
     residual: Residual | None
     ready: object = None  # CUDA event after an asynchronous copy into this (CPU) entry, or None
+    importance: float = 0.0  # the anchor's relative error without the residual: when room runs out, the
+    # residuals of the least important entries are dropped first
 
     def wait(self) -> "Entry":
         """This entry once its asynchronous copy has landed (for readers on the host)."""
@@ -41,7 +43,8 @@ class Entry:
         return self.selection.nbytes + (0 if self.residual is None else self.residual.nbytes)
 
     def map(self, fn) -> "Entry":
-        return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn))
+        return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn),
+                     importance=self.importance)
 
     def fits(self, q: torch.Tensor) -> bool:
         """Whether this entry can serve a call with q (B, H, N, D): the same batch size, head count and device
@@ -58,7 +61,8 @@ class Entry:
     def batch_slice(self, start: int, stop: int) -> "Entry":
         """Batch rows [start, stop) of the selection and residual (views)."""
         return Entry(self.selection.batch_slice(start, stop),
-                     None if self.residual is None else self.residual.batch_slice(start, stop))
+                     None if self.residual is None else self.residual.batch_slice(start, stop),
+                     importance=self.importance)
 
     def to(self, device, non_blocking=False) -> "Entry":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -88,6 +92,34 @@ AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
 AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
 HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memory available ...
 HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
+
+
+DeviceProbe = "Callable[[torch.device], tuple[int, int] | None]"
+_device_probe = None  # set by nodes/ to ComfyUI's memory manager's view (nodes/memory.py)
+
+
+def set_device_probe(probe) -> None:
+    """Install ``probe(device) -> (free_bytes, usable_total_bytes) | None``: the memory the cache may plan
+    with. ComfyUI's view (free memory beyond what --reserve-vram keeps for other programs) replaces the
+    driver's, so the cache never takes room ComfyUI counts on for the model. None restores the driver's view."""
+    global _device_probe
+    _device_probe = probe
+
+
+def device_memory(dev: torch.device) -> tuple[int, int]:
+    """(free, total) bytes the cache plans with on a CUDA device: the installed probe's view, else the driver's
+    free memory plus PyTorch's own free pool."""
+    if _device_probe is not None:
+        try:
+            seen = _device_probe(dev)
+        except Exception as exc:  # noqa: BLE001 - a memory manager that cannot answer: the driver's view
+            log.debug("sparse attention: memory probe failed (%s)", exc)
+            seen = None
+        if seen is not None:
+            return int(seen[0]), int(seen[1])
+    free, total = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # PyTorch's own free pool
+    return free, total
 
 
 def cached_pinned_bytes() -> int:
@@ -140,6 +172,8 @@ class SelectionCache:
         self.peak_device = 0
         self.peak_cpu = 0
         self.auto_limit: int | None = None
+        self.dropped_layers: set = set()  # layers whose residual was dropped for lack of room (this run)
+        self.dropped_logged = False
         self._stream = None
 
     # sizes
@@ -203,9 +237,12 @@ class SelectionCache:
             self.on_cpu[key] = entry.pinned()
             self.counters["offloaded"] += 1
             where = "cpu"
+        elif self._make_room(size, entry):  # residuals that matter less than this one gave way
+            return self.put(key, entry)
         elif entry.residual is not None and self._device_fits(entry.selection.nbytes, entry):
-            self.on_device[key] = Entry(entry.selection, None)
+            self.on_device[key] = Entry(entry.selection, None, importance=entry.importance)
             self.counters["residual_dropped"] += 1
+            self._note_dropped(key)
             where = "device-no-residual"
         else:
             self.fallback_keys.add(key)
@@ -215,6 +252,35 @@ class SelectionCache:
         self.peak_device = max(self.peak_device, self.device_bytes)
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
         return where
+
+    def _make_room(self, size: int, entry: Entry) -> bool:
+        """Drop the residuals of stored entries that matter less than ``entry``'s (smaller anchor error: their
+        layers lose least without it; their selections stay) until ``size`` bytes fit on the device or the
+        CPU side. False when nothing less important is left to drop (docs/decisions.md, small cards)."""
+        if entry.residual is None:
+            return False
+        lesser = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
+                         for k, e in store.items() if e.residual is not None and e.importance < entry.importance),
+                        key=lambda t: t[0])
+        freed = False
+        for _, k, where in lesser:
+            store = self.on_device if where == "device" else self.on_cpu
+            old = store[k]
+            store[k] = Entry(old.selection, None, importance=old.importance)
+            self.counters["residual_dropped"] += 1
+            self._note_dropped(k)
+            freed = True
+            if self._device_fits(size, entry) or self._cpu_fits(size):
+                return True
+        return freed and (self._device_fits(size, entry) or self._cpu_fits(size))
+
+    def _note_dropped(self, key: tuple) -> None:
+        if not self.dropped_logged:
+            self.dropped_logged = True
+            log.warning("sparse attention: no room to keep every residual on the GPU or in host memory: residuals of "
+                        "the layers that need them least were dropped (quality falls there; the report lists them; "
+                        "a lower density, fewer cached layers or more host memory avoid it)")
+        self.dropped_layers.add(key[0] if isinstance(key, tuple) and key else key)
 
     def _cpu_fits(self, size: int) -> bool:
         """Offload allowed, within cpu_budget, and the host keeps max(8 GiB, 25 %) of its memory available."""
@@ -235,8 +301,7 @@ class SelectionCache:
         dev = next(iter(_tensors(entry))).device
         if dev.type != "cuda":
             return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
-        free, total = torch.cuda.mem_get_info(dev)
-        free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # PyTorch's own free pool
+        free, total = device_memory(dev)
         reserve = max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * total))
         return free - size >= reserve and self.device_bytes + size <= AUTO_MAX_SHARE * total
 
@@ -318,13 +383,16 @@ class SelectionCache:
         """Peak and current bytes on each side, and the counters (for the run's statistics)."""
         return dict(device_budget_bytes=self.device_budget, auto_limit_bytes=self.auto_limit,
                     peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
-                    cpu_bytes=self.cpu_bytes, **self.counters)
+                    cpu_bytes=self.cpu_bytes, dropped_residual_layers=sorted(self.dropped_layers, key=str),
+                    **self.counters)
 
     def reset(self) -> None:
         """Free every entry and zero the counters and peaks (a new run starts from nothing)."""
         self.clear()
         self.peak_device = self.peak_cpu = 0
         self.auto_limit = None
+        self.dropped_layers = set()
+        self.dropped_logged = False
         for k in self.counters:
             self.counters[k] = 0
 

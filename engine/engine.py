@@ -252,7 +252,7 @@ class SparseEngine:
         self.cache_entry(key, selection, residual if self.cfg.residual else None, nr / max(no, 1e-30), ctx)
 
     def cache_entry(self, key, selection, residual, fidelity: float, ctx) -> str:
-        where = self.cache.put(key, Entry(selection, residual))
+        where = self.cache.put(key, Entry(selection, residual, importance=fidelity))
         self._anchored_at[key] = ctx.step
         self.stats.add(ctx.layer, ANCHOR, selection.density, fidelity, step=ctx.step)
         return where

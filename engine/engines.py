@@ -47,6 +47,17 @@ class DeviceEngines:
             with eng.lock:
                 eng.cache.clear()
 
+    def relieve(self) -> int:
+        """Move every engine's device cache off the GPU (to host memory where it fits, else dropped: those
+        layers anchor again) after the model itself ran out of memory; later entries stay within what is left.
+        Returns the device bytes freed."""
+        freed = 0
+        for eng in self.engines().values():
+            with eng.lock:
+                if eng.cache.device_bytes:
+                    freed += eng.cache.spill(1.0)
+        return freed
+
     @property
     def cache_bytes(self) -> int:
         """Bytes cached on devices and on the CPU side, over all engines."""

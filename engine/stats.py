@@ -114,7 +114,9 @@ class RunStats:
                 for kind, count in kinds.items():
                     per[kind] = per.get(kind, 0) + count
             for key, value in part.cache.items():
-                if key.endswith("budget_bytes") or key == "auto_limit_bytes" or value is None:
+                if isinstance(value, list):
+                    out.cache[key] = sorted(set(out.cache.get(key, [])) | set(value), key=str)
+                elif key.endswith("budget_bytes") or key == "auto_limit_bytes" or value is None:
                     out.cache.setdefault(key, value)
                 else:
                     out.cache[key] = out.cache.get(key, 0) + value

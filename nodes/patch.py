@@ -301,12 +301,31 @@ class SparseAttentionPatch:
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
             run = self.run_of(to)
-            with run.lock:  # the step counter is shared by the run's worker threads
-                to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter,
-                                       conds=kwargs, seen=run.layouts)
-            if self.family.bypass_module is not None:
-                with route_module_attention(self.family.bypass_module, to):
-                    return executor(x, t, *args, **kwargs)
+            try:
+                return self._forward(run, executor, x, t, args, kwargs, to)
+            except torch.OutOfMemoryError:
+                # the model ran out of GPU memory: if our cache holds some, move it off the GPU and run the
+                # forward once more; a cache must never end a run (docs/decisions.md, small cards)
+                run = self.run_of(to)
+                freed = run.engines.relieve()
+                if not freed:
+                    raise
+                run.count("the model ran out of GPU memory: the cache moved to host memory")
+                self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; moved %.0f MB of "
+                               "cache off the GPU and ran the step again (a lower cache_budget_mb avoids this)",
+                               freed / 2**20, level=logging.WARNING)
+                torch.cuda.empty_cache()
+                return self._forward(run, executor, x, t, args, kwargs, to)
+        return executor(x, t, *args, **kwargs)
+
+    def _forward(self, run, executor, x, t, args, kwargs, to):
+        """One forward with its facts made afresh (a retried forward numbers its layers from 0 again)."""
+        with run.lock:  # the step counter is shared by the run's worker threads
+            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter,
+                                   conds=kwargs, seen=run.layouts)
+        if self.family.bypass_module is not None:
+            with route_module_attention(self.family.bypass_module, to):
+                return executor(x, t, *args, **kwargs)
         return executor(x, t, *args, **kwargs)
 
     def prepare_state(self, patcher, *args):
@@ -365,6 +384,10 @@ def route_module_attention(module_name: str, transformer_options: dict):
 def install(model, cfg: SparseConfig):
     """Clone a ComfyUI ModelPatcher and install the sparse-attention patch on the clone."""
     import comfy.patcher_extension as pe
+
+    from .memory import install_probe
+
+    install_probe()
 
     m = model.clone()
     opts = m.model_options.setdefault("transformer_options", {})

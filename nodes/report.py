@@ -26,6 +26,11 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
     lines += _run_lines(patch.clock, stats)
     lines += _layout_lines(getattr(patch, "layouts", {}))
+    dropped = stats.cache.get("dropped_residual_layers") or []
+    if dropped:
+        lines.append(f"RESIDUALS DROPPED for lack of GPU and host memory at layer(s) {dropped}: those layers reuse "
+                     "their selection without the residual and lose quality (the ones with the smallest anchor "
+                     "error went first); a lower density or more host memory keeps them")
     if patch.fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
