@@ -48,6 +48,7 @@ class SparseEngine:
         self.stats = RunStats()
         self._static: dict[tuple, object] = {}
         self._anchored_at: dict[tuple, int] = {}
+        self._seen_at: dict[tuple, int] = {}  # the last step each key ran sparse (anchor or reuse)
         self._step: int | None = None
         self.last_stats: RunStats | None = None
         self.lock = threading.RLock()
@@ -89,6 +90,7 @@ class SparseEngine:
         self.cache.reset()
         self._static.clear()
         self._anchored_at.clear()
+        self._seen_at.clear()
         self._step = None
 
     # decisions
@@ -132,10 +134,10 @@ class SparseEngine:
             return ANCHOR
         last = self._anchored_at.get(found[0])
         schedule = cfg.anchor_steps
-        if last is None:
+        if ctx.step < max(last or 0, self._seen_at.get(key, 0)):
+            due = True  # this key's steps went back (a run restarted without begin_run): select afresh
+        elif last is None:
             due = schedule.is_anchor(ctx.step, warmup, ctx.total_steps)
-        elif ctx.step < last:  # the steps went back (a run restarted without begin_run): select afresh
-            due = True
         else:  # an anchor step that no call reached (a step cache skipped it) makes this step the anchor
             due = schedule.anchor_between(last, ctx.step, warmup, ctx.total_steps)
         return ANCHOR if due else REUSE
@@ -164,10 +166,6 @@ class SparseEngine:
 
     def _attend(self, q, k, v, ctx, scale, dense_fn):
         if self._step != ctx.step:
-            if self._step is not None and ctx.step < self._step:
-                # the steps went back: a new run began without begin_run; nothing cached belongs to it
-                self.cache.clear()
-                self._anchored_at.clear()
             self._step = ctx.step
             self.cache.new_step()
         n = q.shape[2]
@@ -179,6 +177,7 @@ class SparseEngine:
             self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
         key = ctx.key(n)
+        self._seen_at[key] = ctx.step
         entry = None
         if decision == REUSE:
             with self.stats.timed(ctx.layer, "transfer", dev):
