@@ -74,12 +74,19 @@ TINY = {"dim": 128, "ffn_dim": 256, "hidden_size": 128, "num_heads": 2, "num_lay
         "freq_dim": 64}
 
 
-def comfy_setup(cpu: bool):
+def comfy_setup(cpu: bool, vram_gb: float = 0.0):
+    """Import ComfyUI from COMFYUI_PATH. ``vram_gb`` > 0 simulates a card of that size on a bigger GPU: a hard
+    per-process limit for PyTorch, and ComfyUI's ``--reserve-vram`` set to the rest so its memory manager (and
+    the pack's cache, which plans with it) sees only that much."""
     root = os.environ.get("COMFYUI_PATH")
     if not root:
         raise SystemExit("set COMFYUI_PATH to a ComfyUI source tree")
     sys.path.insert(0, root)  # a benchmark script, not pack code
     sys.argv = [sys.argv[0]] + (["--cpu"] if cpu else [])
+    if vram_gb > 0 and not cpu:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gb / total))
+        sys.argv += ["--reserve-vram", f"{max(0.0, total - vram_gb):.2f}"]
     import comfy.options
     comfy.options.enable_args_parsing()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -310,6 +317,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             continue
         c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=eng.AnchorSchedule(),
                            min_tokens=min_tokens, backend="auto")
+        if args.host_gb > 0:
+            c = c.replace(cpu_budget_mb=args.host_gb * 1024)
         if call_shape:
             t = time.perf_counter()
             prewarm(eng, c, call_shape, dtype, device)
@@ -332,6 +341,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
                    cache_cpu_mb=stats.cache.get("peak_cpu_bytes", 0) / 2**20,
                    cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
+                   residuals_dropped=stats.cache.get("residual_dropped", 0),
+                   dropped_residual_layers=stats.cache.get("dropped_residual_layers", []),
                    seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
         row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
         emit(row)
@@ -395,18 +406,23 @@ def main():
     ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
                     "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
+    ap.add_argument("--vram-gb", type=float, default=0.0, help="simulate a card with this much memory (a per-process "
+                    "limit and ComfyUI's --reserve-vram for the rest)")
+    ap.add_argument("--host-gb", type=float, default=0.0, help="cap the cache's host memory (cpu_budget_mb) at this")
     args = ap.parse_args()
     args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu")
+    patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu", vram_gb=args.vram_gb)
     clock = Clock(args.budget_s)
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     alloc = f", allocator {torch.cuda.get_allocator_backend()}" if device.type == "cuda" else ""
     meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
-            f"{alloc}, {time.strftime('%Y-%m-%d %H:%M')}")
+            f"{alloc}, {time.strftime('%Y-%m-%d %H:%M')}"
+            + (f", simulated card {args.vram_gb:g} GB" if args.vram_gb else "")
+            + (f", host cache cap {args.host_gb:g} GB" if args.host_gb else ""))
 
     def emit(row):
         rows.append(row)

@@ -1,0 +1,86 @@
+"""Small cards (CPU): the cache plans with an installed memory probe (ComfyUI's view), keeps the residuals that
+matter most when room runs out and says which were dropped, and an out-of-memory error in the model moves the
+run's cache off the device and runs the forward again instead of ending the run."""
+
+from types import SimpleNamespace
+
+import torch
+from test_patch_runs import SIGMAS, Executor, Guider, model_attention, qkv
+
+from comfyui_sparse_attention.engine import SparseConfig, TokenLayout, cache as cache_mod
+from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+from comfyui_sparse_attention.engine.policy_static import build_static
+from comfyui_sparse_attention.engine.residual import Residual
+from comfyui_sparse_attention.engine.stats import RunStats
+from comfyui_sparse_attention.nodes.patch import SparseAttentionPatch
+
+
+def entry(seed, importance, n=4096):
+    g = torch.Generator().manual_seed(seed)
+    sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    return Entry(sel, Residual(torch.randn(1, 2, n, 64, generator=g)), importance=importance)
+
+
+def test_the_residuals_that_matter_most_are_kept(monkeypatch, caplog):
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    small, big = entry(0, 0.01), entry(1, 0.30)
+    room = small.nbytes + small.selection.nbytes + 10  # one full entry and one selection
+    cache = SelectionCache(device_budget=room, cpu_budget=0, offload=False)
+    assert cache.put((3, True, (), 4096), small) == "device"
+    with caplog.at_level("WARNING"):
+        assert cache.put((7, True, (), 4096), big) == "device"  # the less important residual gave way
+    assert cache.on_device[(3, True, (), 4096)].residual is None
+    assert cache.on_device[(7, True, (), 4096)].residual is not None
+    assert cache.info()["dropped_residual_layers"] == [3] and cache.counters["residual_dropped"] == 1
+    assert any("residuals" in r.message for r in caplog.records)
+    # a less important newcomer does not push a more important residual out
+    where = cache.put((9, True, (), 4096), entry(2, 0.001))
+    assert where in ("device-no-residual", "none")
+    assert cache.on_device[(7, True, (), 4096)].residual is not None
+    merged = RunStats.merged([RunStats().finish(cache.info()), RunStats().finish({"dropped_residual_layers": [12]})])
+    assert set(merged.cache["dropped_residual_layers"]) == {3, 12} | ({9} if where == "device-no-residual" else set())
+
+
+def test_the_memory_probe_replaces_the_drivers_view(monkeypatch):
+    seen = []
+
+    def probe(dev):
+        seen.append(dev)
+        return (10 << 30, 16 << 30)  # what ComfyUI says: 10 GiB free of a 16 GiB card
+    cache_mod.set_device_probe(probe)
+    try:
+        assert cache_mod.device_memory(torch.device("cuda", 0)) == (10 << 30, 16 << 30) and seen
+        # the auto budget plans with it: 10 GiB free, reserve max(8 GiB, 25 % of 16) = 8 GiB -> 2 GiB of room
+        cache = SelectionCache(device_budget=None, cpu_budget=0, offload=False)
+        e = entry(0, 0.1)
+        monkeypatch.setattr(cache_mod, "_tensors", lambda _: [SimpleNamespace(device=torch.device("cuda", 0))])
+        assert cache._device_fits(1 << 30, e) and not cache._device_fits(3 << 30, e)
+    finally:
+        cache_mod.set_device_probe(None)
+
+
+def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
+    patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
+                                              block_q=64, block_k=64))
+    guider, failed, outs = Guider(), [], []
+
+    def model(x, t, transformer_options, step):
+        for layer in range(2):
+            q, k, v = qkv(layer, step)
+            outs.append(patch(model_attention, q, k, v, 2, transformer_options=transformer_options,
+                              skip_reshape=True, skip_output_reshape=True))
+        if step == 2 and not failed:  # the model runs out of memory after the attention calls of step 2
+            failed.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    def run(noise, latent, sampler, sigmas):
+        for step in range(4):
+            to = dict(guider.model_options["transformer_options"])
+            to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
+            patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
+                              torch.zeros(1, 4, 16, 16), None, transformer_options=to)
+    patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+    assert failed and len(outs) == 2 * 5  # step 2 ran twice
+    assert patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory") == 1
+    assert patch.last_stats.cache["spills"] >= 1
+    assert all(torch.isfinite(o).all() for o in outs)
