@@ -55,6 +55,11 @@ class BlockSelection:
         """The selection of batch rows [start, stop) (views)."""
         return self.map(lambda t: t[start:stop])
 
+    def head_density(self, n: int) -> torch.Tensor:
+        """Exact fraction of (query, key) pairs each head computes for a call of n tokens: float64 (H,), the mean
+        over batch rows."""
+        return _block_pairs(self.kv_indices, self.kv_counts, n, n, self.block_q, self.block_k).mean(0)
+
     @staticmethod
     def concat_heads(parts: list["BlockSelection"], heads: list[list[int]] | None = None) -> "BlockSelection":
         """One selection from selections of disjoint head sets of the same call: parts[i] holds the heads
@@ -180,6 +185,14 @@ class TokenSelection:
         per_bin = max(1, n // bins)
         return {"kind": "token", "map": (grid[:, :bins] / per_bin).clamp(max=1.0)}
 
+    def head_density(self, n: int) -> torch.Tensor:
+        """Exact fraction of (query, key) pairs each head computes for a call of n tokens: float64 (H,), the mean
+        over batch rows (dense text rows count n keys each)."""
+        real_q = (self.q_groups >= 0).sum(-1).double()
+        text = 0 if self.dense_rows is None else self.dense_rows.numel()
+        pairs = (real_q * self.kv_counts.double()).sum(-1) + text * n
+        return (pairs / (n * n)).mean(0).cpu()
+
     @staticmethod
     def concat_heads(parts: list["TokenSelection"], heads: list[list[int]] | None = None) -> "TokenSelection":
         """One selection from selections of disjoint head sets of the same call (see
@@ -252,6 +265,11 @@ def _inverse_order(parts, heads, n_heads, device):
 
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:
     """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted)."""
+    return float(_block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k).mean())
+
+
+def _block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
+    """Exact fraction of (query, key) pairs per (batch, head): float64 (B, H) on the CPU."""
     nqb = kv_counts.shape[-1]
     q_rows = torch.full((nqb,), block_q, dtype=torch.float64, device=kv_counts.device)
     q_rows[-1] = nq - (nqb - 1) * block_q
@@ -262,5 +280,4 @@ def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> flo
     valid = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_counts.unsqueeze(-1)
     idx = torch.where(valid, kv_indices.long(), torch.full_like(kv_indices.long(), nkb))
     keys = kv_size[idx].sum(-1)
-    b, h = kv_counts.shape[:2]
-    return float((keys * q_rows).sum() / (b * h * nq * nk))
+    return ((keys * q_rows).sum(-1) / (nq * nk)).cpu()

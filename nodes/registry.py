@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from .nodes_calibrate import NODES as CALIBRATE_NODES
 from .nodes_sparse import NODES
 
-NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in NODES}
-NODE_DISPLAY_NAME_MAPPINGS = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in NODES}
+ALL_NODES = NODES + CALIBRATE_NODES
+NODE_CLASS_MAPPINGS = {cls.GET_SCHEMA().node_id: cls for cls in ALL_NODES}
+NODE_DISPLAY_NAME_MAPPINGS = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in ALL_NODES}

@@ -26,4 +26,5 @@ def test_comfyui_loader_imports_pack(tmp_path):
     """)
     assert result["ok"] is True, result["log"]
     assert "Traceback" not in result["log"] and "Cannot import" not in result["log"], result["log"]
-    assert result["added"] == ["SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report"], result["log"]
+    assert result["added"] == ["SparseAttn_Calibrate", "SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Record",
+                               "SparseAttn_Report"], result["log"]
