@@ -69,15 +69,21 @@ class Allocation:
     method: str
     target: float
     objective: str
-    densities: dict            # (layer, head) -> density
+    densities: dict            # (layer, head) -> configured density
     cost_uniform: float
     cost_calibrated: float
-    heads: int
+    achieved: dict = field(default_factory=dict)  # (layer, head) -> density computed (measured)
     factors: dict = field(default_factory=dict)  # layer -> float | tuple of per-head factors (as written)
 
     @property
     def mean_density(self) -> float:
+        """Mean configured density (the factors' mean times the target)."""
         return sum(self.densities.values()) / len(self.densities)
+
+    @property
+    def mean_achieved(self) -> float:
+        """Mean density computed: equal to what the uniform density computes on the recording."""
+        return sum(self.achieved.values()) / len(self.achieved)
 
     def layer_densities(self) -> dict:
         return dict(self.factors)
@@ -220,10 +226,28 @@ def _hull(xs, cs) -> list[tuple[float, float]]:
     return out
 
 
+def _points(c: Curve, cs: list[float], target: float) -> tuple[list[float], list[float], list[float]]:
+    """(achieved densities, costs, grid densities) of one curve sorted by achieved density; of grid densities that
+    compute the same pairs (block rounding) the cheapest is kept, on a tie the one nearest ``target``."""
+    pts = sorted(zip(c.achieved, cs, c.densities))
+    xs, ys, ns = [], [], []
+    for x, y, d in pts:
+        if xs and x - xs[-1] <= 1e-12 * max(1.0, x):
+            if (y, abs(d - target)) < (ys[-1], abs(ns[-1] - target)):
+                ys[-1], ns[-1] = y, d
+            continue
+        xs.append(x)
+        ys.append(y)
+        ns.append(d)
+    return xs, ys, ns
+
+
 def allocate(curves: list[Curve], target: float, objective: str, *, source: str = "recording") -> Allocation:
-    """Densities per (layer, head) of one method's ``curves`` averaging exactly ``target`` and minimising
-    sum(weight x error^2) over the convex hulls of the measured curves. ValueError (naming ``source``) when the
-    grid cannot meet the average."""
+    """Densities per (layer, head) of one method's ``curves`` that compute, together, exactly the pairs the uniform
+    density ``target`` computes (the measured ``achieved`` densities, so block rounding favours neither side) and
+    minimise sum(weight x error^2) over the convex hulls of the measured curves. The densities returned are the
+    configured ones (what ``layer_densities`` factors scale). ValueError (naming ``source``) when the grid cannot
+    meet the average."""
     if not curves:
         raise ValueError(f"{source}: nothing to allocate (no curves)")
     method = curves[0].method
@@ -231,30 +255,34 @@ def allocate(curves: list[Curve], target: float, objective: str, *, source: str 
     if not (grid[0] - 1e-12 <= target <= grid[-1] + 1e-12):
         raise ValueError(f"{source}: an average density of {target:g} cannot be met: the densities measured span "
                          f"{grid[0]:g}..{grid[-1]:g} (every head gets one of them)")
-    cost = {}
-    segments = []
+    points, segments = {}, []
+    budget = 0.0
     for u, c in enumerate(curves):
-        errs = c.errors(objective)
-        cs = [c.weight * e * e for e in errs]
-        cost[u] = cs
-        hull = _hull(list(grid), cs)
+        cs = [c.weight * e * e for e in c.errors(objective)]
+        xs, ys, ns = points[u] = _points(c, cs, target)
+        budget += _interp(grid, c.achieved, target) - xs[0]
+        hull = _hull(xs, ys)
         for j in range(len(hull) - 1):
             (x0, y0), (x1, y1) = hull[j], hull[j + 1]
             segments.append(((y1 - y0) / (x1 - x0), u, j, x1 - x0))
     segments.sort(key=lambda s: (s[0], s[1], s[2]))
-    dens = {u: grid[0] for u in range(len(curves))}
-    budget = target * len(curves) - grid[0] * len(curves)
+    spent = {u: points[u][0][0] for u in points}  # achieved density of each unit, from its lowest
     for _slope, u, _j, length in segments:
         if budget <= 1e-12:
             break
         take = min(length, budget)
-        dens[u] += take
+        spent[u] += take
         budget -= take
-    densities = {(c.layer, c.head): min(grid[-1], dens[u]) for u, c in enumerate(curves)}
-    cost_uniform = sum(_interp(grid, cost[u], target) for u in range(len(curves)))
-    cost_cal = sum(_interp(grid, cost[u], dens[u]) for u in range(len(curves)))
-    heads = max(c.head for c in curves) + 1
-    alloc = Allocation(method, target, objective, densities, cost_uniform, cost_cal, heads)
+    densities, achieved = {}, {}
+    cost_uniform = cost_cal = 0.0
+    for u, c in enumerate(curves):
+        xs, ys, ns = points[u]
+        x = min(xs[-1], spent[u])
+        densities[(c.layer, c.head)] = _interp(xs, ns, x)
+        achieved[(c.layer, c.head)] = x
+        cost_cal += _interp(xs, ys, x)
+        cost_uniform += c.weight * c.error_at(objective, target) ** 2
+    alloc = Allocation(method, target, objective, densities, cost_uniform, cost_cal, achieved=achieved)
     alloc.factors = _factors(densities, target)
     return alloc
 
@@ -279,8 +307,9 @@ def preset_text(alloc: Allocation, rec: Recording, base: dict, *, command: str =
     body = yaml.safe_dump({"sparse": fields}, sort_keys=False, default_flow_style=False).rstrip("\n")
     lines = [f"# Source: calibrated by {command or 'tools/calibrate.py'} on the q/k/v recording {rec.path.name} "
              f"({rec.family}, {len(rec.layers)} layers x {rec.heads} heads, steps {list(rec.steps)}).",
-             f"# layer_densities: factors of the density per layer (one per head), averaging 1 over the recorded "
-             f"layers and heads; they minimise the summed squared {alloc.objective} error measured on the recording",
+             f"# layer_densities: factors of the density per layer (one per head; mean {_mean_factor(alloc):.4f}): "
+             f"together the heads compute the query-key pairs the uniform density computes, placed to minimise the "
+             f"summed squared {alloc.objective} error measured on the recording",
              f"# (predicted: {_ratio_db(alloc)} lower than the uniform density {alloc.target:g}).",
              f"title: Calibrated {alloc.method} at density {alloc.target:g} ({rec.family}, {rec.path.stem})",
              body, "  layer_densities:"]
@@ -288,6 +317,10 @@ def preset_text(alloc: Allocation, rec: Recording, base: dict, *, command: str =
         lines.append(f"    {layer}: " + (f"[{', '.join(format(x, 'g') for x in f)}]" if isinstance(f, tuple)
                                          else format(f, "g")))
     return "\n".join(lines) + "\n"
+
+
+def _mean_factor(alloc: Allocation) -> float:
+    return alloc.mean_density / alloc.target
 
 
 def _ratio_db(alloc: Allocation) -> str:
@@ -351,14 +384,17 @@ def report_markdown(rec: Recording, curves: list[Curve], allocations: list[Alloc
         cs = [c for c in curves if c.method == a.method]
         lines += [f"## {a.method} at average density {a.target:g} (objective: {a.objective})", "",
                   f"Predicted Σ weight × error²: uniform {a.cost_uniform:.5f}, calibrated {a.cost_calibrated:.5f} "
-                  f"({_ratio_db(a)} lower); mean density {a.mean_density:.4f}.", "",
+                  f"({_ratio_db(a)} lower). Computed density (mean of the heads, measured): "
+                  f"{a.mean_achieved:.4f}, as the uniform density's; configured densities average "
+                  f"{a.mean_density:.4f}.", "",
                   f"`layer_densities: {layer_densities_text(a.factors)}`", "",
-                  "| layer | head | weight | density | factor | error at uniform | error calibrated "
+                  "| layer | head | weight | density | computed | factor | error at uniform | error calibrated "
                   "| fresh at uniform |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for c in cs:
             d = a.densities[(c.layer, c.head)]
-            lines.append(f"| {c.layer} | {c.head} | {c.weight:.3f} | {d:.4f} | {d / a.target:.3f} | "
+            lines.append(f"| {c.layer} | {c.head} | {c.weight:.3f} | {d:.4f} | {a.achieved[(c.layer, c.head)]:.4f} | "
+                         f"{d / a.target:.3f} | "
                          f"{c.error_at(a.objective, a.target):.4f} | {c.error_at(a.objective, d):.4f} | "
                          f"{c.error_at('fresh', a.target):.4f} |")
         lines.append("")

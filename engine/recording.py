@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from .cache import host_memory
 from .context import TokenLayout
 
 FORMAT = "comfyui-sparse-attention/qkv-recording/1"
 KEY = re.compile(r"layer(\d+)\.step(\d+)\.(q|k|v)")
 DISK_RESERVE = 1 << 30  # bytes a recording always leaves free on its disk
+HOST_RESERVE = 2 << 30  # bytes of host memory a recording leaves available while it holds its tensors
 HEADER_BYTES = 1 << 16  # allowance for the safetensors header in size estimates
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
@@ -45,7 +47,7 @@ class RecordingBuffer:
     """Q/K/V of one batch row at chosen (layer, step) pairs, held in CPU memory as fp16 until ``save``.
 
     max_bytes: the cap on the tensors' bytes; ``add`` refuses (RecordingTooLarge) before copying anything that
-    would pass it."""
+    would pass it, or that would leave the host less than HOST_RESERVE of available memory."""
 
     max_bytes: int
     tensors: dict = field(default_factory=dict)
@@ -72,6 +74,12 @@ class RecordingBuffer:
                 f"recording layer {layer} at step {step} needs {need / 1e6:.4g} MB more, past the cap of "
                 f"{self.max_bytes / 1e6:.4g} MB ({self.nbytes / 1e6:.4g} MB recorded): record fewer layers or steps, "
                 "or raise max_mb")
+        mem = host_memory()
+        if mem is not None and mem[0] - need < HOST_RESERVE:
+            raise RecordingTooLarge(
+                f"recording layer {layer} at step {step} needs {need / 1e6:.4g} MB more but the host has "
+                f"{mem[0] / 1e6:.0f} MB available (a recording leaves {HOST_RESERVE / 1e6:.0f} MB): record fewer "
+                "layers or steps")
         parts = {}
         for name, t in (("q", q), ("k", k), ("v", v)):
             h = t.detach().to(torch.float16)
