@@ -169,7 +169,8 @@ def run(args) -> dict:
             f"{a.cost_uniform:.5f} -> {a.cost_calibrated:.5f}")
     png = out / "calibration-report.png"
     drew = cal.plot(curves, allocs, png)
-    (out / "calibration-report.md").write_text(cal.report_markdown(rec, curves, allocs, pairs=pairs,
+    pair_w = cal.pair_weights(pairs, anchors, rec.total_steps)
+    (out / "calibration-report.md").write_text(cal.report_markdown(rec, curves, allocs, pairs=pairs, weights=pair_w,
                                                                    plot_name=png.name if drew else None,
                                                                    command=command, seconds=cal_s))
     rec_path.unlink()
@@ -222,7 +223,7 @@ def run(args) -> dict:
             "testbed": {"layers": cfg.num_layers, "heads": cfg.num_heads, "tokens": math.prod(cfg.grid),
                         "grid": list(cfg.grid), "random_init": bool(args.random_init_small),
                         "weights_sha256": None if args.random_init_small else sha256(weights)}}
-    doc = {"meta": meta, "pairs": pairs, "rows": rows, "gains": gains,
+    doc = {"meta": meta, "pairs": pairs, "pair_weights": pair_w, "rows": rows, "gains": gains,
            "allocations": [{"method": a.method, "target": a.target, "objective": a.objective,
                             "cost_uniform": a.cost_uniform, "cost_calibrated": a.cost_calibrated,
                             "layer_densities": cal.layer_densities_text(a.factors),

@@ -37,8 +37,9 @@ OBJECTIVES = ("reuse", "reuse_plain", "fresh")
 @dataclass
 class Curve:
     """One (method, layer, head): errors at each grid density. fresh: rel-L2 of the sparse output at the step the
-    selection was made, no residual (mean over anchor steps); reuse / reuse_plain: rel-L2 at later recorded steps
-    with the anchor's selection, with / without the anchor's residual (mean over pairs; None without pairs);
+    selection was made, no residual (RMS over anchor steps); reuse / reuse_plain: rel-L2 at later recorded steps
+    with the anchor's selection, with / without the anchor's residual (RMS over the pairs, each weighted by the
+    share of reuse steps it stands for; None without pairs);
     achieved: the exact density the head computed; weight: the head's share of its layer's output energy."""
 
     method: str
@@ -108,6 +109,27 @@ def pairs_for(steps, anchors=None, source: str = "recording") -> list[tuple[int,
     return out
 
 
+def pair_weights(pairs, anchors=None, total_steps: int | None = None) -> list[float]:
+    """The share of the run's reuse steps each (anchor, later) pair stands for: every step after an anchor, up to the
+    next anchor or the end of a ``total_steps`` run, counts for the recorded later step of that anchor nearest to it.
+    Equal shares without ``anchors`` or ``total_steps``."""
+    if not pairs:
+        return []
+    equal = [1.0 / len(pairs)] * len(pairs)
+    if anchors is None or total_steps is None:
+        return equal
+    anchors = sorted(set(anchors))
+    counts = [0] * len(pairs)
+    for i, a in enumerate(anchors):
+        end = anchors[i + 1] if i + 1 < len(anchors) else total_steps
+        mine = [(j, s) for j, (aa, s) in enumerate(pairs) if aa == a]
+        for t in range(a + 1, end):
+            if mine:
+                counts[min(mine, key=lambda js: (abs(js[1] - t), js[1]))[0]] += 1
+    total = sum(counts)
+    return [c / total for c in counts] if total else equal
+
+
 def density_grid(target_densities, grid=None) -> tuple[float, ...]:
     """The measurement grid: ``grid`` (default DEFAULT_GRID) with the requested densities added (so a uniform
     allocation is among the candidates and its error is measured, not interpolated)."""
@@ -125,14 +147,16 @@ def _rel(diff: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (num / den).cpu()
 
 
-def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, pairs=None, layers=None,
-            device="cpu", dtype=None, progress=None) -> list[Curve]:
+def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, pairs=None, weights=None,
+            layers=None, device="cpu", dtype=None, progress=None) -> list[Curve]:
     """Error curves for every recorded layer (or ``layers``), head and method at each density of ``grid``.
 
     base: the configuration measured (block / group sizes, grouping, residual precision, densities of text
     pairs; its density and layer_densities are ignored). pairs: (anchor, later) step pairs (default
-    ``pairs_for(rec.steps)``). device / dtype: where and in which dtype to compute (default: fp16 on CUDA, fp32
-    elsewhere). progress(done, total): called after each (layer, method, density)."""
+    ``pairs_for(rec.steps)``); weights: each pair's share (default equal; ``pair_weights``). Errors over several
+    anchors or pairs are root-mean-square (pairs weighted), so squared errors add. device / dtype: where and in which
+    dtype to compute (default: fp16 on CUDA, fp32 elsewhere). progress(done, total): called after each (layer,
+    method, density)."""
     base = (base or SparseConfig()).replace(layer_densities=())
     for m in methods:
         if m not in method_names() or m == "dense":
@@ -140,6 +164,8 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
     device = torch.device(device)
     dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
     pairs = pairs_for(rec.steps) if pairs is None else list(pairs)
+    weights = pair_weights(pairs) if weights is None else list(weights)
+    pair_w = dict(zip(pairs, weights))
     anchors = sorted({a for a, _ in pairs}) or [rec.steps[0]]
     later = {a: [s for aa, s in pairs if aa == a] for a in anchors}
     layers = list(rec.layers if layers is None else layers)
@@ -170,19 +196,20 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                     sel = policy.select(q, k, lse if policy.needs_lse else None, layout, cfg, scale=None,
                                         backend=cfg.backend)
                     out_s = sel.run(q, k, v, backend=cfg.backend)
-                    fresh[i] += _rel(out - out_s, out) / len(anchors)
+                    fresh[i] += _rel(out - out_s, out).pow(2) / len(anchors)
                     achieved[i] += sel.head_density(n) / len(anchors)
                     residual = Residual.encode(out - out_s, cfg.residual_precision)
                     for s in later[a]:
                         q2, k2, v2, out2, _ = cache[s]
                         o = sel.run(q2, k2, v2, backend=cfg.backend)
-                        plain[i] += _rel(o - out2, out2) / len(pairs)
+                        plain[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
                         residual.add_to(o)
-                        reuse[i] += _rel(o - out2, out2) / len(pairs)
+                        reuse[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
                     del sel, out_s, residual
                 done += 1
                 if progress is not None:
                     progress(done, total)
+            fresh, reuse, plain = fresh.sqrt(), reuse.sqrt(), plain.sqrt()
             for hh in range(h):
                 curves.append(Curve(method, layer, hh, tuple(grid), fresh[:, hh].tolist(),
                                     reuse[:, hh].tolist() if pairs else None,
@@ -365,14 +392,14 @@ def write_preset(path: str | Path, text: str) -> Path:
     return path
 
 
-def report_markdown(rec: Recording, curves: list[Curve], allocations: list[Allocation], *, pairs, plot_name=None,
-                    command: str = "", seconds: float | None = None) -> str:
+def report_markdown(rec: Recording, curves: list[Curve], allocations: list[Allocation], *, pairs, weights=None,
+                    plot_name=None, command: str = "", seconds: float | None = None) -> str:
     """The calibration report: what was measured, the allocation per method, and the error curves as tables."""
     grid = curves[0].densities if curves else ()
     lines = ["# Density calibration", "",
              f"Recording `{rec.path.name}`: {rec.family}, layers {list(rec.layers)}, {rec.heads} heads of "
              f"{rec.head_dim}, steps {list(rec.steps)}" + (f" of {rec.total_steps}" if rec.total_steps else "")
-             + f"; pairs (anchor → later step) {pairs or 'none (one step: fresh selections only)'}.",
+             + f"; pairs (anchor → later step) {_pairs_text(pairs, weights)}.",
              f"Generated by `{command or 'tools/calibrate.py'}`" + (f" in {seconds:.1f} s" if seconds else "") + ".",
              "",
              "Errors are relative L2 of the attention output against dense attention, per head. *fresh*: the "
@@ -413,6 +440,14 @@ def report_markdown(rec: Recording, curves: list[Curve], allocations: list[Alloc
     if plot_name:
         lines += [f"![error against density per layer]({plot_name})", ""]
     return "\n".join(lines)
+
+
+def _pairs_text(pairs, weights) -> str:
+    if not pairs:
+        return "none (one step: fresh selections only)"
+    if weights is None:
+        return str(pairs)
+    return ", ".join(f"{a}→{b} ({w:.0%} of the reuse steps)" for (a, b), w in zip(pairs, weights))
 
 
 def plot(curves: list[Curve], allocations: list[Allocation], path: str | Path) -> bool:
@@ -477,7 +512,9 @@ def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = N
     obj = objective or default_objective(base.residual, bool(pairs))
     if obj not in OBJECTIVES:
         raise ValueError(f"objective: must be one of {OBJECTIVES}, got {obj!r}")
-    curves = measure(rec, methods, grid, base, pairs=pairs, layers=layers, device=device, progress=progress)
+    weights = pair_weights(pairs, anchors, rec.total_steps)
+    curves = measure(rec, methods, grid, base, pairs=pairs, weights=weights, layers=layers, device=device,
+                     progress=progress)
     allocations = [allocate([c for c in curves if c.method == m], t, obj, source=rec.path.name)
                    for m in methods for t in targets]
     return curves, allocations, pairs, time.perf_counter() - t0

@@ -196,8 +196,9 @@ class SparseAttentionCalibrate(io.ComfyNode):
         cal.write_preset(preset, cal.preset_text(alloc, rec, cal.plain_fields(base), command=command))
         png = preset.with_suffix(".png")
         drew = cal.plot(curves, allocs, png)
-        report = cal.report_markdown(rec, curves, allocs, pairs=pairs, plot_name=png.name if drew else None,
-                                     command=command, seconds=seconds)
+        report = cal.report_markdown(rec, curves, allocs, pairs=pairs,
+                                     weights=cal.pair_weights(pairs, anchors, rec.total_steps),
+                                     plot_name=png.name if drew else None, command=command, seconds=seconds)
         preset.with_suffix(".md").write_text(report, encoding="utf-8")
         image = _image(png) if drew else _bars(alloc)
         log.info("sparse attention: calibrated %s at density %g on %s -> %s", method, density, rec.path.name, preset)

@@ -183,6 +183,12 @@ def test_pairs_follow_the_anchors():
     assert cal.pairs_for([2, 6, 10, 20]) == [(2, 6), (6, 10), (10, 20)]
     assert cal.pairs_for([2, 6, 10, 20], anchors=[2, 10]) == [(2, 6), (10, 20)]
     assert cal.pairs_for([3]) == []
+    # each pair stands for the reuse steps nearest to its later step (ties to the earlier): anchor 2 -> steps 3..9
+    # (3..7 for step 5, 8..9 for step 9), anchor 10 -> steps 11..29 (11..20 for step 15, 21..29 for step 25)
+    pairs = cal.pairs_for([2, 5, 9, 10, 15, 25], anchors=[2, 10])
+    assert pairs == [(2, 5), (2, 9), (10, 15), (10, 25)]
+    assert cal.pair_weights(pairs, [2, 10], 30) == pytest.approx([5 / 26, 2 / 26, 10 / 26, 9 / 26])
+    assert cal.pair_weights(pairs) == [0.25] * 4
     with pytest.raises(ValueError, match="x.safetensors: anchor step\\(s\\) \\[4\\] were not recorded"):
         cal.pairs_for([2, 6], anchors=[4], source="x.safetensors")
 
@@ -253,7 +259,7 @@ def test_command_line_writes_presets_and_report(recording, tmp_path):
         cfg = SparseConfig.from_yaml(tmp_path / f"cal_{m}.yaml")
         assert cfg.method == m and cfg.density == 0.15 and len(cfg.layer_densities) == 2
     report = (tmp_path / "cal_mc_sparse.md").read_text()
-    assert "pairs (anchor → later step) [(0, 1), (0, 2)]" in report
+    assert "pairs (anchor → later step) 0→1 (33% of the reuse steps), 0→2 (67% of the reuse steps)" in report
     assert "block_topk at average density 0.15" in report
     bad = tmp_path / "broken.safetensors"
     bad.write_bytes(b"\x00" * 64)

@@ -95,8 +95,10 @@ def main(argv=None) -> int:
     png = report.with_suffix(".png")
     drew = cal.plot(curves, allocs, png)
     report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(cal.report_markdown(rec, curves, allocs, pairs=pairs, plot_name=png.name if drew else None,
-                                          command=command, seconds=seconds), encoding="utf-8")
+    report.write_text(cal.report_markdown(rec, curves, allocs, pairs=pairs,
+                                          weights=cal.pair_weights(pairs, anchors, rec.total_steps),
+                                          plot_name=png.name if drew else None, command=command, seconds=seconds),
+                      encoding="utf-8")
     for a in allocs:
         print(f"{a.method} at {a.target:g}: predicted squared error {a.cost_uniform:.5f} uniform -> "
               f"{a.cost_calibrated:.5f} calibrated; layer_densities: {cal.layer_densities_text(a.factors)}")
