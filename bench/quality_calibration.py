@@ -69,32 +69,47 @@ def section(doc: dict) -> str:
              f"Recording: video {m['seeds'][0]}, every layer at steps {m['record_steps']} of the dense reference "
              f"({m['recording_mb']:.0f} MB); calibration pairs (anchor → later step) {doc['pairs']}. "
              "*Uniform*: one density for every layer and head. *Calibrated*: the per-layer / per-head densities "
-             "`tools/calibrate.py` allocates for the same average density (objective: reuse-step error with the "
-             "residual). PSNR / SSIM against the dense reference, mean of the videos (worst video). *Predicted "
-             "gain*: 10·log10 of the calibration's summed squared attention error, uniform over calibrated, on the "
-             "recording.", "",
-             "| method | density | uniform PSNR dB | calibrated PSNR dB | gain dB | uniform SSIM | calibrated SSIM "
-             "| density of sparse calls (uniform / calibrated) | predicted gain dB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "`tools/calibrate.py` allocates from the recording alone for the same computed density (objective: "
+             "reuse-step error with the residual). *+ sensitivity*: the same allocation with each layer's error "
+             "weighted by how much pixel error that layer alone causes (a sampling run per layer with only that "
+             "layer sparse; `--layer-weights` of tools/calibrate.py). PSNR / SSIM against the dense reference, mean "
+             "of the videos (worst video). *Predicted*: 10·log10 of the calibration's summed squared attention "
+             "error, uniform over calibrated, on the recording.", "",
+             "| method | density | uniform PSNR dB | calibrated PSNR dB (gain) | + sensitivity PSNR dB (gain) | "
+             "SSIM uniform / calibrated / + sensitivity | density of sparse calls (uniform / calibrated) | "
+             "predicted gain dB |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = {(r["method"], r["density"], r["kind"]): r for r in doc["rows"] if "error" not in r}
+
+    def cell(r, u):
+        return "–" if r is None else f"{r['psnr_mean']:.2f} ({r['psnr_mean'] - u['psnr_mean']:+.2f})"
     for a in doc["allocations"]:
-        u, c = rows.get((a["method"], a["target"], "uniform")), rows.get((a["method"], a["target"], "calibrated"))
+        u = rows.get((a["method"], a["target"], "uniform"))
+        c = rows.get((a["method"], a["target"], "calibrated"))
+        w = rows.get((a["method"], a["target"], "calibrated+sensitivity"))
         if u is None or c is None:
             continue
         pred = 10 * math.log10(a["cost_uniform"] / a["cost_calibrated"]) if a["cost_calibrated"] > 0 else float("inf")
-        lines.append(f"| {a['method']} | {a['target']:g} | {u['psnr_mean']:.2f} ({u['psnr_min']:.2f}) | "
-                     f"{c['psnr_mean']:.2f} ({c['psnr_min']:.2f}) | **{c['psnr_mean'] - u['psnr_mean']:+.2f}** | "
-                     f"{u['ssim_mean']:.4f} | {c['ssim_mean']:.4f} | {u['stats']['density_sparse']:.3f} / "
+        ssim = " / ".join("–" if r is None else f"{r['ssim_mean']:.4f}" for r in (u, c, w))
+        lines.append(f"| {a['method']} | {a['target']:g} | {u['psnr_mean']:.2f} ({u['psnr_min']:.2f}) | {cell(c, u)} | "
+                     f"{cell(w, u)} | {ssim} | {u['stats']['density_sparse']:.3f} / "
                      f"{c['stats']['density_sparse']:.3f} | {pred:+.2f} |")
     gains = [g for g in doc["gains"] if g["target"] == 0.1]
     if gains:
         best = max(gains, key=lambda g: g["gain_db"])
         verdict = "met" if best["gain_db"] >= 1.5 else "missed"
-        lines += ["", f"Target (+1.5 dB PSNR at density 0.10): **{verdict}** — best {best['method']} "
+        lines += ["", f"Target (+1.5 dB PSNR at density 0.10): **{verdict}** — best {best['method']} {best['kind']} "
                       f"{best['gain_db']:+.2f} dB."]
     lines += ["", "Calibrated densities (factors of the average; layer: [head 0, head 1]):", ""]
     for a in doc["allocations"]:
         lines.append(f"- {a['method']} at {a['target']:g}: `{a['layer_densities']}`")
+    for sens in doc.get("sensitivity", []):
+        lw = ", ".join(f"{la}: {w:.2f}" for la, w in sens["layer_weights"].items())
+        pm = sens["predicted_mse"]
+        lines.append(f"- {sens['method']} at {sens['target']:g} + sensitivity (layer weights {lw}): "
+                     f"`{sens['layer_densities']}`; pixel MSE predicted from single-layer runs "
+                     f"({sens['videos']} videos): uniform {pm['uniform']:.2e}, calibrated {pm['calibrated']:.2e}, "
+                     f"+ sensitivity {pm['calibrated+sensitivity']:.2e}")
     lines.append("")
     return "\n".join(lines)
 
@@ -178,44 +193,84 @@ def run(args) -> dict:
     rec_path.unlink()
 
     # 3. uniform against calibrated, same schedule and average density
-    rows = []
-    for a in allocs:
-        for kind in ("uniform", "calibrated"):
-            config = dict(base_fields, method=a.method, density=a.target)
-            if kind == "calibrated":
-                config["layer_densities"] = layer_density.layer_densities_dict(a.factors)
-            row = {"method": a.method, "density": a.target, "kind": kind, "config": _jsonable(config)}
-            sync()
-            t = time.perf_counter()
-            try:
-                attn = EngineAttention(config, args.steps, M.CONTEXT, dense_fn=M.sdpa_attention)
-                with attn.run():
-                    video = sample(attn)
-                sync()
-            except Exception as exc:  # keep going with the other settings
-                row["error"] = f"{type(exc).__name__}: {exc}"
-                rows.append(row)
-                say(f"{a.method} d{a.target:g} {kind}: FAILED {row['error'][:300]}")
-                continue
-            p, q = ev.psnr(video, ref), ev.ssim(video, ref)
-            row.update(psnr=[round(x, 3) for x in p], ssim=[round(x, 5) for x in q],
-                       psnr_mean=round(sum(p) / len(p), 3), psnr_min=round(min(p), 3),
-                       ssim_mean=round(sum(q) / len(q), 5), ssim_min=round(min(q), 5),
-                       time_s=round(time.perf_counter() - t, 2), stats=attn.stats)
+    rows, sensitivity = [], []
+
+    def run_config(config, n=None):
+        """(videos, stats) of the first n videos (all by default) sampled with the engine configuration."""
+        attn = EngineAttention(config, args.steps, M.CONTEXT, dense_fn=M.sdpa_attention)
+        with attn.run():
+            video = ev.sample(net, noise[:n], labels[:n], steps=args.steps, shift=args.shift, batch=args.batch,
+                              attn=attn, device=device).to(device)
+        sync()
+        return video, attn.stats
+
+    def measure_row(a, kind, factors):
+        config = dict(base_fields, method=a.method, density=a.target)
+        if factors is not None:
+            config["layer_densities"] = layer_density.layer_densities_dict(factors)
+        row = {"method": a.method, "density": a.target, "kind": kind, "config": _jsonable(config)}
+        t = time.perf_counter()
+        try:
+            video, stats = run_config(config)
+        except Exception as exc:  # keep going with the other settings
+            row["error"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
-            say(f"{a.method} d{a.target:g} {kind}: PSNR {row['psnr_mean']:.2f} dB (min {row['psnr_min']:.2f}), SSIM "
-                f"{row['ssim_mean']:.4f}, density of sparse calls {attn.stats['density_sparse']:.4f}, "
-                f"{row['time_s']:.1f} s")
-            del attn, video
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            say(f"{a.method} d{a.target:g} {kind}: FAILED {row['error'][:300]}")
+            return
+        p, q = ev.psnr(video, ref), ev.ssim(video, ref)
+        row.update(psnr=[round(x, 3) for x in p], ssim=[round(x, 5) for x in q],
+                   psnr_mean=round(sum(p) / len(p), 3), psnr_min=round(min(p), 3),
+                   ssim_mean=round(sum(q) / len(q), 5), ssim_min=round(min(q), 5),
+                   mse=_mse(video, ref), time_s=round(time.perf_counter() - t, 2), stats=stats)
+        rows.append(row)
+        say(f"{a.method} d{a.target:g} {kind}: PSNR {row['psnr_mean']:.2f} dB (min {row['psnr_min']:.2f}), SSIM "
+            f"{row['ssim_mean']:.4f}, density of sparse calls {stats['density_sparse']:.4f}, {row['time_s']:.1f} s")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for a in allocs:
+        measure_row(a, "uniform", None)
+        measure_row(a, "calibrated", a.factors)
+        if args.sensitivity_videos <= 0:
+            continue
+        # how strongly each layer's attention error reaches the videos: only layer l sparse (uniform density), the
+        # others dense; the pixel MSE per unit of the layer's calibration cost weights the layer in a second allocation
+        n = min(args.sensitivity_videos, len(seeds))
+        mine = [c for c in curves if c.method == a.method]
+        cost = cal.layer_costs(mine, a.objective, a.target)
+        per_layer = {}
+        t = time.perf_counter()
+        for layer in sorted(cost):
+            config = dict(base_fields, method=a.method, density=a.target,
+                          dense_layers=[x for x in range(cfg.num_layers) if x != layer])
+            video, _ = run_config(config, n)
+            per_layer[layer] = _mse(video, ref[:n])
+        weights = {la: (per_layer[la] / cost[la] if cost[la] > 0 else 0.0) for la in cost}
+        mean_w = sum(weights.values()) / len(weights) or 1.0
+        weights = {la: w / mean_w for la, w in weights.items()}
+        weighted = cal.allocate(mine, a.target, a.objective, source=rec.path.name, layer_weights=weights)
+        sensitivity.append({"method": a.method, "target": a.target, "videos": n, "mse_single_layer": per_layer,
+                            "layer_cost": cost, "layer_weights": weights, "seconds": round(time.perf_counter() - t, 2),
+                            "layer_densities": cal.layer_densities_text(weighted.factors),
+                            "predicted_mse": {k: sum(weights[la] * c for la, c in cal.layer_costs(mine, a.objective, d)
+                                                     .items()) * mean_w
+                                              for k, d in (("uniform", a.target), ("calibrated", a.densities),
+                                                           ("calibrated+sensitivity", weighted.densities))}})
+        say(f"{a.method} d{a.target:g}: layer sensitivities {', '.join(f'{la}: {w:.2f}' for la, w in weights.items())}"
+            f" ({sensitivity[-1]['seconds']:.1f} s); layer_densities {cal.layer_densities_text(weighted.factors)}")
+        p = out / "presets" / f"{a.method}_d{a.target:g}_sensitivity.yaml"
+        cal.write_preset(p, cal.preset_text(weighted, rec, cal.plain_fields(base), command=command))
+        measure_row(weighted, "calibrated+sensitivity", weighted.factors)
     gains = []
     for a in allocs:
-        pair = [r for r in rows if r["method"] == a.method and r["density"] == a.target and "error" not in r]
-        if len(pair) == 2:
-            u, c = sorted(pair, key=lambda r: r["kind"] != "uniform")
-            gains.append({"method": a.method, "target": a.target, "gain_db": round(c["psnr_mean"] - u["psnr_mean"], 3),
-                          "ssim_gain": round(c["ssim_mean"] - u["ssim_mean"], 5)})
+        found = {r["kind"]: r for r in rows
+                 if r["method"] == a.method and r["density"] == a.target and "error" not in r}
+        for kind in ("calibrated", "calibrated+sensitivity"):
+            if "uniform" in found and kind in found:
+                u, c = found["uniform"], found[kind]
+                gains.append({"method": a.method, "target": a.target, "kind": kind,
+                              "gain_db": round(c["psnr_mean"] - u["psnr_mean"], 3),
+                              "ssim_gain": round(c["ssim_mean"] - u["ssim_mean"], 5)})
     weights = Path(args.testbed) / "weights.safetensors"
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"), "command": command,
@@ -226,6 +281,7 @@ def run(args) -> dict:
                         "grid": list(cfg.grid), "random_init": bool(args.random_init_small),
                         "weights_sha256": None if args.random_init_small else sha256(weights)}}
     doc = {"meta": meta, "pairs": pairs, "pair_weights": pair_w, "rows": rows, "gains": gains,
+           "sensitivity": sensitivity,
            "allocations": [{"method": a.method, "target": a.target, "objective": a.objective,
                             "cost_uniform": a.cost_uniform, "cost_calibrated": a.cost_calibrated,
                             "layer_densities": cal.layer_densities_text(a.factors),
@@ -238,8 +294,13 @@ def run(args) -> dict:
     (out / "calibration.md").write_text(section(doc))
     say(f"wrote {out / 'calibration.json'} and {out / 'calibration.md'} ({meta['wall_s']:.0f} s in all)")
     for g in gains:
-        say(f"{g['method']} at {g['target']:g}: calibrated {g['gain_db']:+.2f} dB PSNR, {g['ssim_gain']:+.4f} SSIM")
+        say(f"{g['method']} at {g['target']:g}: {g['kind']} {g['gain_db']:+.2f} dB PSNR, {g['ssim_gain']:+.4f} SSIM")
     return doc
+
+
+def _mse(video, ref) -> float:
+    """Mean squared error of (B, 3, T, H, W) videos with pixels mapped from [-1, 1] to [0, 1] (as the PSNR)."""
+    return float((((video.float().clamp(-1, 1) - ref.float().clamp(-1, 1)) / 2) ** 2).mean())
 
 
 def _jsonable(config: dict) -> dict:
@@ -262,6 +323,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--shift", type=float, default=3.0)
     ap.add_argument("--max-record-mb", type=float, default=4000.0)
+    ap.add_argument("--sensitivity-videos", type=int, default=2,
+                    help="videos sampled per layer to measure how strongly each layer's error reaches the output, "
+                         "for the 'calibrated+sensitivity' rows (0: off)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--video", default=None, help="F,H,W pixels of the sampled videos (default: the testbed's); "
                     "smaller videos make a CPU check of the trained model affordable")

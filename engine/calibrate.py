@@ -74,6 +74,7 @@ class Allocation:
     cost_uniform: float
     cost_calibrated: float
     achieved: dict = field(default_factory=dict)  # (layer, head) -> density computed (measured)
+    layer_weights: dict | None = None  # {layer: weight} the costs were multiplied by, if any
     factors: dict = field(default_factory=dict)  # layer -> float | tuple of per-head factors (as written)
 
     @property
@@ -269,12 +270,14 @@ def _points(c: Curve, cs: list[float], target: float) -> tuple[list[float], list
     return xs, ys, ns
 
 
-def allocate(curves: list[Curve], target: float, objective: str, *, source: str = "recording") -> Allocation:
+def allocate(curves: list[Curve], target: float, objective: str, *, source: str = "recording",
+             layer_weights: dict | None = None) -> Allocation:
     """Densities per (layer, head) of one method's ``curves`` that compute, together, exactly the pairs the uniform
     density ``target`` computes (the measured ``achieved`` densities, so block rounding favours neither side) and
     minimise sum(weight x error^2) over the convex hulls of the measured curves. The densities returned are the
-    configured ones (what ``layer_densities`` factors scale). ValueError (naming ``source``) when the grid cannot
-    meet the average."""
+    configured ones (what ``layer_densities`` factors scale). layer_weights: {layer: w} multiplying each layer's
+    cost (how strongly the layer's attention error reaches the model's output, when measured; default 1).
+    ValueError (naming ``source``) when the grid cannot meet the average."""
     if not curves:
         raise ValueError(f"{source}: nothing to allocate (no curves)")
     method = curves[0].method
@@ -285,7 +288,8 @@ def allocate(curves: list[Curve], target: float, objective: str, *, source: str 
     points, segments = {}, []
     budget = 0.0
     for u, c in enumerate(curves):
-        cs = [c.weight * e * e for e in c.errors(objective)]
+        lw = 1.0 if layer_weights is None else float(layer_weights.get(c.layer, 1.0))
+        cs = [lw * c.weight * e * e for e in c.errors(objective)]
         xs, ys, ns = points[u] = _points(c, cs, target)
         budget += _interp(grid, c.achieved, target) - xs[0]
         hull = _hull(xs, ys)
@@ -308,10 +312,22 @@ def allocate(curves: list[Curve], target: float, objective: str, *, source: str 
         densities[(c.layer, c.head)] = _interp(xs, ns, x)
         achieved[(c.layer, c.head)] = x
         cost_cal += _interp(xs, ys, x)
-        cost_uniform += c.weight * c.error_at(objective, target) ** 2
-    alloc = Allocation(method, target, objective, densities, cost_uniform, cost_cal, achieved=achieved)
+        lw = 1.0 if layer_weights is None else float(layer_weights.get(c.layer, 1.0))
+        cost_uniform += lw * c.weight * c.error_at(objective, target) ** 2
+    alloc = Allocation(method, target, objective, densities, cost_uniform, cost_cal, achieved=achieved,
+                       layer_weights=dict(layer_weights) if layer_weights else None)
     alloc.factors = _factors(densities, target)
     return alloc
+
+
+def layer_costs(curves: list[Curve], objective: str, densities) -> dict:
+    """{layer: sum over its heads of weight x error^2} at ``densities`` (a number for every head, or {(layer, head):
+    density}); the quantity ``allocate`` minimises, per layer."""
+    out: dict = {}
+    for c in curves:
+        d = densities if isinstance(densities, (int, float)) else densities[(c.layer, c.head)]
+        out[c.layer] = out.get(c.layer, 0.0) + c.weight * c.error_at(objective, d) ** 2
+    return out
 
 
 def _factors(densities: dict, target: float) -> dict:
@@ -337,7 +353,10 @@ def preset_text(alloc: Allocation, rec: Recording, base: dict, *, command: str =
              f"# layer_densities: factors of the density per layer (one per head; mean {_mean_factor(alloc):.4f}): "
              f"together the heads compute the query-key pairs the uniform density computes, placed to minimise the "
              f"summed squared {alloc.objective} error measured on the recording",
-             f"# (predicted: {_ratio_db(alloc)} lower than the uniform density {alloc.target:g}).",
+             f"# (predicted: {_ratio_db(alloc)} lower than the uniform density {alloc.target:g})"
+             + ("; layers weighted by measured output sensitivity " + ", ".join(
+                 f"{la}: {w:.3g}" for la, w in sorted(alloc.layer_weights.items())) if alloc.layer_weights else "")
+             + ".",
              f"title: Calibrated {alloc.method} at density {alloc.target:g} ({rec.family}, {rec.path.stem})",
              body, "  layer_densities:"]
     for layer, f in sorted(alloc.factors.items()):
@@ -409,7 +428,9 @@ def report_markdown(rec: Recording, curves: list[Curve], allocations: list[Alloc
              "the requested average density.", ""]
     for a in allocations:
         cs = [c for c in curves if c.method == a.method]
-        lines += [f"## {a.method} at average density {a.target:g} (objective: {a.objective})", "",
+        lw = "" if not a.layer_weights else "; layer weights " + ", ".join(
+            f"{la}: {w:.3g}" for la, w in sorted(a.layer_weights.items()))
+        lines += [f"## {a.method} at average density {a.target:g} (objective: {a.objective}{lw})", "",
                   f"Predicted Σ weight × error²: uniform {a.cost_uniform:.5f}, calibrated {a.cost_calibrated:.5f} "
                   f"({_ratio_db(a)} lower). Computed density (mean of the heads, measured): "
                   f"{a.mean_achieved:.4f}, as the uniform density's; configured densities average "
@@ -491,8 +512,8 @@ def plot(curves: list[Curve], allocations: list[Allocation], path: str | Path) -
 
 
 def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = None, grid=None, anchors=None,
-              objective: str | None = None, device="cpu", progress=None) -> tuple[list[Curve], list[Allocation],
-                                                                                  list[tuple[int, int]], float]:
+              objective: str | None = None, layer_weights: dict | None = None, device="cpu",
+              progress=None) -> tuple[list[Curve], list[Allocation], list[tuple[int, int]], float]:
     """measure + allocate for every method and target density: (curves, allocations, pairs, seconds)."""
     t0 = time.perf_counter()
     base = base or SparseConfig()
@@ -515,6 +536,6 @@ def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = N
     weights = pair_weights(pairs, anchors, rec.total_steps)
     curves = measure(rec, methods, grid, base, pairs=pairs, weights=weights, layers=layers, device=device,
                      progress=progress)
-    allocations = [allocate([c for c in curves if c.method == m], t, obj, source=rec.path.name)
-                   for m in methods for t in targets]
+    allocations = [allocate([c for c in curves if c.method == m], t, obj, source=rec.path.name,
+                            layer_weights=layer_weights) for m in methods for t in targets]
     return curves, allocations, pairs, time.perf_counter() - t0

@@ -40,6 +40,20 @@ def _floats(text: str, name: str) -> list[float]:
         raise SystemExit(f"--{name}: expected numbers separated by commas, got {text!r}") from None
 
 
+def _layer_weights(text: str) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if not isinstance(data, dict) or not all(isinstance(k, int) and isinstance(v, (int, float)) and v >= 0
+                                             for k, v in data.items()):
+        raise ValueError(f"--layer-weights: expected a mapping of layer -> weight >= 0 such as '{{0: 1.5, 3: 0.7}}', "
+                         f"got {text!r}")
+    return {int(k): float(v) for k, v in data.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recording", help="the q/k/v recording (.safetensors)")
@@ -51,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default=None, help="densities to measure, comma list (the --density values are added)")
     ap.add_argument("--anchors", default=None, help="recorded steps where selections are made, comma list")
     ap.add_argument("--objective", default=None, help="reuse | reuse_plain | fresh (default from the residual)")
+    ap.add_argument("--layer-weights", default=None,
+                    help="{layer: weight} (YAML) multiplying each layer's error, e.g. measured sensitivities of the "
+                         "output to each layer's attention error (bench/quality_calibration.py measures them)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = ap.parse_args(argv)
 
@@ -73,12 +90,14 @@ def main(argv=None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         anchors = [int(x) for x in _floats(args.anchors, "anchors")] if args.anchors else None
         grid = _floats(args.grid, "grid") if args.grid else None
+        layer_weights = _layer_weights(args.layer_weights) if args.layer_weights else None
 
         def progress(done, total):
             print(f"\r[calibrate] {done}/{total} (layer, method, density) measured", end="", flush=True)
 
         curves, allocs, pairs, seconds = cal.calibrate(rec, methods, targets, base=base, grid=grid, anchors=anchors,
-                                                       objective=args.objective, device=device, progress=progress)
+                                                       objective=args.objective, layer_weights=layer_weights,
+                                                       device=device, progress=progress)
         print()
     except ValueError as exc:
         print(f"calibrate: {exc}", file=sys.stderr)
