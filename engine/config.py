@@ -13,6 +13,7 @@ from pathlib import Path
 from ..kernels.backend import BACKENDS
 from .messages import MAX_TEXT, shown
 from .modalities import Densities
+from .layer_density import parse_layer_densities
 from .policy import method_names
 from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
@@ -49,6 +50,8 @@ class SparseConfig:
         offload: move other layers' entries to CPU (pinned) memory and prefetch them; cpu_budget_mb: the
         CPU side's limit (it also always leaves max(8 GiB, 25 %) of the host's memory available).
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
+    layer_densities: per-layer / per-head density factors relative to the image density, {layer: factor |
+        [factor per head]} (engine/layer_density.py); unlisted layers and heads keep factor 1.
     """
 
     method: str = "mc_sparse"
@@ -73,6 +76,7 @@ class SparseConfig:
     cpu_budget_mb: float = 65536.0
     min_tokens: int = 4096
     backend: str = "auto"
+    layer_densities: tuple = ()
 
     def __post_init__(self):
         # friendly forms: anchor_steps="10,26", dense_layers="0-2", densities={...}
@@ -116,6 +120,11 @@ class SparseConfig:
         for name in ("residual", "select_every_step", "offload"):
             _check(isinstance(getattr(self, name), bool), name,
                    f"must be true or false, got {shown(getattr(self, name))}")
+        # per-layer / per-head densities (engine/layer_density.py) ---------------------------------
+        object.__setattr__(self, "layer_densities", parse_layer_densities(self.layer_densities))
+        _check(not (self.layer_densities and self.mass is not None), "layer_densities",
+               "cannot be combined with mass (mass chooses each row's block count itself)")
+        # ------------------------------------------------------------------------------------------
 
     @property
     def image_density(self) -> float:

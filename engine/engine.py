@@ -23,6 +23,7 @@ from ..kernels._checks import TRITON_HEAD_DIMS
 from .cache import Entry, SelectionCache
 from .config import SparseConfig
 from .context import CallContext
+from .layer_density import head_densities, select_heads
 from .policy import policy_for
 from .residual import Residual, residual_precision
 from .selection import BlockSelection
@@ -266,11 +267,14 @@ class SparseEngine:
         return self.cache_entry(key, selection, residual, fidelity, ctx)
 
     def _select(self, policy, q, k, lse, ctx, scale):
+        # per-layer / per-head densities: heads grouped by density, one policy call per group
+        # (engine/layer_density.py); None = the configured density for every head
+        dens = head_densities(self.cfg, ctx.layer, q.shape[1])
         if policy.shape_only:
             b, h, n, _ = q.shape
-            skey = (b, h, n, ctx.layout, str(q.device))
+            skey = (b, h, n, ctx.layout, str(q.device), dens)
             if skey not in self._static:
-                self._static[skey] = policy.select(q, k, None, ctx.layout, self.cfg, scale=scale,
-                                                   backend=self.cfg.backend)
+                self._static[skey] = select_heads(policy, q, k, None, ctx.layout, self.cfg, dens, scale=scale,
+                                                  backend=self.cfg.backend)
             return self._static[skey]
-        return policy.select(q, k, lse, ctx.layout, self.cfg, scale=scale, backend=self.cfg.backend)
+        return select_heads(policy, q, k, lse, ctx.layout, self.cfg, dens, scale=scale, backend=self.cfg.backend)

@@ -63,6 +63,29 @@ class BlockSelection:
         """The selection of batch rows [start, stop) (views)."""
         return self.map(lambda t: t[start:stop])
 
+    def head_density(self, n: int) -> torch.Tensor:
+        """Exact fraction of (query, key) pairs each head computes for a call of n tokens: float64 (H,), the mean
+        over batch rows."""
+        return _block_pairs(self.kv_indices, self.kv_counts, n, n, self.block_q, self.block_k).mean(0)
+
+    @staticmethod
+    def concat_heads(parts: list["BlockSelection"], heads: list[list[int]] | None = None) -> "BlockSelection":
+        """One selection from selections of disjoint head sets of the same call: parts[i] holds the heads
+        ``heads[i]`` (original head numbers; together a permutation of 0..H-1), or, without ``heads``, the
+        parts follow each other in head order. List widths are padded with -1 to the widest part; the density
+        is the head-weighted mean of the parts' exact densities (every part covers B x its heads x N x N)."""
+        _same(parts, "block_q", "block_k")
+        _same_shape(parts, lambda p: (p.kv_counts.shape[0], p.kv_counts.shape[2]), "batch and query blocks")
+        width = max(p.kv_indices.shape[-1] for p in parts)
+        idx = torch.cat([torch.nn.functional.pad(p.kv_indices, (0, width - p.kv_indices.shape[-1]), value=-1)
+                         for p in parts], dim=1)
+        cnt = torch.cat([p.kv_counts for p in parts], dim=1)
+        order = _inverse_order(parts, heads, lambda p: p.kv_counts.shape[1], idx.device)
+        if order is not None:
+            idx, cnt = idx.index_select(1, order), cnt.index_select(1, order)
+        return BlockSelection(idx.contiguous(), cnt.contiguous(), parts[0].block_q, parts[0].block_k,
+                              _head_mean(parts, lambda p: p.kv_counts.shape[1]))
+
     def picture(self, n: int, width: int = 256) -> dict:
         """Batch 0, head 0 as a map for the report: {"kind": "block", "map": float (rows, cols) in [0, 1]},
         query blocks by KV blocks, average-pooled to at most ``width`` x ``width``."""
@@ -173,6 +196,37 @@ class TokenSelection:
         per_bin = max(1, n // bins)
         return {"kind": "token", "map": (grid[:, :bins] / per_bin).clamp(max=1.0)}
 
+    def head_density(self, n: int) -> torch.Tensor:
+        """Exact fraction of (query, key) pairs each head computes for a call of n tokens: float64 (H,), the mean
+        over batch rows (dense text rows count n keys each)."""
+        real_q = (self.q_groups >= 0).sum(-1).double()
+        text = 0 if self.dense_rows is None else self.dense_rows.numel()
+        pairs = (real_q * self.kv_counts.double()).sum(-1) + text * n
+        return (pairs / (n * n)).mean(0).cpu()
+
+    @staticmethod
+    def concat_heads(parts: list["TokenSelection"], heads: list[list[int]] | None = None) -> "TokenSelection":
+        """One selection from selections of disjoint head sets of the same call (see
+        ``BlockSelection.concat_heads`` for ``heads``). Token lists are padded to the widest part (entries past
+        a group's count are never read); query groups, segment ends and the dense (text) rows must agree in
+        shape, and the dense rows in value; the density is the head-weighted mean of the parts' densities."""
+        _same_shape(parts, lambda p: (p.q_groups.shape[0], p.q_groups.shape[2], p.q_groups.shape[3],
+                                      p.seg_ends.shape[-1]), "batch, query groups and segments")
+        rows = parts[0].dense_rows
+        for p in parts[1:]:
+            if (p.dense_rows is None) != (rows is None) or (rows is not None and not torch.equal(p.dense_rows, rows)):
+                raise ValueError("concat_heads: the parts compute different dense (text) rows")
+        width = max(p.kv_low.shape[-1] for p in parts)
+        cat = lambda ts: torch.cat(ts, dim=1)  # noqa: E731
+        out = [cat([p.q_groups for p in parts]),
+               cat([torch.nn.functional.pad(p.kv_low, (0, width - p.kv_low.shape[-1])) for p in parts]),
+               cat([p.seg_ends for p in parts]), cat([p.kv_counts for p in parts])]
+        order = _inverse_order(parts, heads, lambda p: p.kv_counts.shape[1], out[0].device)
+        if order is not None:
+            out = [t.index_select(1, order) for t in out]
+        return TokenSelection(*(t.contiguous() for t in out), rows,
+                              _head_mean(parts, lambda p: p.kv_counts.shape[1]))
+
     def head(self, b: int, h: int) -> "TokenSelection":
         """The selection of batch row ``b``, head ``h`` alone, shapes (1, 1, G, ...) (views): decoding it
         touches 1/(B*H) of the lists (a report picture of a CPU-resident entry stays cheap)."""
@@ -181,8 +235,52 @@ class TokenSelection:
                                    seg_ends=self.seg_ends[pick], kv_counts=self.kv_counts[pick])
 
 
+def _same(parts, *names) -> None:
+    if not parts:
+        raise ValueError("concat_heads: no parts")
+    for name in names:
+        values = {getattr(p, name) for p in parts}
+        if len(values) > 1:
+            raise ValueError(f"concat_heads: the parts differ in {name} ({sorted(values)})")
+
+
+def _same_shape(parts, key, what: str) -> None:
+    if not parts:
+        raise ValueError("concat_heads: no parts")
+    shapes = {tuple(key(p)) for p in parts}
+    if len(shapes) > 1:
+        raise ValueError(f"concat_heads: the parts differ in {what} ({sorted(shapes)})")
+
+
+def _head_mean(parts, n_heads) -> float:
+    """Density of the union: each part's exact density weighted by its head count (same B and N)."""
+    total = sum(n_heads(p) for p in parts)
+    return sum(p.density * n_heads(p) for p in parts) / max(1, total)
+
+
+def _inverse_order(parts, heads, n_heads, device):
+    """Index that puts the concatenated heads back in original order (None: already in order)."""
+    if heads is None:
+        return None
+    if len(heads) != len(parts) or any(len(h) != n_heads(p) for h, p in zip(heads, parts)):
+        raise ValueError("concat_heads: heads must list each part's head numbers")
+    flat = [h for hs in heads for h in hs]
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"concat_heads: the parts' heads are not a permutation of 0..{len(flat) - 1}")
+    if flat == sorted(flat):
+        return None
+    position = torch.empty(len(flat), dtype=torch.long)
+    position[torch.tensor(flat, dtype=torch.long)] = torch.arange(len(flat))
+    return position.to(device)
+
+
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:
     """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted)."""
+    return float(_block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k).mean())
+
+
+def _block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
+    """Exact fraction of (query, key) pairs per (batch, head): float64 (B, H) on the CPU."""
     nqb = kv_counts.shape[-1]
     q_rows = torch.full((nqb,), block_q, dtype=torch.float64, device=kv_counts.device)
     q_rows[-1] = nq - (nqb - 1) * block_q
@@ -193,5 +291,4 @@ def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> flo
     valid = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_counts.unsqueeze(-1)
     idx = torch.where(valid, kv_indices.long(), torch.full_like(kv_indices.long(), nkb))
     keys = kv_size[idx].sum(-1)
-    b, h = kv_counts.shape[:2]
-    return float((keys * q_rows).sum() / (b * h * nq * nk))
+    return ((keys * q_rows).sum(-1) / (nq * nk)).cpu()

@@ -16,6 +16,8 @@ import torch
 
 from .context import TokenLayout
 
+GLOBAL_FREQUENCY = 0.1  # positional frequencies of ``global_heads`` relative to the others
+
 
 @dataclass
 class SyntheticVideoAttention:
@@ -29,6 +31,7 @@ class SyntheticVideoAttention:
     head_dim: int = 64
     steps: int = 20
     seed: int = 0
+    global_heads: tuple = ()
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
 
@@ -42,6 +45,8 @@ class SyntheticVideoAttention:
         quarter = d // 4
         # per-head frequencies: sharper in space than in time
         freq = torch.exp(-torch.rand(nh, 3, quarter // 3 + 1, generator=g) * 3.0) * 1.2
+        broad = torch.tensor([i in self.global_heads for i in range(nh)])
+        freq[broad] *= GLOBAL_FREQUENCY  # global heads: positional features vary slowly -> broad attention
         feats = []
         for axis in range(3):
             ang = pos[:, axis].view(1, -1, 1) * freq[:, axis].view(nh, 1, -1)
@@ -52,6 +57,7 @@ class SyntheticVideoAttention:
         centers = torch.randn(nh, 6, d // 2, generator=g) * 0.9
         region = ((pos[:, 1] // max(1, hh // 3)) * 2 + (pos[:, 2] // max(1, w // 2))).long() % 6
         content = centers[:, region]  # (H, n_img, d/2)
+        content[broad] = 0.0  # ... and no object regions to concentrate on
         q_img = torch.cat([pf, content], -1) + 0.35 * torch.randn(nh, n_img, d, generator=g)
         k_img = torch.cat([pf, content], -1) + 0.35 * torch.randn(nh, n_img, d, generator=g)
         sinks = torch.randperm(n_img, generator=g)[:4]

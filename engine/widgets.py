@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .config import SparseConfig, parse_layers
+from .layer_density import layer_densities_text, parse_layer_densities
 from .policy import method_names
 from .schedule import warmup_text
 
@@ -83,6 +84,11 @@ WIDGETS: tuple[Widget, ...] = (
            tooltip="Attention over fewer tokens stays dense (sparsity does not pay there)."),
     Widget("backend", "combo", ("backend",), options=lambda: ("auto", "triton", "torch"),
            tooltip="auto: Triton kernels on NVIDIA GPUs, PyTorch elsewhere."),
+    Widget("layer_densities", "string", ("layer_densities",), to_config=parse_layer_densities,
+           default=lambda c: layer_densities_text(c.layer_densities),
+           tooltip="Density per layer or per head, as factors of the density above (which stays the average): "
+                   "'{0: 0.5, 3: [0.4, 1.6]}' (layer 0 at half, layer 3's two heads at 0.4x and 1.6x; unlisted "
+                   "layers 1x). The Sparse Attention Calibrate node measures them on your model. '' = uniform."),
 )
 
 

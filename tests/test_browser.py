@@ -23,7 +23,8 @@ from conftest import ROOT, comfyui_path, comfyui_version, workflow_needs
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-NODE_IDS = ["SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report", "SparseAttn_Compare"]
+NODE_IDS = ["SparseAttn_Patch", "SparseAttn_Preset", "SparseAttn_Report", "SparseAttn_Compare",
+            "SparseAttn_Record", "SparseAttn_Calibrate"]
 
 
 def _free_port() -> int:

@@ -26,5 +26,6 @@ def test_comfyui_loader_imports_pack(tmp_path):
     """)
     assert result["ok"] is True, result["log"]
     assert "Traceback" not in result["log"] and "Cannot import" not in result["log"], result["log"]
-    assert result["added"] == ["SparseAttn_Compare", "SparseAttn_Patch", "SparseAttn_Preset",
+    assert result["added"] == ["SparseAttn_Calibrate", "SparseAttn_Compare", "SparseAttn_Patch", "SparseAttn_Preset",
+                               "SparseAttn_Record",
                                "SparseAttn_Report"], result["log"]

@@ -24,7 +24,8 @@ def test_widget_defaults_are_the_configuration_defaults():
         assert getattr(cfg, name) == getattr(SparseConfig(), name), name
     names = [w.name for w in WIDGETS]  # permanent order: saved workflows store widget values by position
     assert names == ["method", "density", "block_size", "query_group_size", "warmup_steps", "warmup_layers",
-                     "dense_layers", "anchor_steps", "residual_caching", "cache_offload", "min_tokens", "backend"]
+                     "dense_layers", "anchor_steps", "residual_caching", "cache_offload", "min_tokens", "backend",
+                     "layer_densities"]
     assert [w for w in WIDGETS if w.name == "method"][0].option_values()[-1] == "dense"
 
 

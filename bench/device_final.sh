@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One H200 call for the session's last measurements (carry: .carry/bundle.tar.xz and .carry/quality/testbed):
+# calibrated vs uniform density on the quality testbed, the PyTorch backend on CUDA, and Wan 1.3B 480p on simulated
+# 16 GB and 8 GB cards. Each part has its own time limit and keeps what it measured; everything is packed into
+# $OUT/final.tar.gz (the device returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=/tmp/final
+rm -rf "$root" && mkdir -p "$root"
+export PYTHONUNBUFFERED=1
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (limit ${secs}s) $(date +%T)"
+  mkdir -p "$root/$name"
+  OUT=$root/$name timeout "$secs" "$@" > "$root/$name/run.log" 2>&1
+  echo "=== $name exit $? $(date +%T)"
+  tail -n 25 "$root/$name/run.log"
+}
+part calibration 170 bash bench/device_calibration.sh
+part torch_backend 90 python3 bench/torch_backend.py --device cuda --out "$root/torch_backend"
+part card16 140 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15,mc_sparse@0.15 --vram-gb 16 --host-gb 32
+part card8 100 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15 --vram-gb 8 --host-gb 32
+tar czf "$OUT/final.tar.gz" -C /tmp final
+ls -la "$OUT"

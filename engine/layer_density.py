@@ -1,0 +1,159 @@
+"""Per-layer and per-head densities (docs/method.md, "Per-layer and per-head density").
+
+``SparseConfig.layer_densities`` maps layers (numbered in model order, as ``dense_layers``) to a density
+*factor* for the whole layer or a list of factors, one per head. A head's image->image density is
+``min(1, image_density * factor)``; layers and heads not listed keep factor 1. The factors are relative so
+the density a user sets stays the average: a calibrated set (tools/calibrate.py) averages exactly 1 over the
+model's layers and heads, and changing the density scales every head with it.
+
+At an anchor the engine groups the heads of the call by density, asks the policy once per group on the
+heads' slice with that density, and concatenates the selections along the head dimension
+(``BlockSelection.concat_heads`` / ``TokenSelection.concat_heads``), so every policy and kernel honours
+the densities without knowing about them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+FIELD = "layer_densities"
+
+
+def parse_layer_densities(value) -> tuple:
+    """The normalised, hashable form of ``layer_densities``: a sorted tuple of (layer, factor) pairs, where
+    factor is a float (the whole layer) or a tuple of floats (one per head).
+
+    Accepts None / "" / {} (none), a mapping {layer: factor | [factor per head]} whose keys are layer
+    numbers, "a-b" ranges or "a,b" lists, the YAML/JSON text of such a mapping ("{0: 0.5, 3: [0.4, 1.6]}"),
+    or the normalised tuple itself. ValueError naming ``layer_densities`` on anything else."""
+    if value is None or value == "" or value == () or value == {}:
+        return ()
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{FIELD}: cannot read the text as a mapping ({str(exc).splitlines()[0]})") from None
+        if value is None:
+            return ()
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{FIELD}: expected a mapping of layer -> density factor or [factor per head], "
+                         f"e.g. {{0: 0.5, 3: [0.4, 1.6]}}; got {type(value).__name__}")
+    out: dict[int, float | tuple[float, ...]] = {}
+    for key, factor in value.items():
+        layers = _layers_of(key)
+        parsed = _factor(factor, key)
+        for layer in layers:
+            if layer in out:
+                raise ValueError(f"{FIELD}: layer {layer} is listed twice")
+            out[layer] = parsed
+    return tuple(sorted(out.items()))
+
+
+def _layers_of(key) -> tuple[int, ...]:
+    from .config import parse_layers
+
+    if isinstance(key, bool):
+        raise ValueError(f"{FIELD}: {key!r} is not a layer number")
+    if isinstance(key, int):
+        if key < 0:
+            raise ValueError(f"{FIELD}: layer numbers are non-negative, got {key}")
+        return (key,)
+    try:
+        layers = parse_layers(str(key))
+    except ValueError:
+        raise ValueError(f"{FIELD}: cannot read the layer key {key!r} (a layer number, '4-7' or '0,2')") from None
+    if not layers:
+        raise ValueError(f"{FIELD}: empty layer key {key!r}")
+    return layers
+
+
+def _number(x, key) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)) or float(x) <= 0:
+        raise ValueError(f"{FIELD}: layer {key}: density factors must be positive numbers, got {x!r}")
+    return float(x)
+
+
+def _factor(value, key):
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{FIELD}: layer {key}: an empty list of head factors")
+        return tuple(_number(x, key) for x in value)
+    return _number(value, key)
+
+
+def layer_densities_text(value) -> str:
+    """The widget / preset form: "{0: 0.5, 3: [0.4, 1.6]}" ("" for none); ``parse_layer_densities`` reads it
+    back to the same value."""
+    pairs = parse_layer_densities(value)
+    if not pairs:
+        return ""
+    items = []
+    for layer, f in pairs:
+        items.append(f"{layer}: " + (f"[{', '.join(_g(x) for x in f)}]" if isinstance(f, tuple) else _g(f)))
+    return "{" + ", ".join(items) + "}"
+
+
+def layer_densities_dict(value) -> dict:
+    """{layer: factor | [factor per head]} with plain Python numbers and lists (for YAML presets)."""
+    return {layer: (list(f) if isinstance(f, tuple) else f) for layer, f in parse_layer_densities(value)}
+
+
+def _g(x: float) -> str:
+    return format(x, ".6g")
+
+
+def head_densities(cfg, layer: int, heads: int) -> tuple[float, ...] | None:
+    """The image->image density of each of the ``heads`` heads of ``layer``, or None when the layer keeps the
+    configured density (no entry). ValueError when the entry lists a different number of heads."""
+    entry = dict(cfg.layer_densities).get(layer) if cfg.layer_densities else None
+    if entry is None:
+        return None
+    base = cfg.image_density
+    if isinstance(entry, tuple):
+        if len(entry) != heads:
+            raise ValueError(f"{FIELD}: layer {layer} lists {len(entry)} head densities but its attention has "
+                             f"{heads} heads")
+        return tuple(min(1.0, base * f) for f in entry)
+    return (min(1.0, base * entry),) * heads
+
+
+def config_at(cfg, density: float):
+    """``cfg`` with image->image density ``density`` and no per-layer factors (what one head group uses)."""
+    return cfg.replace(density=density, densities=dataclasses.replace(cfg.densities, image_to_image=None),
+                       layer_densities=())
+
+
+def select_heads(policy, q, k, lse, layout, cfg, densities: tuple[float, ...] | None, *, scale, backend):
+    """A selection for q, k: (B, H, N, D) (lse fp32 (B, H, N) or None) where head h keeps ``densities[h]``.
+
+    ``densities`` None: the policy's own selection at the configured density. Otherwise the heads are grouped
+    by density; the policy selects once per group on the group's head slice and the parts are concatenated
+    along the head dimension in the original head order."""
+    if densities is None:
+        return policy.select(q, k, lse, layout, cfg, scale=scale, backend=backend)
+    groups: dict[float, list[int]] = {}
+    for h, d in enumerate(densities):
+        groups.setdefault(d, []).append(h)
+    if len(groups) == 1:
+        return policy.select(q, k, lse, layout, config_at(cfg, densities[0]), scale=scale, backend=backend)
+    parts, heads = [], []
+    for d, idx in groups.items():
+        sl = _head_slice(idx, q.device)
+        parts.append(policy.select(q[:, sl], k[:, sl], None if lse is None else lse[:, sl], layout,
+                                   config_at(cfg, d), scale=scale, backend=backend))
+        heads.append(idx)
+    return type(parts[0]).concat_heads(parts, heads)
+
+
+def _head_slice(idx: list[int], device):
+    """A slice when the heads are contiguous (a view), else an index tensor (a copy)."""
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return slice(idx[0], idx[-1] + 1)
+    return torch.tensor(idx, dtype=torch.long, device=device)

@@ -1,0 +1,203 @@
+"""Per-layer and per-head densities (engine/layer_density.py): the configuration form, concatenating selections
+along heads, exact density accounting, and the engine honouring the densities for every method. CPU only."""
+
+import pytest
+import torch
+
+from comfyui_sparse_attention import kernels
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine
+from comfyui_sparse_attention.engine.layer_density import (config_at, head_densities, layer_densities_dict,
+                                                           layer_densities_text, parse_layer_densities)
+from comfyui_sparse_attention.engine.policy import policy_for
+from comfyui_sparse_attention.engine.selection import BlockSelection, TokenSelection, block_pairs_fraction
+from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention
+from comfyui_sparse_attention.engine.widgets import config_from_widgets
+
+METHODS = ("block_topk", "mc_sparse", "static", "hybrid")
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """2 112 tokens (64 text + 8x16x16 grid): 32 image blocks of 64, so density steps of 1/32 are visible."""
+    return SyntheticVideoAttention(frames=8, height=16, width=16, text=64, heads=4, head_dim=32, steps=4, seed=3)
+
+
+def base_cfg(method, **kw):
+    return SparseConfig(method=method, density=0.2, min_tokens=0, block_q=64, block_k=64, group_size=64,
+                        backend="torch", **kw)
+
+
+def head_density(sel, h: int, n: int) -> float:
+    """Exact fraction of (query, key) pairs head h of batch row 0 computes."""
+    if isinstance(sel, BlockSelection):
+        return block_pairs_fraction(sel.kv_indices[:1, h:h + 1], sel.kv_counts[:1, h:h + 1], n, n, sel.block_q,
+                                    sel.block_k)
+    real_q = (sel.q_groups[0, h] >= 0).sum(-1).double()
+    text = 0 if sel.dense_rows is None else sel.dense_rows.numel()
+    return float((real_q * sel.kv_counts[0, h].double()).sum() + text * n) / (n * n)
+
+
+def lists(sel, h: int) -> tuple:
+    """Head h of batch row 0: (query groups or None, per row / group the selected blocks or tokens)."""
+    if isinstance(sel, BlockSelection):
+        idx, cnt = sel.kv_indices[0, h], sel.kv_counts[0, h]
+        return None, [idx[r, :c].tolist() for r, c in enumerate(cnt.tolist())]
+    toks, cnt = sel.head(0, h).kv_tokens()[0, 0], sel.kv_counts[0, h]
+    return sel.q_groups[0, h].tolist(), [toks[g, :c].tolist() for g, c in enumerate(cnt.tolist())]
+
+
+def same_head(a, ha: int, b, hb: int) -> bool:
+    """Head ha of selection a selects exactly what head hb of selection b selects (batch row 0)."""
+    return lists(a, ha) == lists(b, hb)
+
+
+# configuration ------------------------------------------------------------------------------------------------
+def test_forms_round_trip_and_errors_name_the_field(tmp_path):
+    value = {0: 0.5, "2-3": [0.4, 1.6], "5,7": 2}
+    parsed = parse_layer_densities(value)
+    assert parsed == ((0, 0.5), (2, (0.4, 1.6)), (3, (0.4, 1.6)), (5, 2.0), (7, 2.0))
+    assert parse_layer_densities(layer_densities_text(value)) == parsed
+    assert parse_layer_densities("{0: 0.5, 2: [0.4, 1.6], 3: [0.4, 1.6], 5: 2, 7: 2}") == parsed
+    assert parse_layer_densities(layer_densities_dict(parsed)) == parsed
+    assert parse_layer_densities("") == () and layer_densities_text(()) == ""
+    cfg = config_from_widgets({"layer_densities": "{1: [0.5, 1.5]}"})
+    assert cfg.layer_densities == ((1, (0.5, 1.5)),)
+    assert config_from_widgets({}).layer_densities == ()
+    for bad in ({0: 0}, {0: -1.0}, {0: [1.0, "x"]}, {0: []}, {"a": 1.0}, {0: 1.0, "0-1": 2.0}, "[1, 2]",
+                {True: 1.0}, "{0: [1, 2"):
+        with pytest.raises(ValueError, match="layer_densities"):
+            SparseConfig(layer_densities=bad)
+    with pytest.raises(ValueError, match="layer_densities: cannot be combined with mass"):
+        SparseConfig(method="block_topk", mass=0.9, layer_densities={0: 2.0})
+    preset = tmp_path / "cal.yaml"
+    preset.write_text("sparse:\n  method: block_topk\n  density: 0.1\n  layer_densities:\n    0: [0.5, 1.5]\n"
+                      "    1: 1.25\n")
+    assert SparseConfig.from_yaml(preset).layer_densities == ((0, (0.5, 1.5)), (1, 1.25))
+    preset.write_text("sparse:\n  layer_densities: {0: [0.5, oops]}\n")
+    with pytest.raises(ValueError, match=r"cal\.yaml: layer_densities: layer 0"):
+        SparseConfig.from_yaml(preset)
+
+
+def test_head_densities_scale_the_image_density_and_check_the_head_count():
+    cfg = base_cfg("block_topk", layer_densities={0: [0.5, 2.0], 1: 3.0, 2: 10.0})
+    assert head_densities(cfg, 0, 2) == pytest.approx((0.1, 0.4))
+    assert head_densities(cfg, 1, 3) == pytest.approx((0.6,) * 3)
+    assert head_densities(cfg, 2, 2) == (1.0, 1.0)  # capped at dense
+    assert head_densities(cfg, 4, 2) is None
+    cfg_i2i = cfg.replace(densities={"image_to_image": 0.3})
+    assert head_densities(cfg_i2i, 0, 2) == pytest.approx((0.15, 0.6))
+    with pytest.raises(ValueError, match="layer 0 lists 2 head densities but its attention has 4 heads"):
+        head_densities(cfg, 0, 4)
+    one = config_at(cfg_i2i, 0.25)
+    assert one.image_density == 0.25 and one.layer_densities == ()
+
+
+# concatenation along heads -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+def test_concat_heads_is_exact(problem, method):
+    """Selections of head subsets at different densities, concatenated in a permuted order: every head selects and
+    computes exactly what its part did, and the density is the exact pair count of the union."""
+    q, k, v = problem.qkv(1)
+    n = q.shape[2]
+    policy = policy_for(method)
+    lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")[1] if policy.needs_lse else None
+    heads = [[2, 0], [3], [1]]
+    dens = [0.1, 0.45, 0.2]
+    cfg = base_cfg(method)
+    parts = []
+    for hs, d in zip(heads, dens):
+        idx = torch.tensor(hs)
+        parts.append(policy.select(q[:, idx], k[:, idx], None if lse is None else lse[:, idx], problem.layout,
+                                   config_at(cfg, d), scale=None, backend="torch"))
+    whole = type(parts[0]).concat_heads(parts, heads)
+    out = whole.run(q, k, v, backend="torch")
+    for hs, part in zip(heads, parts):
+        idx = torch.tensor(hs)
+        ref = part.run(q[:, idx], k[:, idx], v[:, idx], backend="torch")
+        torch.testing.assert_close(out[:, idx], ref, rtol=0, atol=1e-5)  # padded lists: other summation order
+        for j, h in enumerate(hs):
+            assert same_head(whole, h, part, j)
+    per_head = [head_density(whole, h, n) for h in range(4)]
+    assert whole.density == pytest.approx(sum(per_head) / 4, rel=1e-12)
+    assert per_head[3] > per_head[1] > per_head[0]  # 0.45 > 0.2 > 0.1
+    if isinstance(whole, BlockSelection):
+        assert whole.density == pytest.approx(block_pairs_fraction(whole.kv_indices, whole.kv_counts, n, n, 64, 64),
+                                               rel=1e-12)
+    plain = type(parts[0]).concat_heads([parts[1], parts[2]])  # no head list: parts in head order
+    assert plain.kv_counts.shape[1] == 2 and torch.equal(plain.kv_counts[:, 0], parts[1].kv_counts[:, 0])
+    with pytest.raises(ValueError, match="permutation"):
+        type(parts[0]).concat_heads(parts, [[0, 1], [1], [3]])
+
+
+def test_concat_heads_refuses_parts_of_different_calls(problem):
+    q, k, _ = problem.qkv(0)
+    a = policy_for("block_topk").select(q[:, :1], k[:, :1], None, problem.layout, base_cfg("block_topk"),
+                                        scale=None, backend="torch")
+    b = policy_for("block_topk").select(q[:, 1:2], k[:, 1:2], None, problem.layout,
+                                        base_cfg("block_topk").replace(block_q=128, block_k=128), scale=None,
+                                        backend="torch")
+    with pytest.raises(ValueError, match="block_q"):
+        BlockSelection.concat_heads([a, b])
+    with pytest.raises(ValueError, match="no parts"):
+        TokenSelection.concat_heads([])
+
+
+# the engine ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_engine_honours_per_layer_and_per_head_densities(problem, method):
+    """Layer 0: one factor per head; layer 2: one factor for the layer; layer 1: unlisted (the configured density).
+    Each head's cached selection is exactly the policy's selection of that head alone at its own density, and the
+    layer's reported density is the exact pair count of its heads."""
+    factors = [0.5, 2.0, 1.0, 0.75]
+    cfg = base_cfg(method, layer_densities={0: factors, 2: 0.5})
+    eng = SparseEngine(cfg)
+    q, k, v = problem.qkv(0)
+    n = q.shape[2]
+    eng.begin_run()
+    for layer in range(3):
+        eng.attend(q, k, v, CallContext(layer=layer, step=0, layout=problem.layout))
+    sels = {layer: eng.cache.peek(CallContext(layer=layer, step=0).key(n)).selection for layer in range(3)}
+    policy = policy_for(method)
+    lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")[1] if policy.needs_lse else None
+
+    def alone(h, density):
+        sl = slice(h, h + 1)
+        return policy.select(q[:, sl], k[:, sl], None if lse is None else lse[:, sl], problem.layout,
+                             config_at(cfg, density), scale=None, backend="torch")
+
+    for h, f in enumerate(factors):
+        assert same_head(sels[0], h, alone(h, 0.2 * f), 0), (method, h)
+        assert same_head(sels[1], h, alone(h, 0.2), 0), (method, h)
+        assert same_head(sels[2], h, alone(h, 0.1), 0), (method, h)
+    d0 = [head_density(sels[0], h, n) for h in range(4)]
+    assert d0[1] > d0[2] > d0[3] > d0[0]  # factors 2.0 > 1.0 > 0.75 > 0.5
+    assert head_density(sels[2], 0, n) < head_density(sels[1], 0, n)
+    # reuse steps run the per-head selection and report each layer's exact density
+    for layer in range(3):
+        out = eng.attend(*problem.qkv(1), CallContext(layer=layer, step=1, layout=problem.layout))
+        assert torch.isfinite(out).all()
+    stats = eng.end_run()
+    for layer in range(3):
+        exact = sum(head_density(sels[layer], h, n) for h in range(4)) / 4
+        assert stats.layers[layer].density == pytest.approx(exact, rel=1e-9), (method, layer)
+
+
+def test_engine_with_per_head_list_of_the_wrong_length_names_the_layer(problem):
+    eng = SparseEngine(base_cfg("block_topk", layer_densities={0: [1.0, 1.0]}))
+    q, k, v = problem.qkv(0)
+    eng.begin_run()
+    with pytest.raises(ValueError, match="layer 0 lists 2 head densities"):
+        eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+
+
+def test_uniform_factors_change_nothing(problem):
+    """Factor 1 everywhere selects exactly what the configuration without factors selects."""
+    q, k, v = problem.qkv(0)
+    outs = []
+    for ld in ((), {0: [1.0] * 4}):
+        eng = SparseEngine(base_cfg("mc_sparse", layer_densities=ld))
+        eng.begin_run()
+        eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+        outs.append(eng.attend(*problem.qkv(1), CallContext(layer=0, step=1, layout=problem.layout)))
+        eng.end_run()
+    assert torch.equal(outs[0], outs[1])
