@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..engine import AnchorSchedule
 from ..engine.recording import RecordingBuffer, RecordingTooLarge
-from .call import self_shaped, translate
+from .call import translate
 from .families import family_of
 from .forward import Forward, StepCounter
 from .patch import OVERRIDE, SparseAttentionPatch, find_patch, route_module_attention
@@ -84,8 +84,8 @@ class RecordPatch:
     def __call__(self, func, *args, **kwargs):
         to = kwargs.get("transformer_options") or {}
         forward = to.get(INFO_KEY)
-        if forward is not None and self.buffer is not None and self_shaped(args, kwargs):
-            layer = forward.next_layer(to)
+        layer = forward.next_layer(to, args, kwargs) if forward is not None and self.buffer is not None else None
+        if layer is not None:  # a self-attention call (cross-attention calls get no layer number)
             if self._wanted(layer, forward.step):
                 call = translate(args, kwargs)
                 if not isinstance(call, str):
@@ -160,7 +160,7 @@ class RecordPatch:
             return executor(x, t, *args, **kwargs)
         if isinstance(to.get(OVERRIDE), SparseAttentionPatch):
             raise ValueError(REFUSE_WITH_SPARSE)
-        forward = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter)
+        forward = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter, conds=kwargs)
         to[INFO_KEY] = forward
         before = self.buffer.nbytes if self.buffer is not None else 0
         if self.family.bypass_module is not None:

@@ -105,7 +105,8 @@ def results():
 def test_compiled_model_matches_eager_and_decides_the_same(results):
     r = results
     assert r["schedule"] == "DArAr", r
-    assert max(r["node_rel"]) < 1e-4 and r["node_same_decisions"], r  # same anchors/reuses per layer and step
+    # inductor reorders the model's float operations around our calls; the same anchors/reuses per layer and step
+    assert max(r["node_rel"]) < 1e-3 and r["node_same_decisions"], r
     assert r["graph_breaks"] > 0, r  # the override runs eagerly at a graph break, never traced into a graph
     assert r["cache_after"] == 0, r
 
@@ -122,12 +123,12 @@ def test_a_new_patch_on_a_compiled_model_is_the_one_that_runs(results):
 
 def test_routed_family_under_compile(results):
     r = results["h3d"]
-    assert r["rel"] < 1e-4 and r["same"] and r["reuses"] > 0, r
+    assert r["rel"] < 1e-3 and r["same"] and r["reuses"] > 0, r
     assert r["graphs"][0] > 0 and all(x == r["graphs"][0] for x in r["graphs"]), r
 
 
 def test_per_block_compile(results):
     r = results
     g = r["block_graphs"]
-    assert max(r["block_rel"]) < 1e-4 and r["block_same_decisions"], r
+    assert max(r["block_rel"]) < 1e-3 and r["block_same_decisions"], r
     assert g[0] > 0 and all(x == g[0] for x in g), r
