@@ -16,9 +16,9 @@ part() {  # part NAME SECONDS COMMAND...
   echo "=== $name exit $? $(date +%T)"
   tail -n 25 "$root/$name/run.log"
 }
-part calibration 170 bash bench/device_calibration.sh
-part torch_backend 90 python3 bench/torch_backend.py --device cuda --out "$root/torch_backend"
-part card16 140 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15,mc_sparse@0.15 --vram-gb 16 --host-gb 32
-part card8 100 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15 --vram-gb 8 --host-gb 32
+part calibration 160 bash bench/device_calibration.sh
+part torch_backend 80 python3 bench/torch_backend.py --device cuda --out "$root/torch_backend"
+part card16 120 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15,mc_sparse@0.15 --vram-gb 16 --host-gb 32
+part card8 90 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15 --vram-gb 8 --host-gb 32
 tar czf "$OUT/final.tar.gz" -C /tmp final
 ls -la "$OUT"
