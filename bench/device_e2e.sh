@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the H200 (carry: [".carry"], built by bench/device_bundle.sh): unpack ComfyUI and the wheels, run
-# bench/e2e.py with the given arguments, results and log under $OUT.
+# On the H200 (carry: [".carry"], built by bench/device_bundle.sh): unpack ComfyUI and the wheels (BUNDLE names
+# another bundle than .carry/bundle.tar.xz), run bench/e2e.py with the given arguments, results and log under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf /tmp/e2e && mkdir -p /tmp/e2e && tar xJf .carry/bundle.tar.xz -C /tmp/e2e
+rm -rf /tmp/e2e && mkdir -p /tmp/e2e && tar xJf "${BUNDLE:-.carry/bundle.tar.xz}" -C /tmp/e2e
 export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
 # comfy_api imports PyAV (video files) at import time; the device has none and no model here reads video
 python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/

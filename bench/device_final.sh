@@ -8,14 +8,7 @@ cd "$(dirname "$0")/.."
 root=/tmp/final
 rm -rf "$root" && mkdir -p "$root"
 export PYTHONUNBUFFERED=1
-part() {  # part NAME SECONDS COMMAND...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name (limit ${secs}s) $(date +%T)"
-  mkdir -p "$root/$name"
-  OUT=$root/$name timeout "$secs" "$@" > "$root/$name/run.log" 2>&1
-  echo "=== $name exit $? $(date +%T)"
-  tail -n 25 "$root/$name/run.log"
-}
+source bench/device_part.sh
 part calibration 160 bash bench/device_calibration.sh
 part torch_backend 80 python3 bench/torch_backend.py --device cuda --out "$root/torch_backend"
 part card16 120 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15,mc_sparse@0.15 --vram-gb 16 --host-gb 32

@@ -94,7 +94,14 @@ def comfy_setup(cpu: bool, vram_gb: float = 0.0):
     return load("nodes.patch"), load("engine.presets"), load("engine")
 
 
-def build(name: str, tiny: bool, device):
+def build(name: str, tiny: bool, device, weights: str = "bf16", offload: bool = False):
+    """The model ``name`` of MODELS with random weights (fp32 and shrunk when ``tiny``), its inputs and settings.
+
+    ``weights``: "bf16", or "fp8" (float8_e4m3fn weights computed in bf16, as ComfyUI runs its fp8 checkpoints).
+    ``offload``: the weights are drawn on ``device`` (fast) and then moved to host memory, so that ComfyUI loads
+    the model as it loads a checkpoint: fully, or partially (its low-VRAM mode) where the card is too small.
+    Returns (ModelPatcher, latent (B, C, [T,] H, W) fp32 on the CPU, positive and negative conds, CFG, preset
+    name, steps of a typical run)."""
     import comfy.model_patcher
     import comfy.supported_models as sm
 
@@ -109,13 +116,21 @@ def build(name: str, tiny: bool, device):
         if "pooled" in extra:
             extra = dict(extra, pooled=config["vec_in_dim"])
     dtype = torch.float32 if tiny else torch.bfloat16
+    if weights not in ("bf16", "fp8"):
+        raise ValueError(f"weights: 'bf16' or 'fp8', not {weights!r}")
     mc = getattr(sm, cls)(config)
-    mc.set_inference_dtype(dtype, None)
+    if weights == "fp8":
+        mc.set_inference_dtype(torch.float8_e4m3fn, dtype)
+    else:
+        mc.set_inference_dtype(dtype, None)
     model = mc.get_model({}, "", device)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.diffusion_model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32).to(p.dtype) * 0.02)
+            p.copy_((torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(p.dtype))
+    if offload:
+        model.to(torch.device("cpu"))
+        model.device = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
 
     def cond(seed):
@@ -132,24 +147,39 @@ def build(name: str, tiny: bool, device):
 
 def timed_run(model, latent, pos, neg, cfg, steps, device):
     """Seconds of each denoising step (sampler callback, device synchronised) and peak memory (bytes)."""
+    times, peaks, _ = sample_timed(model, latent, pos, neg, cfg, steps, [device])
+    return times, peaks[str(device)]
+
+
+def sample_timed(model, latent, pos, neg, cfg, steps, devices):
+    """Sample ``steps`` euler steps from seed-0 noise, timing each step at the sampler's callback with every
+    device in ``devices`` (torch.devices) synchronised.
+
+    Returns (seconds per step, {str(device): peak bytes allocated during the run, 0 off CUDA}, final latent:
+    the sampler's output, same shape as ``latent`` (B, C, [T,] H, W), on ComfyUI's intermediate device and dtype).
+    """
     import comfy.sample
 
+    cuda = [d for d in devices if d.type == "cuda"]
     marks = []
 
+    def sync():
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
     def callback(step, x0, x, total):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         marks.append(time.perf_counter())
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    sync()
+    for d in cuda:
+        torch.cuda.reset_peak_memory_stats(d)
     t0 = time.perf_counter()
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
-    comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, denoise=1.0,
-                        disable_pbar=True, seed=0, callback=callback)
+    out = comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, denoise=1.0,
+                              disable_pbar=True, seed=0, callback=callback)
     times = [b - a for a, b in zip([t0] + marks[:-1], marks)]
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return times, peak
+    peaks = {str(d): torch.cuda.max_memory_allocated(d) if d.type == "cuda" else 0 for d in devices}
+    return times, peaks, out
 
 
 def median(xs):
@@ -258,7 +288,9 @@ class Clock:
 
 
 def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
-    model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device)
+    # a simulated card: the weights start in host memory and ComfyUI loads them (partially where they do not fit)
+    model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device, weights=args.weights,
+                                                             offload=args.vram_gb > 0 and not args.tiny)
     total = args.total_steps or total
     preset = presets.load_preset(preset_name)
     warm, anchors = schedule_counts(preset, total)
@@ -295,12 +327,15 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         attn_share = dp.last_stats.totals()["seconds"]["attention"] / max(1e-9, sum(dtimes))
         emit(dict(model=name, mode="dense", dense_s=t_dense, step_s=t_dense, projected_s=total * t_dense,
                   speedup=1.0, steady_speedup=1.0, attention_share=attn_share, self_attention_share=a_self / t_dense,
-                  peak_gb=peak / 2**30, schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
+                  peak_gb=peak / 2**30, weights_gb=model.model_size() / 2**30,
+                  weights_loaded_gb=getattr(model.model, "model_loaded_weight_memory", 0) / 2**30,
+                  schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
                   dtype=str(dtype).replace("torch.", "") if dtype else None, self_attn_calls=len(shapes),
                   sdpa_self_attention_s=a_self))
         log.info("%s dense: %.3f s/step (%d timed), attention %.0f %% of the step (self-attention alone, SDPA: "
-                 "%.0f %%, %d calls of %s)", name, t_dense, len(times), 100 * attn_share, 100 * a_self / t_dense,
-                 len(shapes), call_shape)
+                 "%.0f %%, %d calls of %s); weights %.1f GB, %.1f GB of them on the GPU", name, t_dense, len(times),
+                 100 * attn_share, 100 * a_self / t_dense, len(shapes), call_shape, model.model_size() / 2**30,
+                 getattr(model.model, "model_loaded_weight_memory", 0) / 2**30)
     n_steps = 1 + n_timed  # anchor + reuse steps
     if args.modes:
         modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
@@ -409,6 +444,8 @@ def main():
     ap.add_argument("--vram-gb", type=float, default=0.0, help="simulate a card with this much memory (a per-process "
                     "limit and ComfyUI's --reserve-vram for the rest)")
     ap.add_argument("--host-gb", type=float, default=0.0, help="cap the cache's host memory (cpu_budget_mb) at this")
+    ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight dtype: bf16, or fp8 "
+                    "(float8_e4m3fn computed in bf16, as ComfyUI runs fp8 checkpoints)")
     args = ap.parse_args()
     args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -422,7 +459,8 @@ def main():
     meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
             f"{alloc}, {time.strftime('%Y-%m-%d %H:%M')}"
             + (f", simulated card {args.vram_gb:g} GB" if args.vram_gb else "")
-            + (f", host cache cap {args.host_gb:g} GB" if args.host_gb else ""))
+            + (f", host cache cap {args.host_gb:g} GB" if args.host_gb else "")
+            + (f", {args.weights} weights" if args.weights != "bf16" else ""))
 
     def emit(row):
         rows.append(row)

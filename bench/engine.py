@@ -1,7 +1,16 @@
 """Engine cost at a real shape on one CUDA GPU: one anchor call and one reuse call, in multiples of one
-cuDNN dense attention, and cache bytes per layer with and without compaction.
+cuDNN dense attention, cache bytes per layer with and without compaction, and the engine's per-call host
+overhead on reuse calls.
 
     python bench/engine.py --out DIR [--heads 40 --frames 21 --height 45 --width 80]   # Wan 14B 720p
+    python bench/engine.py --out DIR --heads 24 --frames 1 --height 72 --width 64      # 4 608 tokens
+
+Host overhead: ``--overhead-reps`` reuse calls back to back (one synchronisation at the end), once through
+``SparseEngine.attend`` (schedule, cache lookup, statistics, the kernel with the residual in its epilogue) and
+once as the bare kernel call ``selection.run(q, k, v, residual=...)`` on the same cache entry; the overhead is
+the share of the engine's wall time that the bare kernels do not account for. The host time of one engine call
+(until it returns, the GPU still working) is reported beside it: while it stays below the kernel's time the
+GPU never waits for Python.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +44,25 @@ def timed(fn, reps):
     return sorted(times)[len(times) // 2]
 
 
+def back_to_back(fn, reps, rounds=5):
+    """(median wall ms per call of ``reps`` calls launched back to back with one synchronisation at the end,
+    median host ms per call: the time until ``fn`` returns), over ``rounds`` rounds after a warm-up round."""
+    walls, hosts = [], []
+    for r in range(rounds + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host = 0.0
+        for _ in range(reps):
+            a = time.perf_counter()
+            fn()
+            host += time.perf_counter() - a
+        torch.cuda.synchronize()
+        if r:
+            walls.append((time.perf_counter() - t0) * 1e3 / reps)
+            hosts.append(host * 1e3 / reps)
+    return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -42,6 +71,7 @@ def main():
     ap.add_argument("--height", type=int, default=45)
     ap.add_argument("--width", type=int, default=80)
     ap.add_argument("--density", type=float, default=0.15)
+    ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     eng = load("engine")
@@ -77,6 +107,12 @@ def main():
             return engine.attend(q1, k1, v1, eng.CallContext(layer=0, step=1, layout=layout))
         reuse_ms = timed(reuse, 5)
         kernel_ms = timed(lambda: selection.run(q1, k1, v1), 5)
+        engine_wall, engine_host = back_to_back(reuse, args.overhead_reps)
+        bare_wall, bare_host = back_to_back(lambda: selection.run(q1, k1, v1, residual=entry.residual),
+                                            args.overhead_reps)
+        overhead = dict(engine_call_wall_ms=engine_wall, engine_call_host_ms=engine_host,
+                        kernel_call_wall_ms=bare_wall, kernel_call_host_ms=bare_host,
+                        host_overhead_pct=100 * max(0.0, engine_wall - bare_wall) / engine_wall)
         phases = {}
         if method == "mc_sparse":  # where the anchor's time goes
             kern = load("kernels")
@@ -106,7 +142,7 @@ def main():
                    anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,
                    reuse_x_cudnn=reuse_ms / cudnn, density=selection.density, index_bytes_plain=plain,
                    index_bytes_compact=compact, residual_bytes=res_bytes, decode_ms=decode_ms,
-                   fidelity=stats.totals()["fidelity_mean"], **phases)
+                   fidelity=stats.totals()["fidelity_mean"], **overhead, **phases)
         res[method] = row
         log.info("%s: %s", method, json.dumps(row))
         torch.cuda.empty_cache()

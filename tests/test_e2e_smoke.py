@@ -46,3 +46,40 @@ def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
     assert len(lines) == 2  # dense and skipped rows are left out
     assert "10.66" in lines[0] and "| new |" in lines[0] and "10.79" not in proc.stdout
     assert "sol@0.15" in lines[1] and "| old |" in lines[1]
+
+
+def test_e2e_small_card_with_fp8_weights_smoke(tmp_path):
+    """--weights fp8: the model is built in float8_e4m3fn weights that ComfyUI computes in bf16 (manual cast)."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan14b", "--modes", "block_topk@0.15", "--weights", "fp8"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert "fp8 weights" in doc["meta"]
+    dense, sparse = doc["rows"]
+    assert dense["mode"] == "dense" and dense["weights_gb"] > 0 and sparse["mode"] == "block_topk@0.15"
+    assert sparse["projected_s"] > 0
+
+
+def test_multigpu_benchmark_on_two_cpu_device_keys(tmp_path):
+    """bench/multigpu.py --cpu-devices: ComfyUI's MultiGPU CFG Split over the keys "cpu" and "cpu:1"; each key
+    gets its own engine, no cache tensor crosses keys, and the split sparse run equals the one-device run."""
+    if not (comfyui_path() / "comfy" / "multigpu.py").exists():
+        pytest.skip("this ComfyUI has no MultiGPU CFG Split (ComfyUI 0.33.0 or later)")
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "multigpu.py"), "--out", str(tmp_path),
+                           "--models", "wan13b", "--cpu-devices"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "multigpu.json").read_text())["rows"]
+    runs = {(r["gpus"], r["mode"].split("@")[0]): r for r in rows if r["mode"] != "compare"}
+    assert set(runs) == {(1, "block_topk"), (1, "dense"), (2, "block_topk"), (2, "dense")}
+    split = runs[(2, "block_topk")]
+    assert sorted(split["engines"]) == ["cpu", "cpu:1"]
+    for key, e in split["engines"].items():
+        assert e["anchors"] >= 1 and e["reuses"] >= 1, (key, e)
+    assert split["cache_on_own_device"] and runs[(1, "block_topk")]["cache_on_own_device"]
+    assert all(c["n_violations"] == 0 and c["puts"] > 0 for c in split["cache_check"].values())
+    (cmp,) = [r for r in rows if r["mode"] == "compare"]
+    assert cmp["sparse_equal_within_tolerance"] and cmp["sparse_rel_l2"] <= cmp["tolerance"]

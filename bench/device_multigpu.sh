@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a two-GPU H200 machine (kind nvidia-h200-x2; carry: .carry/bundle-033.tar.xz, built by
+#   COMFYUI_PATH=/path/to/ComfyUI-0.33.0 BUNDLE=.carry/bundle-033.tar.xz bash bench/device_bundle.sh):
+# bench/multigpu.py for Wan 2.1 1.3B 480p and 14B 720p, dense and the preset's sparse mode, on one GPU and split
+# over two by ComfyUI 0.33.0's MultiGPU CFG Split. Results packed into $OUT/multigpu.tar.gz.
+#   bash bench/device_multigpu.sh [SECONDS (default 540)] [multigpu.py arguments]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+secs=${1:-540}
+shift || true
+root=/tmp/multigpu
+rm -rf "$root" /tmp/e2e && mkdir -p "$root" /tmp/e2e
+tar xJf .carry/bundle-033.tar.xz -C /tmp/e2e
+export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
+python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
+# the machine's own settings (KINDS.md): NVLink multicast stays off
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source bench/device_part.sh
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+nvidia-smi topo -m >> "$root/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$root/gpu.txt"
+part multigpu "$secs" python3 bench/multigpu.py --out "$root/multigpu" --models wan13b,wan14b \
+  --budget-s $((secs - 20)) "$@"
+tar czf "$OUT/multigpu.tar.gz" -C /tmp multigpu
+ls -la "$OUT"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On an H200 (carry: .carry/bundle-033.tar.xz as for bench/device_multigpu.sh): the engine's per-call host
+# overhead on reuse calls at 4 608 tokens (bench/engine.py), then Wan 2.1 14B 720p with fp8 weights on simulated
+# 24 GB and 16 GB cards with a 32 GB host cache cap (bench/e2e.py --vram-gb/--host-gb/--weights fp8).
+# Results packed into $OUT/small_cards.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=/tmp/small_cards
+rm -rf "$root" /tmp/e2e && mkdir -p "$root" /tmp/e2e
+tar xJf .carry/bundle-033.tar.xz -C /tmp/e2e
+export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
+python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+source bench/device_part.sh
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+part overhead-flux 45 python3 bench/engine.py --out "$root/overhead-flux" \
+  --heads 24 --frames 1 --height 72 --width 64
+part overhead-wan13b 45 python3 bench/engine.py --out "$root/overhead-wan13b" \
+  --heads 12 --frames 2 --height 48 --width 48
+part card24 240 python3 bench/e2e.py --out "$root/card24" --models wan14b --modes block_topk@0.15 \
+  --vram-gb 24 --host-gb 32 --weights fp8 --budget-s 230
+part card16 240 python3 bench/e2e.py --out "$root/card16" --models wan14b --modes block_topk@0.15 \
+  --vram-gb 16 --host-gb 32 --weights fp8 --budget-s 230
+tar czf "$OUT/small_cards.tar.gz" -C /tmp small_cards
+ls -la "$OUT"
