@@ -8,15 +8,36 @@ import sys
 import types
 
 
-class _Placeholder:
+class _Names(type):
+    """Attributes of a placeholder class are placeholder classes too (``ColorTrc.SMPTE2084`` in ComfyUI 0.33.0's
+    tables), the same object each time, so they can serve as dictionary keys."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        made = cls.__dict__.get("_made")
+        if made is None:
+            made = {}
+            type.__setattr__(cls, "_made", made)
+        if name not in made:
+            made[name] = _Names(name, (_Placeholder,), {})
+        return made[name]
+
+
+class _Placeholder(metaclass=_Names):
     def __init__(self, *args, **kwargs):
         raise RuntimeError("PyAV is not installed on this benchmark machine")
+
+
+_MODULE_NAMES: dict = {}
 
 
 def __getattr__(name):
     if name.startswith("__"):
         raise AttributeError(name)
-    return type(name, (_Placeholder,), {})
+    if name not in _MODULE_NAMES:
+        _MODULE_NAMES[name] = _Names(name, (_Placeholder,), {})
+    return _MODULE_NAMES[name]
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
