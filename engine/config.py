@@ -74,7 +74,9 @@ class SparseConfig:
     cache_budget_mb: float | str = "auto"
     offload: bool = True
     cpu_budget_mb: float = 65536.0
-    min_tokens: int = 4096
+    # below 8192 tokens a reuse call is no faster than cuDNN dense on the H200 (host-bound launches; Flux 1024²
+    # and Hunyuan3D make their steps slower): docs/benchmarks.md, "Host overhead at 4 608 tokens"
+    min_tokens: int = 8192
     backend: str = "auto"
     layer_densities: tuple = ()
 

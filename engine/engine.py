@@ -181,8 +181,11 @@ class SparseEngine:
         self._seen_at[key] = ctx.step
         entry = None
         if decision == REUSE:
-            with self.stats.timed(ctx.layer, "transfer", dev):
+            if key in self.cache.on_device:  # resident: nothing to transfer, and no timing events to pay for
                 entry = self.cache.get(key, dev)
+            else:
+                with self.stats.timed(ctx.layer, "transfer", dev):
+                    entry = self.cache.get(key, dev)
             if entry is None or not entry.fits(q):
                 entry = None
         if entry is None:

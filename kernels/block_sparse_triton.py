@@ -85,9 +85,21 @@ def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
 
 
+_ORDER_ATTR = "_sparse_attn_heavy_first"
+
+
 def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
-    """int32 (B*H*nqb,) row order, longest block list first (stable, so equal rows keep head locality)."""
-    return torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+    """int32 (B*H*nqb,) row order, longest block list first (stable, so equal rows keep head locality).
+
+    Remembered on the counts tensor itself (with its version counter): a cached selection is launched on
+    every reuse step, and the sort is several kernel launches of host time each call (docs/benchmarks.md,
+    host overhead at 4 608 tokens). An in-place change of the counts bumps the version and sorts again."""
+    memo = getattr(kv_counts, _ORDER_ATTR, None)
+    if memo is not None and memo[0] == kv_counts._version:
+        return memo[1]
+    order = torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
+    setattr(kv_counts, _ORDER_ATTR, (kv_counts._version, order))
+    return order
 
 
 PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")

@@ -103,3 +103,18 @@ def test_kernel_inputs_beyond_32bit_offsets_are_made_contiguous(monkeypatch):
     assert api._addressable(torch.randn(2, 3, 4).transpose(1, 2))[0].is_contiguous()  # strided last dim
     with pytest.raises(ValueError, match="32-bit"):
         api._addressable(torch.randn(1, 1, 4097, 1))
+
+
+def test_heavy_first_row_order_is_remembered_until_the_counts_change():
+    """The Triton wrapper's row order (longest list first) is sorted once per cached selection, and again after
+    an in-place change of the counts (the tensor's version counter)."""
+    from comfyui_sparse_attention.kernels.block_sparse_triton import heavy_first_order
+    counts = torch.tensor([[[1, 3, 2], [3, 0, 2]]], dtype=torch.int32)
+    first = heavy_first_order(counts)
+    assert first.dtype == torch.int32 and first.tolist() == [1, 3, 2, 5, 0, 4]
+    assert heavy_first_order(counts) is first  # remembered: no new sort
+    counts[0, 0, 0] = 9
+    again = heavy_first_order(counts)
+    assert again is not first and again.tolist() == [0, 1, 3, 2, 5, 4]
+    other = counts.clone()  # another tensor: its own order
+    assert heavy_first_order(other) is not again and heavy_first_order(other).tolist() == again.tolist()
