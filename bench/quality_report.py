@@ -310,6 +310,11 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
         for d, v in sorted(ds.items()):
             a = v.get("anchor_s")
             L.append(f"| {m} | {d:g} | {'–' if a is None else f'{a:.1f}'} | {v['step_s']:.2f} | {v.get('run', '')} |")
+    L += ["", "## Per-layer and per-head densities", "",
+          "Rows whose label names layers (`layer 2 x3`, `sqrt sensitivity`) set `layer_densities` by hand. The "
+          "calibrated allocations of `tools/calibrate.py` against a uniform density, measured on this testbed by "
+          "`bench/quality_calibration.py`, and what the hand-made rows say about them: docs/calibration.md, "
+          "\"Measured on the quality testbed\"."]
     return "\n".join(L) + "\n"
 
 
