@@ -3,13 +3,8 @@
 # another bundle than .carry/bundle.tar.xz), run bench/e2e.py with the given arguments, results and log under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rm -rf /tmp/e2e && mkdir -p /tmp/e2e && tar xJf "${BUNDLE:-.carry/bundle.tar.xz}" -C /tmp/e2e
-export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
-# comfy_api imports PyAV (video files) at import time; the device has none and no model here reads video
-python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
-# ComfyUI's main.py selects this allocator on CUDA builds of torch (cuda_malloc.py); the bench does not run
-# main.py, so it asks for it here (set PYTORCH_CUDA_ALLOC_CONF to override)
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
+source bench/device_comfyui.sh
+unpack_comfyui "${BUNDLE:-.carry/bundle.tar.xz}"
 out=${OUT:-/tmp/e2e/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"

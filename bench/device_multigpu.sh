@@ -9,11 +9,9 @@ cd "$(dirname "$0")/.."
 secs=${1:-540}
 shift || true
 root=/tmp/multigpu
-rm -rf "$root" /tmp/e2e && mkdir -p "$root" /tmp/e2e
-tar xJf .carry/bundle-033.tar.xz -C /tmp/e2e
-export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
-python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
+rm -rf "$root" && mkdir -p "$root"
+source bench/device_comfyui.sh
+unpack_comfyui .carry/bundle-033.tar.xz
 # the machine's own settings (KINDS.md): NVLink multicast stays off
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 source bench/device_part.sh

@@ -6,11 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=/tmp/small_cards
-rm -rf "$root" /tmp/e2e && mkdir -p "$root" /tmp/e2e
-tar xJf .carry/bundle-033.tar.xz -C /tmp/e2e
-export PYTHONPATH=/tmp/e2e/site PYTHONUNBUFFERED=1 COMFYUI_PATH=/tmp/e2e/comfyui
-python3 -c "import av" 2>/dev/null || cp -r bench/avstub/av /tmp/e2e/site/
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-backend:cudaMallocAsync}
+rm -rf "$root" && mkdir -p "$root"
+source bench/device_comfyui.sh
+unpack_comfyui .carry/bundle-033.tar.xz
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 source bench/device_part.sh
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
