@@ -70,15 +70,17 @@ def section(doc: dict) -> str:
              f"({m['recording_mb']:.0f} MB); calibration pairs (anchor → later step) {doc['pairs']}. "
              "*Uniform*: one density for every layer and head. *Calibrated*: the per-layer / per-head densities "
              "`tools/calibrate.py` allocates from the recording alone for the same computed density (objective: "
-             "reuse-step error with the residual). *+ sensitivity*: the same allocation with each layer's error "
+             "reuse-step error with the residual). *Within layers*: the same, but each layer keeps the pairs the "
+             "uniform density gives it and only its heads share them (`--scope layer`). *+ sensitivity*: the same "
+             "allocation with each layer's error "
              "weighted by how much pixel error that layer alone causes (a sampling run per layer with only that "
              "layer sparse; `--layer-weights` of tools/calibrate.py). PSNR / SSIM against the dense reference, mean "
              "of the videos (worst video). *Predicted*: 10·log10 of the calibration's summed squared attention "
              "error, uniform over calibrated, on the recording.", "",
-             "| method | density | uniform PSNR dB | calibrated PSNR dB (gain) | + sensitivity PSNR dB (gain) | "
-             "SSIM uniform / calibrated / + sensitivity | density of sparse calls (uniform / calibrated) | "
-             "predicted gain dB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | density | uniform PSNR dB | calibrated PSNR dB (gain) | within layers PSNR dB (gain) | "
+             "+ sensitivity PSNR dB (gain) | SSIM uniform / calibrated / within layers / + sensitivity | density of "
+             "sparse calls (uniform / calibrated / within layers) | predicted gain dB (calibrated / within layers) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = {(r["method"], r["density"], r["kind"]): r for r in doc["rows"] if "error" not in r}
 
     def cell(r, u):
@@ -87,13 +89,18 @@ def section(doc: dict) -> str:
         u = rows.get((a["method"], a["target"], "uniform"))
         c = rows.get((a["method"], a["target"], "calibrated"))
         w = rows.get((a["method"], a["target"], "calibrated+sensitivity"))
+        hl = rows.get((a["method"], a["target"], "calibrated within layers"))
         if u is None or c is None:
             continue
-        pred = 10 * math.log10(a["cost_uniform"] / a["cost_calibrated"]) if a["cost_calibrated"] > 0 else float("inf")
-        ssim = " / ".join("–" if r is None else f"{r['ssim_mean']:.4f}" for r in (u, c, w))
+
+        def pred(cost):
+            return "–" if cost is None else f"{10 * math.log10(a['cost_uniform'] / cost):+.2f}" if cost > 0 else "inf"
+        ssim = " / ".join("–" if r is None else f"{r['ssim_mean']:.4f}" for r in (u, c, hl, w))
+        dens = " / ".join("–" if r is None else f"{r['stats']['density_sparse']:.3f}" for r in (u, c, hl))
+        within = (a.get("within_layers") or {}).get("cost_calibrated")
         lines.append(f"| {a['method']} | {a['target']:g} | {u['psnr_mean']:.2f} ({u['psnr_min']:.2f}) | {cell(c, u)} | "
-                     f"{cell(w, u)} | {ssim} | {u['stats']['density_sparse']:.3f} / "
-                     f"{c['stats']['density_sparse']:.3f} | {pred:+.2f} |")
+                     f"{cell(hl, u)} | {cell(w, u)} | {ssim} | {dens} | {pred(a['cost_calibrated'])} / "
+                     f"{pred(within)} |")
     gains = [g for g in doc["gains"] if g["target"] == 0.1]
     if gains:
         best = max(gains, key=lambda g: g["gain_db"])
@@ -103,6 +110,8 @@ def section(doc: dict) -> str:
     lines += ["", "Calibrated densities (factors of the average; layer: [head 0, head 1]):", ""]
     for a in doc["allocations"]:
         lines.append(f"- {a['method']} at {a['target']:g}: `{a['layer_densities']}`")
+        if a.get("within_layers"):
+            lines.append(f"- {a['method']} at {a['target']:g} within layers: `{a['within_layers']['layer_densities']}`")
     for sens in doc.get("sensitivity", []):
         lw = ", ".join(f"{la}: {w:.2f}" for la, w in sens["layer_weights"].items())
         pm = sens["predicted_mse"]
@@ -194,6 +203,7 @@ def run(args) -> dict:
 
     # 3. uniform against calibrated, same schedule and average density
     rows, sensitivity = [], []
+    heads_of = {}  # (method, target) -> the allocation among each layer's heads (scope "layer")
 
     def run_config(config, n=None):
         """(videos, stats) of the first n videos (all by default) sampled with the engine configuration."""
@@ -231,12 +241,16 @@ def run(args) -> dict:
     for a in allocs:
         measure_row(a, "uniform", None)
         measure_row(a, "calibrated", a.factors)
+        mine = [c for c in curves if c.method == a.method]
+        heads = cal.allocate(mine, a.target, a.objective, source=rec.path.name, scope="layer")
+        heads_of[(a.method, a.target)] = heads
+        say(f"{a.method} d{a.target:g} within layers: layer_densities {cal.layer_densities_text(heads.factors)}")
+        measure_row(heads, "calibrated within layers", heads.factors)
         if args.sensitivity_videos <= 0:
             continue
         # how strongly each layer's attention error reaches the videos: only layer l sparse (uniform density), the
         # others dense; the pixel MSE per unit of the layer's calibration cost weights the layer in a second allocation
         n = min(args.sensitivity_videos, len(seeds))
-        mine = [c for c in curves if c.method == a.method]
         cost = cal.layer_costs(mine, a.objective, a.target)
         per_layer = {}
         t = time.perf_counter()
@@ -265,7 +279,7 @@ def run(args) -> dict:
     for a in allocs:
         found = {r["kind"]: r for r in rows
                  if r["method"] == a.method and r["density"] == a.target and "error" not in r}
-        for kind in ("calibrated", "calibrated+sensitivity"):
+        for kind in ("calibrated", "calibrated within layers", "calibrated+sensitivity"):
             if "uniform" in found and kind in found:
                 u, c = found["uniform"], found[kind]
                 gains.append({"method": a.method, "target": a.target, "kind": kind,
@@ -285,6 +299,10 @@ def run(args) -> dict:
            "allocations": [{"method": a.method, "target": a.target, "objective": a.objective,
                             "cost_uniform": a.cost_uniform, "cost_calibrated": a.cost_calibrated,
                             "layer_densities": cal.layer_densities_text(a.factors),
+                            "within_layers": {"layer_densities": cal.layer_densities_text(
+                                heads_of[(a.method, a.target)].factors),
+                                "cost_calibrated": heads_of[(a.method, a.target)].cost_calibrated}
+                            if (a.method, a.target) in heads_of else None,
                             "densities": {f"{la}.{h}": d for (la, h), d in sorted(a.densities.items())}}
                            for a in allocs],
            "curves": [{"method": c.method, "layer": c.layer, "head": c.head, "densities": list(c.densities),

@@ -270,16 +270,34 @@ def _points(c: Curve, cs: list[float], target: float) -> tuple[list[float], list
     return xs, ys, ns
 
 
+SCOPES = ("model", "layer")
+
+
 def allocate(curves: list[Curve], target: float, objective: str, *, source: str = "recording",
-             layer_weights: dict | None = None) -> Allocation:
+             layer_weights: dict | None = None, scope: str = "model") -> Allocation:
     """Densities per (layer, head) of one method's ``curves`` that compute, together, exactly the pairs the uniform
     density ``target`` computes (the measured ``achieved`` densities, so block rounding favours neither side) and
     minimise sum(weight x error^2) over the convex hulls of the measured curves. The densities returned are the
     configured ones (what ``layer_densities`` factors scale). layer_weights: {layer: w} multiplying each layer's
     cost (how strongly the layer's attention error reaches the model's output, when measured; default 1).
-    ValueError (naming ``source``) when the grid cannot meet the average."""
+    scope: "model" (the budget moves freely between layers and heads) or "layer" (each layer keeps the pairs the
+    uniform density gives it; only its heads share them: on the quality testbed moving density between layers
+    lost PSNR in both directions, docs/calibration.md).
+    ValueError (naming ``source``) when the grid cannot meet the average or the scope is unknown."""
     if not curves:
         raise ValueError(f"{source}: nothing to allocate (no curves)")
+    if scope not in SCOPES:
+        raise ValueError(f"{source}: scope must be one of {SCOPES}, got {scope!r}")
+    if scope == "layer":
+        parts = [allocate([c for c in curves if c.layer == layer], target, objective, source=source,
+                          layer_weights=layer_weights) for layer in sorted({c.layer for c in curves})]
+        alloc = Allocation(curves[0].method, target, objective,
+                           {k: v for a in parts for k, v in a.densities.items()},
+                           sum(a.cost_uniform for a in parts), sum(a.cost_calibrated for a in parts),
+                           achieved={k: v for a in parts for k, v in a.achieved.items()},
+                           layer_weights=dict(layer_weights) if layer_weights else None)
+        alloc.factors = _factors(alloc.densities, target)
+        return alloc
     method = curves[0].method
     grid = curves[0].densities
     if not (grid[0] - 1e-12 <= target <= grid[-1] + 1e-12):
@@ -513,8 +531,12 @@ def plot(curves: list[Curve], allocations: list[Allocation], path: str | Path) -
 
 def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = None, grid=None, anchors=None,
               objective: str | None = None, layer_weights: dict | None = None, device="cpu",
-              progress=None) -> tuple[list[Curve], list[Allocation], list[tuple[int, int]], float]:
-    """measure + allocate for every method and target density: (curves, allocations, pairs, seconds)."""
+              progress=None, scope: str = "model"
+              ) -> tuple[list[Curve], list[Allocation], list[tuple[int, int]], float]:
+    """measure + allocate (``scope`` as in ``allocate``) for every method and target density: (curves, allocations,
+    pairs, seconds)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope: must be one of {SCOPES}, got {scope!r}")
     t0 = time.perf_counter()
     base = base or SparseConfig()
     for t in targets:
@@ -537,5 +559,5 @@ def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = N
     curves = measure(rec, methods, grid, base, pairs=pairs, weights=weights, layers=layers, device=device,
                      progress=progress)
     allocations = [allocate([c for c in curves if c.method == m], t, obj, source=rec.path.name,
-                            layer_weights=layer_weights) for m in methods for t in targets]
+                            layer_weights=layer_weights, scope=scope) for m in methods for t in targets]
     return curves, allocations, pairs, time.perf_counter() - t0

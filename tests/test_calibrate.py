@@ -179,6 +179,22 @@ def test_allocation_spends_the_budget_exactly_where_it_gains_most():
         cal.allocate([steep, flat], 0.5, "reuse")
 
 
+def test_allocation_within_layers_keeps_each_layers_share():
+    """scope "layer": the heads of a layer share what the uniform density gives that layer; nothing moves between
+    layers, however much steeper one layer's curves are."""
+    steep = [curve(0, h, e) for h, e in enumerate(([0.8, 0.4, 0.2, 0.1], [0.9, 0.5, 0.25, 0.12]))]
+    mixed = [curve(1, 0, [0.8, 0.4, 0.2, 0.1]), curve(1, 1, [0.05, 0.04, 0.035, 0.03])]
+    free = cal.allocate(steep + mixed, 0.1, "reuse")
+    assert free.densities[(0, 0)] + free.densities[(0, 1)] > 0.2  # model scope: layer 0 takes from layer 1
+    within = cal.allocate(steep + mixed, 0.1, "reuse", scope="layer")
+    d = within.densities
+    assert d[(0, 0)] + d[(0, 1)] == pytest.approx(0.2) and d[(1, 0)] + d[(1, 1)] == pytest.approx(0.2)
+    assert d[(1, 0)] > d[(1, 1)] == 0.05  # inside layer 1 the steep head takes the flat head's share
+    assert free.cost_calibrated <= within.cost_calibrated < within.cost_uniform == pytest.approx(free.cost_uniform)
+    with pytest.raises(ValueError, match="scope must be one of"):
+        cal.allocate(steep, 0.1, "reuse", scope="heads")
+
+
 def test_pairs_follow_the_anchors():
     assert cal.pairs_for([2, 6, 10, 20]) == [(2, 6), (6, 10), (10, 20)]
     assert cal.pairs_for([2, 6, 10, 20], anchors=[2, 10]) == [(2, 6), (10, 20)]

@@ -27,13 +27,20 @@ def test_calibration_bench_end_to_end(tmp_path):
     rows = doc["rows"]
     assert [(r["method"], r["density"], r["kind"]) for r in rows] == [
         (m, d, k) for m in ("mc_sparse", "block_topk") for d in (0.25, 0.5)
-        for k in ("uniform", "calibrated", "calibrated+sensitivity")]
+        for k in ("uniform", "calibrated", "calibrated within layers", "calibrated+sensitivity")]
     assert all("error" not in r and len(r["psnr"]) == 3 for r in rows)
     # the same schedule for both: 2 chunks x 2 layers x (2 anchors, 2 reuse steps)
     assert all(r["stats"]["anchor"] == 2 * 2 * 2 and r["stats"]["reuse"] == 2 * 2 * 2 for r in rows)
     assert doc["pairs"] == [[0, 1], [2, 3]]
     assert doc["meta"]["record_steps"] == [0, 1, 2, 3] and doc["meta"]["testbed"]["random_init"] is True
-    assert len(doc["gains"]) == 8 and len(doc["curves"]) == 2 * 2 * 2  # methods x layers x heads
+    assert len(doc["gains"]) == 12 and len(doc["curves"]) == 2 * 2 * 2  # methods x layers x heads
+    for a in doc["allocations"]:  # within layers: every layer keeps its uniform share (factors average 1 per layer)
+        within = next(r for r in rows if (r["method"], r["density"], r["kind"]) ==
+                      (a["method"], a["target"], "calibrated within layers"))
+        factors = SparseConfig.from_dict(within["config"]).layer_densities
+        for layer, f in factors:
+            per_head = f if isinstance(f, tuple) else (f, f)
+            assert sum(per_head) / 2 == pytest.approx(1.0, abs=0.02), (a["method"], layer, f)
     for sens in doc["sensitivity"]:  # one single-layer run per layer, weights normalised to mean 1
         assert sorted(sens["mse_single_layer"]) == ["0", "1"] and sens["videos"] == 1
         assert sum(sens["layer_weights"].values()) / 2 == pytest.approx(1.0)

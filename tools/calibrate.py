@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-weights", default=None,
                     help="{layer: weight} (YAML) multiplying each layer's error, e.g. measured sensitivities of the "
                          "output to each layer's attention error (bench/quality_calibration.py measures them)")
+    ap.add_argument("--scope", default="model", choices=("model", "layer"),
+                    help="model: density moves between layers and heads; layer: each layer keeps the uniform "
+                         "density's pairs and only its heads share them (docs/calibration.md)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = ap.parse_args(argv)
 
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
 
         curves, allocs, pairs, seconds = cal.calibrate(rec, methods, targets, base=base, grid=grid, anchors=anchors,
                                                        objective=args.objective, layer_weights=layer_weights,
-                                                       device=device, progress=progress)
+                                                       device=device, progress=progress, scope=args.scope)
         print()
     except ValueError as exc:
         print(f"calibrate: {exc}", file=sys.stderr)
