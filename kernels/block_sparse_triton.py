@@ -91,14 +91,18 @@ _ORDER_ATTR = "_sparse_attn_heavy_first"
 def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     """int32 (B*H*nqb,) row order, longest block list first (stable, so equal rows keep head locality).
 
-    Remembered on the counts tensor itself (with its version counter): a cached selection is launched on
-    every reuse step, and the sort is several kernel launches of host time each call (docs/benchmarks.md,
-    host overhead at 4 608 tokens). An in-place change of the counts bumps the version and sorts again."""
+    Remembered on the counts tensor itself: a cached selection is launched on every reuse step, and the sort is
+    several kernel launches of host time each call (docs/benchmarks.md, "Host overhead at 4 608 tokens"). An
+    in-place change of the counts bumps the tensor's version counter and sorts again. Inference tensors (ComfyUI
+    samples under torch.inference_mode) have no version counter: their order is kept as long as the element count
+    holds. The kernels take any permutation of the rows (the order only schedules them, heaviest first), so a
+    stale order costs balance, never correctness."""
+    version = None if kv_counts.is_inference() else kv_counts._version
     memo = getattr(kv_counts, _ORDER_ATTR, None)
-    if memo is not None and memo[0] == kv_counts._version:
+    if memo is not None and memo[0] == version and memo[1].numel() == kv_counts.numel():
         return memo[1]
     order = torch.argsort(kv_counts.reshape(-1), descending=True, stable=True).to(torch.int32)
-    setattr(kv_counts, _ORDER_ATTR, (kv_counts._version, order))
+    setattr(kv_counts, _ORDER_ATTR, (version, order))
     return order
 
 

@@ -118,3 +118,8 @@ def test_heavy_first_row_order_is_remembered_until_the_counts_change():
     assert again is not first and again.tolist() == [0, 1, 3, 2, 5, 4]
     other = counts.clone()  # another tensor: its own order
     assert heavy_first_order(other) is not again and heavy_first_order(other).tolist() == again.tolist()
+    with torch.inference_mode():  # as ComfyUI samples: inference tensors have no version counter
+        frozen = torch.tensor([[[2, 5, 1]]], dtype=torch.int32)
+        order = heavy_first_order(frozen)
+        assert order.tolist() == [1, 0, 2] and heavy_first_order(frozen) is order
+    assert heavy_first_order(frozen) is order  # outside inference mode too

@@ -128,6 +128,18 @@ def test_split_cond_batch_reuses_the_batched_anchor(problem, method):
     eng.end_run()
 
 
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_a_run_under_inference_mode_matches_one_without(problem, method):
+    """ComfyUI executes its nodes under torch.inference_mode: every tensor the engine caches is then an inference
+    tensor (no version counter, no autograd). A run there gives the run's outputs exactly."""
+    cfg = SparseConfig(method=method, **BASE)
+    plain, stats = run_engine(cfg, problem, 4)
+    with torch.inference_mode():
+        frozen, frozen_stats = run_engine(cfg, problem, 4)
+    assert frozen == pytest.approx(plain, abs=1e-6)
+    assert frozen_stats.totals()["reuses"] == stats.totals()["reuses"] > 0
+
+
 def test_mc_sparse_with_residual_beats_block_topk_at_equal_density(problem):
     block_err, block_stats = run_engine(SparseConfig(method="block_topk", residual=False, **BASE), problem, 6)
     mc_err, mc_stats = run_engine(SparseConfig(method="mc_sparse", residual=True, **BASE), problem, 6)

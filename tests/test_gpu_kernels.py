@@ -287,3 +287,24 @@ def test_dispatch_takes_tma_only_when_aligned():
     out = K.block_sparse_attention(q, wide[..., :128], v, idx, cnt, block_q=128, block_k=128, backend="triton")
     ref = K.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, backend="triton")
     assert rel(out, ref) <= 1e-3
+
+
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+def test_engine_reuse_under_inference_mode_on_the_triton_kernels(method):
+    """As ComfyUI runs it: anchor and reuse calls under torch.inference_mode (cached selections are inference
+    tensors, which have no version counter) on the Triton path, against the same calls on the PyTorch twins."""
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    layout = TokenLayout(grid=(4, 32, 64))
+    q0, k0, v0 = qkv(4, 8192, 128, seed=5)
+    q1, k1, v1 = qkv(4, 8192, 128, seed=6)
+    outs = {}
+    for backend in ("triton", "torch"):
+        eng = SparseEngine(SparseConfig(method=method, density=0.15, min_tokens=0, backend=backend, residual=True))
+        with torch.inference_mode():
+            eng.begin_run()
+            eng.attend(q0, k0, v0, CallContext(layer=0, step=0, layout=layout))
+            outs[backend] = [eng.attend(q1, k1, v1, CallContext(layer=0, step=s, layout=layout)) for s in (1, 2)]
+            t = eng.end_run().totals()
+        assert t["anchors"] == 1 and t["reuses"] == 2 and t["fallbacks"] == 0
+    assert torch.equal(outs["triton"][0], outs["triton"][1])  # the remembered row order changes nothing
+    assert rel(outs["triton"][1], outs["torch"][1]) <= 2e-2
