@@ -175,8 +175,9 @@ def sample_timed(model, latent, pos, neg, cfg, steps, devices):
         torch.cuda.reset_peak_memory_stats(d)
     t0 = time.perf_counter()
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
-    out = comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, denoise=1.0,
-                              disable_pbar=True, seed=0, callback=callback)
+    with torch.inference_mode():  # as ComfyUI executes its nodes (cached tensors are inference tensors)
+        out = comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, denoise=1.0,
+                                  disable_pbar=True, seed=0, callback=callback)
     times = [b - a for a, b in zip([t0] + marks[:-1], marks)]
     peaks = {str(d): torch.cuda.max_memory_allocated(d) if d.type == "cuda" else 0 for d in devices}
     return times, peaks, out
@@ -290,7 +291,7 @@ class Clock:
 def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     # a simulated card: the weights start in host memory and ComfyUI loads them (partially where they do not fit)
     model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device, weights=args.weights,
-                                                             offload=args.vram_gb > 0 and not args.tiny)
+                                                             offload=args.vram_gb > 0)
     total = args.total_steps or total
     preset = presets.load_preset(preset_name)
     warm, anchors = schedule_counts(preset, total)
@@ -328,6 +329,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         emit(dict(model=name, mode="dense", dense_s=t_dense, step_s=t_dense, projected_s=total * t_dense,
                   speedup=1.0, steady_speedup=1.0, attention_share=attn_share, self_attention_share=a_self / t_dense,
                   peak_gb=peak / 2**30, weights_gb=model.model_size() / 2**30,
+                  weight_dtype=str(model.model.get_dtype()).replace("torch.", ""),
                   weights_loaded_gb=getattr(model.model, "model_loaded_weight_memory", 0) / 2**30,
                   schedule=sched, self_attn_shape=list(call_shape) if call_shape else None,
                   dtype=str(dtype).replace("torch.", "") if dtype else None, self_attn_calls=len(shapes),

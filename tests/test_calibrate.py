@@ -277,6 +277,24 @@ def test_command_line_writes_presets_and_report(recording, tmp_path):
     report = (tmp_path / "cal_mc_sparse.md").read_text()
     assert "pairs (anchor → later step) 0→1 (33% of the reuse steps), 0→2 (67% of the reuse steps)" in report
     assert "block_topk at average density 0.15" in report
+    # --scope layer through calibrate(): each layer keeps the uniform share (the achieved densities, summed per layer,
+    # equal the uniform density's); test_allocation_within_layers_keeps_each_layers_share shows the default moving it
+    rec = load_recording(recording)
+    base = SparseConfig(block_q=64, block_k=64, group_size=64)
+    _, (free,), _, _ = cal.calibrate(rec, ["mc_sparse"], [0.15], base=base, grid=GRID)
+    curves, (within,), _, _ = cal.calibrate(rec, ["mc_sparse"], [0.15], base=base, grid=GRID, scope="layer")
+    for layer in rec.layers:
+        uniform = sum(cal._interp(c.densities, c.achieved, 0.15) for c in curves if c.layer == layer)
+        assert sum(v for (la, _), v in within.achieved.items() if la == layer) == pytest.approx(uniform)
+    assert within.cost_uniform == pytest.approx(free.cost_uniform)
+    assert free.cost_calibrated <= within.cost_calibrated <= within.cost_uniform
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "calibrate.py"), str(recording), "--density", "0.15",
+                           "--grid", "0.05,0.1,0.2,0.3", "--out", str(tmp_path / "layer.yaml"), "--scope", "layer",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    for layer, f in SparseConfig.from_yaml(tmp_path / "layer.yaml").layer_densities:  # each layer averages ~1
+        heads = f if isinstance(f, tuple) else (f, f)
+        assert sum(heads) / len(heads) == pytest.approx(1.0, abs=0.05), (layer, f)
     bad = tmp_path / "broken.safetensors"
     bad.write_bytes(b"\x00" * 64)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "calibrate.py"), str(bad)], capture_output=True,

@@ -85,6 +85,46 @@ def test_triton_kernels_match_twins_in_interpreter():
     assert not bad, bad
 
 
+INFERENCE_CHILD = r"""
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec); sys.modules["comfyui_sparse_attention"] = pack
+spec.loader.exec_module(pack)
+sys.path.insert(0, sys.argv[1] + "/tests")
+from sparse_ref import structured_qkv, random_block_lists, rel_l2
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels import block_sparse_triton as T
+with torch.inference_mode():  # as ComfyUI samples: the cached lists are inference tensors (no version counter)
+    q, k, v = structured_qkv(1, 2, 256, 64, seed=4)
+    idx, cnt = random_block_lists(1, 2, 4, 4, 4, seed=2, empty_rows=(1,), full_rows=(0,))
+    idx, cnt = idx.to(torch.int32).contiguous(), cnt.to(torch.int32).contiguous()
+    first = K.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64, backend="triton", validate=False)
+    memo = getattr(cnt, T._ORDER_ATTR)[1]
+    second = K.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64, backend="triton", validate=False)
+    twin = K.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64, backend="torch")
+    out = dict(inference=cnt.is_inference(), same_memo=getattr(cnt, T._ORDER_ATTR)[1] is memo,
+               equal=bool(torch.equal(first, second)), rel=rel_l2(second.double(), twin.double()),
+               order=memo.tolist(), counts=cnt.reshape(-1).tolist())
+print("RESULT:" + json.dumps(out))
+"""
+
+
+def test_block_sparse_triton_path_under_inference_mode_in_interpreter():
+    """The Triton wrapper's remembered row order works on inference tensors (ComfyUI samples under
+    torch.inference_mode; they have no version counter) and is reused on the next call."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", INFERENCE_CHILD, str(ROOT)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    r = json.loads(lines[-1][7:])
+    assert r["inference"] and r["same_memo"] and r["equal"] and r["rel"] <= 1e-5
+    counts = r["counts"]
+    assert sorted(r["order"]) == list(range(len(counts)))  # a permutation of the rows, heaviest first
+    assert [counts[i] for i in r["order"]] == sorted(counts, reverse=True)
+
+
 HOPPER_CHILD = r"""
 import importlib.util, json, sys, torch
 spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
