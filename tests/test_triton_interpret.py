@@ -15,13 +15,17 @@ from conftest import ROOT
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
                                 reason="Triton not installed")
 
-CHILD = r"""
+# Each child process imports the repository as the package (as ComfyUI does) and the tests' references.
+PREAMBLE = r"""
 import importlib.util, json, sys, torch
 spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
                                               submodule_search_locations=[sys.argv[1]])
 pack = importlib.util.module_from_spec(spec); sys.modules["comfyui_sparse_attention"] = pack
 spec.loader.exec_module(pack)
 sys.path.insert(0, sys.argv[1] + "/tests")
+"""
+
+CHILD = PREAMBLE + r"""
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
 results = {}
@@ -85,13 +89,7 @@ def test_triton_kernels_match_twins_in_interpreter():
     assert not bad, bad
 
 
-INFERENCE_CHILD = r"""
-import importlib.util, json, sys, torch
-spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
-                                              submodule_search_locations=[sys.argv[1]])
-pack = importlib.util.module_from_spec(spec); sys.modules["comfyui_sparse_attention"] = pack
-spec.loader.exec_module(pack)
-sys.path.insert(0, sys.argv[1] + "/tests")
+INFERENCE_CHILD = PREAMBLE + r"""
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.kernels import block_sparse_triton as T
@@ -125,13 +123,7 @@ def test_block_sparse_triton_path_under_inference_mode_in_interpreter():
     assert [counts[i] for i in r["order"]] == sorted(counts, reverse=True)
 
 
-HOPPER_CHILD = r"""
-import importlib.util, json, sys, torch
-spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
-                                              submodule_search_locations=[sys.argv[1]])
-pack = importlib.util.module_from_spec(spec); sys.modules["comfyui_sparse_attention"] = pack
-spec.loader.exec_module(pack)
-sys.path.insert(0, sys.argv[1] + "/tests")
+HOPPER_CHILD = PREAMBLE + r"""
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.kernels import (_hopper, anchor_torch, anchor_triton, attention_hopper,
