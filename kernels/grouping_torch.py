@@ -28,6 +28,32 @@ def _split_plan(n_pad: int, c: int) -> list[list[tuple[int, int]]]:
     return levels
 
 
+_LEVELS: dict = {}  # (n_pad, c, device) -> [[(length, pos, count), ...] per level]; see _level_positions
+
+
+def _level_positions(n_pad: int, c: int, dev: torch.device) -> list[list[tuple[int, torch.Tensor, int]]]:
+    """Per level of ``_split_plan(n_pad, c)``: (segment length, int64 positions of every segment of that length
+    laid end to end, number of such segments), the positions on ``dev``. Built once per (n_pad, c, device): a
+    tensor made from a host list is a copy that waits for the GPU's queue, and the plan is the same for every
+    head, layer and step of a run."""
+    key = (n_pad, c, str(dev))
+    levels = _LEVELS.get(key)
+    if levels is None:
+        levels = []
+        for segs in _split_plan(n_pad, c):
+            by_len: dict[int, list[int]] = {}
+            for start, length in segs:
+                if length > c:
+                    by_len.setdefault(length, []).append(start)
+            levels.append([(length, (torch.tensor(starts, device=dev).view(-1, 1)
+                                     + torch.arange(length, device=dev)).view(-1), len(starts))
+                           for length, starts in by_len.items()])
+        if len(_LEVELS) >= 64:  # a handful of sequence lengths per run; bounded all the same
+            _LEVELS.clear()
+        _LEVELS[key] = levels
+    return levels
+
+
 def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """Order of the points of each segment along its leading principal direction.
 
@@ -74,7 +100,7 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     dev = q.device
     perm_all = torch.empty((b * h, n_pad), dtype=torch.int64, device=dev)
     qf = q.reshape(b * h, n, d)
-    plan = _split_plan(n_pad, c)
+    levels = _level_positions(n_pad, c, dev)
     budget = CHUNK_ELEMS * (4 if q.is_cuda else 1)  # GPU memory is plentiful next to a 1 GiB scratch
     step = max(1, budget // max(1, n_pad * d * 2))
     for h0 in range(0, b * h, step):
@@ -83,18 +109,13 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
         rows = x.reshape(nh * n, d)
         head_base = (torch.arange(nh, device=dev) * n).view(nh, 1, 1)
         perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
-        for segs in plan:
-            by_len: dict[int, list[int]] = {}
-            for start, length in segs:
-                if length > c:
-                    by_len.setdefault(length, []).append(start)
-            for length, starts in by_len.items():
-                pos = (torch.tensor(starts, device=dev).view(-1, 1) + torch.arange(length, device=dev)).view(-1)
-                ids = perm[:, pos].view(nh, len(starts), length)
+        for level in levels:
+            for length, pos, n_segs in level:
+                ids = perm[:, pos].view(nh, n_segs, length)
                 # row gather (index_select) rather than an element-wise gather with an expanded index
                 pts = rows.index_select(0, (ids.clamp(max=n - 1) + head_base).view(-1))
                 real = (ids < n).view(-1, length) if n_pad > n else None  # only a ragged N has padding slots
-                order = _principal_order(pts.view(nh * len(starts), length, d), real)
+                order = _principal_order(pts.view(nh * n_segs, length, d), real)
                 perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(nh, -1)
         perm_all[h0:h0 + nh] = perm
     perm_all = torch.where(perm_all < n, perm_all, torch.full_like(perm_all, -1))
