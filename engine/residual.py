@@ -15,12 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels._residual import FP8, encode_residual
 from .config import RESIDUAL_PRECISIONS as PRECISIONS
 
 log = logging.getLogger(__name__)
 
-FP8 = getattr(torch, "float8_e4m3fn", None)
-FP8_MAX = 448.0
 CHUNK_ELEMS = 1 << 26  # elements converted at a time (bounds the fp32 scratch to 256 MiB)
 _warned = False
 
@@ -71,18 +70,9 @@ class Residual:
                 log.info("sparse attention: fp8 residuals are not available on %s; stored in %s",
                          diff.device.type, diff.dtype)
             return Residual(diff)
-        b, h, n, d = diff.shape
-        data = torch.empty((b, h, n, d), dtype=FP8, device=diff.device)
-        scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device)
-        for sl in _head_chunks(diff):
-            x = diff[:, sl].float()
-            finite = torch.isfinite(x)
-            # the scale comes from the row's finite values: an inf or NaN (non-finite model input) stays in its
-            # own element, stored as NaN, as it is in the dense output, instead of turning the row into NaN
-            s = torch.where(finite, x.abs(), torch.zeros_like(x)).amax(-1, keepdim=True) / FP8_MAX
-            s = torch.where(s > 0, s, torch.ones_like(s))
-            scale[:, sl] = s
-            data[:, sl] = torch.where(finite, x / s, torch.full_like(x, float("nan"))).to(FP8)
+        # the kernels' encoder (the Triton epilogue decodes what it writes): a per-row scale from the row's finite
+        # values, so an inf or NaN (non-finite model input) stays in its own element, as in the dense output
+        data, scale = encode_residual(diff, "fp8", diff.dtype)
         return Residual(data, scale)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
