@@ -75,6 +75,21 @@ def mark_broken(kind: str, exc: BaseException) -> None:
         log.warning("sparse attention: the TMA %s kernel failed (%s); using the pointer kernel", kind, _broken[kind])
 
 
+def attempt(kind: str, auto: bool, launch):
+    """``launch()`` (a TMA kernel, or the fused anchor), guarded: out-of-memory and argument errors propagate;
+    any other error (a compile failure) propagates when the caller asked for this variant, and otherwise marks
+    ``kind`` broken (logged once) and returns None, so the caller runs its fallback now and from then on."""
+    try:
+        return launch()
+    except (torch.OutOfMemoryError, ValueError):
+        raise
+    except Exception as exc:
+        if not auto:
+            raise
+        mark_broken(kind, exc)
+        return None
+
+
 def broken() -> dict[str, str]:
     """Kernel kinds that failed to compile in this process, with the first error."""
     return dict(_broken)

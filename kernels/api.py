@@ -130,16 +130,12 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
         from . import anchor_triton
         q, k, v = _addressable(q, k, v)
         if anchor_triton.supported(k, v):
-            try:
-                return anchor_triton.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
-                                                            block_k=block_k, scale=scale,
-                                                            residual_precision=residual_precision,
-                                                            return_lse=return_lse, validate=validate)
-            except (torch.OutOfMemoryError, ValueError):
-                raise
-            except Exception as exc:  # a compile failure: logged once, the composed path runs from now on
-                from . import _hopper
-                _hopper.mark_broken("anchor", exc)
+            from . import _hopper  # a compile failure: logged once, the composed path runs from now on
+            done = _hopper.attempt("anchor", True, lambda: anchor_triton.block_anchor_attention(
+                q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
+                residual_precision=residual_precision, return_lse=return_lse, validate=validate))
+            if done is not None:
+                return done
         out, lse = attention_dense(q, k, v, scale=scale, return_lse=True, backend=backend)
         sparse = block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
                                         scale=scale, backend=backend, validate=validate)

@@ -137,16 +137,11 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     if path != "pointer":
         from . import attention_hopper
         kind = "sparse" if path == "tma" else path
-        try:
-            return attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
-                                           mode=attention_hopper.MODE_BLOCKS, res=res, idx=idx, cnt=cnt,
-                                           order=order)
-        except (torch.OutOfMemoryError, ValueError):
-            raise
-        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
-            if not auto:
-                raise
-            _hopper.mark_broken(kind, exc)
+        done = _hopper.attempt(kind, auto, lambda: attention_hopper.launch(
+            kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k, mode=attention_hopper.MODE_BLOCKS,
+            res=res, idx=idx, cnt=cnt, order=order))
+        if done is not None:
+            return done
     _bsa_fwd[(b * h * n_qblk,)](
         q, k, v, out, *residual_launch_args(res, out)[:2], idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, n_qblk,

@@ -83,16 +83,11 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if path != "pointer":
         from . import attention_hopper
         kind = "dense" if path == "tma" else path
-        try:
-            attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=128, block_k=128,
-                                    mode=attention_hopper.MODE_DENSE, lse=lse if return_lse else None)
+        done = _hopper.attempt(kind, auto, lambda: attention_hopper.launch(
+            kind, q, k, v, out, scale=scale, block_q=128, block_k=128, mode=attention_hopper.MODE_DENSE,
+            lse=lse if return_lse else None))
+        if done is not None:
             return (out, lse) if return_lse else out
-        except (torch.OutOfMemoryError, ValueError):
-            raise
-        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
-            if not auto:
-                raise
-            _hopper.mark_broken(kind, exc)
 
     def grid(meta):
         return (triton.cdiv(nq, meta["BLOCK_M"]), b * h)

@@ -174,15 +174,11 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
             *q.stride()[:3], *k.stride()[:3], h, nq, nk, g, scale * LOG2E, seq_bucket(nk))
     meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
     if use_tma:
-        try:
+        def launch():
             _hopper.set_allocator(q.device)
             _mass_fwd[(g, b * h)](*args, USE_TMA=True, **meta)
             return out
-        except (torch.OutOfMemoryError, ValueError):
-            raise
-        except Exception as exc:  # auto: a compile failure is logged once and the pointer kernel runs
-            if not auto:
-                raise
-            _hopper.mark_broken("mass", exc)
+        if _hopper.attempt("mass", auto, launch) is not None:
+            return out
     _mass_fwd[(g, b * h)](*args, USE_TMA=False, **meta)
     return out
