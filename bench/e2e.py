@@ -278,6 +278,19 @@ def schedule_counts(preset, total: int) -> tuple[int, int]:
     return warm, anchors
 
 
+def row_writer(out: Path, stem: str, meta: str, render):
+    """(rows, emit): ``emit(row)`` appends a result row and rewrites OUT/STEM.json ({meta, rows}) and OUT/STEM.md
+    (``render(rows, meta)``) at once, so a run stopped by a time limit keeps what it measured."""
+    rows: list = []
+    out.mkdir(parents=True, exist_ok=True)
+
+    def emit(row):
+        rows.append(row)
+        (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (out / f"{stem}.md").write_text(render(rows, meta))
+    return rows, emit
+
+
 class Clock:
     """Wall-clock budget of the whole benchmark (device calls have a hard limit)."""
 
@@ -454,20 +467,13 @@ def main():
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu", vram_gb=args.vram_gb)
     clock = Clock(args.budget_s)
-    rows = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     alloc = f", allocator {torch.cuda.get_allocator_backend()}" if device.type == "cuda" else ""
     meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
             f"{alloc}, {time.strftime('%Y-%m-%d %H:%M')}"
             + (f", simulated card {args.vram_gb:g} GB" if args.vram_gb else "")
             + (f", host cache cap {args.host_gb:g} GB" if args.host_gb else "")
             + (f", {args.weights} weights" if args.weights != "bf16" else ""))
-
-    def emit(row):
-        rows.append(row)
-        (out / "e2e.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "e2e.md").write_text(render(rows, meta))
+    rows, emit = row_writer(Path(args.out), "e2e", meta, render)
     for name in args.models.split(","):
         bench_model(name, args, patch_mod, presets, eng, device, clock, emit)
     sys.stdout.write(render(rows, meta))

@@ -31,7 +31,6 @@ run stopped by a time limit keeps what it measured) and DIR/multigpu.md.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import threading
@@ -346,17 +345,10 @@ def main():
     if cpu:  # ComfyUI lists no devices beside the CPU: the second key stands for a second GPU
         mm.get_all_torch_devices = lambda exclude_current=False: list(devices)
     clock = e2e.Clock(args.budget_s)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     names = ", ".join(torch.cuda.get_device_name(d) for d in devices) if not cpu else "cpu (device keys cpu, cpu:1)"
     alloc = f", allocator {torch.cuda.get_allocator_backend()}" if not cpu else ""
     meta = f"devices {names}, torch {torch.__version__}{alloc}, {time.strftime('%Y-%m-%d %H:%M')}"
-    rows = []
-
-    def emit(row):
-        rows.append(row)
-        (out / "multigpu.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (out / "multigpu.md").write_text(render(rows, meta))
+    rows, emit = e2e.row_writer(Path(args.out), "multigpu", meta, render)
     for name in args.models.split(","):
         bench_model(name, args, patch_mod, presets, eng, devices, clock, emit)
     sys.stdout.write(render(rows, meta))
