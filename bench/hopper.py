@@ -239,9 +239,15 @@ class Shape:
                     BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False)), real,
                     target=dens)
 
-    def token(self, dens=0.15):
+    def token(self, dens=0.15, variant="pointer", reuse=True):
         q, k, v, TT, Residual = self.q, self.k, self.v, self.m["TT"], self.m["Residual"]
         h, n = self.h, self.n
+        if getattr(self, "token_lists", None) is not None:  # the same lists for every variant of this shape
+            grp, toks, tcnt, kk = self.token_lists
+            self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt,
+                                                                            validate=False),
+                     kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
+            return
         perm = torch.randperm(n, device=DEV, generator=self.gen).to(torch.int32)
         g = math.ceil(n / 128)
         groups = torch.full((g * 128,), -1, dtype=torch.int32, device=DEV)
@@ -254,8 +260,11 @@ class Shape:
             toks[0, h0] = torch.sort(t, -1).values.to(torch.int32)
         tcnt = torch.full((1, h, g), kk, dtype=torch.int32, device=DEV)
         grp = self.groups
-        self.rec("token128", "pointer", lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
+        self.token_lists = (grp, toks, tcnt, kk)
+        self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
                  kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
+        if not reuse:
+            return
         res = Residual.encode(torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05, "fp8")
         self.rec("token128_reuse", "fused_fp8", lambda: TT.token_sparse_attention(
             q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale)), kk / n, target=dens,
@@ -277,6 +286,34 @@ class Shape:
             if r and pass1 and self.cudnn:
                 r["note"] = f"{r['ms'] / self.cudnn:.2f}x cuDNN; pass1+pass2 {(pass1 + r['ms']) / self.cudnn:.2f}x"
         torch.cuda.empty_cache()
+
+    def rescale(self, densities):
+        """Eager against lazy rescaling (SPARSE_ATTN_RESCALE, kernels/_triton_common.py): the TMA block-sparse
+        kernel at each density, the TMA dense + LSE kernel, the fused block anchor (fp8 residual) and the
+        token-sparse kernel at 0.15, each tuned for its mode (LAZY is in the autotune keys)."""
+        q, k, v, BT, AH, AT, DT = self.q, self.k, self.v, self.m["BT"], self.m["AH"], self.m["AT"], self.m["DT"]
+        saved = os.environ.get("SPARSE_ATTN_RESCALE")
+        try:
+            for mode in ("eager", "lazy"):
+                os.environ["SPARSE_ATTN_RESCALE"] = mode
+                for dens in densities:
+                    idx, cnt, real = self.block_lists(dens, False)
+                    self.rec("bsa128", f"tma-{mode}", lambda idx=idx, cnt=cnt: BT.block_sparse_attention(
+                        q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path="tma"), real,
+                        config=lambda: AH.last_config("sparse"), target=dens)
+                self.rec("dense_lse", f"tma-{mode}", lambda: DT.attention_dense(q, k, v, return_lse=True,
+                                                                                path="tma"),
+                         config=lambda: AH.last_config("dense"))
+                idx, cnt, _ = self.block_lists(densities[0], False)
+                self.rec("anchor", f"fused_fp8-{mode}", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(
+                    q, k, v, idx, cnt, block_q=128, block_k=128, residual_precision="fp8", validate=False),
+                    config=lambda: AH.last_config("anchor"), target=densities[0])
+                self.token(variant=f"pointer-{mode}", reuse=False)
+        finally:
+            if saved is None:
+                os.environ.pop("SPARSE_ATTN_RESCALE", None)
+            else:
+                os.environ["SPARSE_ATTN_RESCALE"] = saved
 
     def warp_spec(self, dens=0.25):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
@@ -339,6 +376,8 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--plan", choices=("full", "rescale"), default="full",
+                    help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -387,8 +426,8 @@ def main():
         save()
 
     # per shape: the core first, FlexAttention last (reference times stand in when it is cut)
-    plan = []
-    for i, name in enumerate(names):
+    plan = [(name, "rescale", (0.25, 0.1, 0.5)) for name in names] if args.plan == "rescale" else []
+    for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]
         if i == 0:

@@ -18,22 +18,59 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+# Lazy rescaling (docs/kernel_notes.md, "Lazy rescaling"): the running max is raised only when some row of the
+# tile exceeds it by more than RESCALE_SLACK base-2 units, so most tiles skip the accumulator rescale (a multiply
+# over the whole [M, D] accumulator) and the exp2 of the correction. Unraised, p <= 2**RESCALE_SLACK = 256:
+# exact in fp32 sums, and bf16 / fp16 keep their relative precision for p. The result is the same softmax (LSE
+# = m + log2 l holds for any m >= every score seen minus the slack).
+RESCALE_SLACK = tl.constexpr(8.0)
+RESCALE_MODES = ("lazy", "eager")
+DEFAULT_RESCALE = "eager"
+
+
+def lazy_rescale() -> bool:
+    """LAZY constexpr of the kernels: SPARSE_ATTN_RESCALE=lazy|eager, else DEFAULT_RESCALE (read at every launch,
+    so a benchmark can time both in one process)."""
+    mode = os.environ.get("SPARSE_ATTN_RESCALE", "") or DEFAULT_RESCALE
+    if mode not in RESCALE_MODES:
+        raise ValueError(f"SPARSE_ATTN_RESCALE must be one of {RESCALE_MODES}, got {mode!r}")
+    return mode == "lazy"
+
+
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, qk, qk_scale, v):
+def online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY: tl.constexpr):
     """Fold one tile of raw scores ``qk`` [M, N] (-inf = skipped) and values ``v`` [N, D] into the state.
 
     Scores become base-2 logits ``qk * qk_scale`` (qk_scale = scale * log2 e > 0) inside one FMA with the
     max subtraction. acc: [M, D] fp32; m_i, l_i: [M] fp32 running max (base 2) and sum. Rows whose
     scores are all -inf so far keep m = -inf and l = 0 (no NaN: the max used for exp2 is guarded).
+    LAZY: keep the running max while no row of the tile exceeds it by more than RESCALE_SLACK (one decision
+    for the whole tile, a uniform branch), so the accumulator is rescaled only when the max really moves.
     """
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk * qk_scale - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
+    m_tile = tl.max(qk, 1) * qk_scale
+    if LAZY:
+        m_new = tl.maximum(m_i, m_tile)
+        grow = tl.where(m_new > m_i, m_new - m_i, 0.0)  # inf where a row sees its first finite score
+        if tl.max(grow, 0) > RESCALE_SLACK:
+            m_up = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_up)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk * qk_scale - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -136,15 +173,16 @@ def last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 @triton.jit
 def kv_tile(acc, m_i, l_i, q, k_base, v_base, rows, rows_ok, skn, svn, qk_scale, d,
-            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+            HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
     """Attend one tile of KV rows ``rows`` [N] (contiguous or gathered). With MASKED, rows outside
-    ``rows_ok`` are skipped (-inf); without it every row is valid and loads carry no row mask."""
+    ``rows_ok`` are skipped (-inf); without it every row is valid and loads carry no row mask. LAZY: see
+    online_softmax_step."""
     k = load_rows(k_base, rows, skn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
     qk = tl.dot(q, tl.trans(k))
     if MASKED:
         qk = tl.where(rows_ok[None, :], qk, float("-inf"))
     v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
-    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v)
+    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
 
 
 @triton.jit

@@ -24,28 +24,29 @@ import triton
 import triton.language as tl
 
 from . import _hopper
-from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, load_rows, online_softmax_step, pick,
-                             residual_launch_args, residual_mode, seq_bucket, store_residual_out, store_rows,
-                             tune_bench)
+from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows,
+                             online_softmax_step, pick, residual_launch_args, residual_mode, seq_bucket,
+                             store_residual_out, store_rows, tune_bench)
 
 MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
 
 
 @triton.jit
 def _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
     """Attend KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
     k = k_desc.load([start, 0])
     qk = tl.dot(q, k.T)
     if MASKED:
         qk = tl.where((start + tl.arange(0, BLOCK_N))[None, :] < N_KV, qk, float("-inf"))
     v = v_desc.load([start, 0])
-    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v)
+    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
 
 
 @triton.jit
 def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK, qk_scale,
-                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, WARP_SPEC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, WARP_SPEC: tl.constexpr,
+                 LAZY: tl.constexpr):
     """Attend the sorted KV blocks idx_base[0:count]. Only the last entry can be the ragged last KV block,
     so only its tiles are masked."""
     MULT: tl.constexpr = BLOCK_K // BLOCK_N
@@ -58,12 +59,12 @@ def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK
     for it in tl.range(0, n_full, warp_specialize=WARP_SPEC):
         blk = tl.load(idx_base + it // MULT)
         acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, blk * BLOCK_K + (it % MULT) * BLOCK_N,
-                                 N_KV, qk_scale, BLOCK_N, False)
+                                 N_KV, qk_scale, BLOCK_N, False, LAZY)
     for j in tl.static_range(MULT):  # the masked tail, unrolled: a loop here would get its own pipeline buffers
         if n_full + j < n_iter:
             blk = tl.load(idx_base + (n_full + j) // MULT)
             acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, blk * BLOCK_K + j * BLOCK_N,
-                                     N_KV, qk_scale, BLOCK_N, True)
+                                     N_KV, qk_scale, BLOCK_N, True, LAZY)
     return acc, m_i, l_i
 
 
@@ -73,7 +74,8 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
          H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale,
          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
          BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
-         RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr):
+         RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
+         LAZY: tl.constexpr):
     """One query block: row = (b * H + h) * NQB + query block."""
     pid_bh = row // NQB
     qb = row % NQB
@@ -93,20 +95,20 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
     if MODE == 1:  # dense: every tile, the ragged last one masked
         n_full = (N_KV // BLOCK_N) * BLOCK_N
         for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale, BLOCK_N, False)
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale, BLOCK_N, False, LAZY)
         if not EVEN_N:
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, n_full, N_KV, qk_scale, BLOCK_N, True)
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, n_full, N_KV, qk_scale, BLOCK_N, True, LAZY)
         out, lse = finish(acc, m_i, l_i)
     else:
         count = tl.load(KV_CNT + row)
         acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, KV_IDX + row.to(tl.int64) * MAX_K, count,
-                                     N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC)
+                                     N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY)
         out, lse = finish(acc, m_i, l_i)
         if MODE == 2:  # the selected blocks' state is the sparse output; continue over the complement
             out_s = out
             c_count = tl.load(CMP_CNT + row)
             acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, CMP_IDX + row.to(tl.int64) * MAX_C,
-                                         c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC)
+                                         c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY)
             out, lse = finish(acc, m_i, l_i)
             store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, out - out_s, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
@@ -125,7 +127,8 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
               RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, ORDERED: tl.constexpr,
-              PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr):
+              PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr,
+              LAZY: tl.constexpr):
     if PERSISTENT:  # greedy: each program takes the next row (heaviest first) when it finishes one
         t = tl.atomic_add(COUNTER, 1)
         while t < N_ROWS:
@@ -135,7 +138,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
             _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                  H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC)
+                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY)
             t = tl.atomic_add(COUNTER, 1)
     else:
         row = tl.program_id(0)
@@ -144,7 +147,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
         _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC)
+             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY)
 
 
 def _cfg(bn, w, s, per_sm=1, maxnreg=None):
@@ -178,7 +181,7 @@ def _prune(configs_, named_args, **kwargs):
 
 
 # residual and LSE flags are not in the key: their variants reuse the tiling tuned without them
-_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE"]
+_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY"]
 _HEUR = {"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0}
 _tuned: dict[str, object] = {}
 
@@ -234,7 +237,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec")
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale())
     return out
 
 

@@ -18,6 +18,7 @@ from . import _hopper
 from ._checks import check_qkv, check_scale
 from ._residual import check_residual, contiguous_residual
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
+                              lazy_rescale,
                              load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
 from .block_sparse_torch import check_block_lists
 
@@ -35,7 +36,7 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K"],
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "LAZY"],
                  prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
@@ -43,7 +44,8 @@ def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, qk_scale, N_BUCKET,
              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+             LAZY: tl.constexpr):
     row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
     pid_bh = row // NQB
     qb = row % NQB
@@ -73,13 +75,13 @@ def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
         blk = tl.load(idx_base + it // MULT)
         offs_n = blk * BLOCK_K + (it % MULT) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, False)
+                                qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     for j in tl.static_range(MULT):  # the masked tail, unrolled: a loop here would get its own pipeline buffers
         if n_full + j < n_iter:
             blk = tl.load(idx_base + (n_full + j) // MULT)
             offs_n = blk * BLOCK_K + j * BLOCK_N + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
-                                    qk_scale, d, HEAD_DIM, D_PAD, True)
+                                    qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
     out, _ = finish(acc, m_i, l_i)
     out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
@@ -146,5 +148,6 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
         q, k, v, out, *residual_launch_args(res, out)[:2], idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, n_qblk,
         triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
-        HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k)
+        HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k,
+        LAZY=lazy_rescale())
     return out

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from . import _hopper
 from ._checks import check_qkv, check_scale
-from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, load_rows, seq_bucket,
-                             store_rows, tune_bench)
+from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, lazy_rescale,
+                             load_rows, seq_bucket, store_rows, tune_bench)
 
 _CONFIGS = configs(
     # docs/kernel_notes.md: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
@@ -23,14 +23,14 @@ _CONFIGS = configs(
     interpret_pick=dict(BLOCK_M=64, BLOCK_N=64))
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM"], do_bench=tune_bench)
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "LAZY"], do_bench=tune_bench)
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _dense_fwd(Q, K, V, Out, LSE,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                H, N_Q, N_KV, qk_scale, N_BUCKET,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, WRITE_LSE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, LAZY: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -48,11 +48,11 @@ def _dense_fwd(Q, K, V, Out, LSE,
     for start_n in range(0, n_full, BLOCK_N):  # full tiles: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, False)
+                                qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     if not EVEN_N:  # the ragged last tile
         offs_n = n_full + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, True)
+                                qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
     out, lse = finish(acc, m_i, l_i)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:
@@ -94,5 +94,5 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
     _dense_fwd[grid](q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                      *out.stride()[:3], h, nq, nk, scale * LOG2E, seq_bucket(nk),
-                     HEAD_DIM=d, D_PAD=head_dim_pad(d), WRITE_LSE=return_lse)
+                     HEAD_DIM=d, D_PAD=head_dim_pad(d), WRITE_LSE=return_lse, LAZY=lazy_rescale())
     return (out, lse) if return_lse else out

@@ -17,7 +17,8 @@ import triton.language as tl
 from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
-                             load_group, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
+                             lazy_rescale, load_group, residual_launch_args, residual_mode, seq_bucket, store_rows,
+                             tune_bench)
 from .token_sparse_torch import check_token_lists
 
 # Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
@@ -38,14 +39,14 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP"],
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY"],
                  prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
 @triton.jit
 def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
-               GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
     d = tl.arange(0, D_PAD)
     q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
     k_base = K + b * skb + h * skh
@@ -60,13 +61,13 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
         slot = start + tl.arange(0, BLOCK_N)
         tok = tl.load(tok_base + slot)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, slot < count, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, False)
+                                qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     if n_full < count:  # the list's tail
         slot = n_full + tl.arange(0, BLOCK_N)
         t_ok = slot < count
         tok = tl.load(tok_base + slot, mask=t_ok, other=0)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, t_ok, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, True)
+                                qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
     out, _ = finish(acc, m_i, l_i)
     out = add_residual(out, R, RS, b, h, qi, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL)
     store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
@@ -102,5 +103,5 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
             q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
             scale * LOG2E, seq_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
-            RESIDUAL=residual_mode(res), GROUP=c)
+            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale())
     return out

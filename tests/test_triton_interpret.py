@@ -264,3 +264,87 @@ def test_hopper_kernels_residual_anchor_and_mass_in_interpreter():
     assert flags["dispatch-misaligned-stride"] == []
     assert flags["fallback-after-failure"]["rel"] < 2e-3 and flags["fallback-after-failure"]["broken"] == ["sparse"]
     assert flags["explicit-failure-raises"]
+
+
+LAZY_CHILD = PREAMBLE + r"""
+import os
+from sparse_ref import structured_qkv, random_block_lists, rel_l2
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels import (anchor_torch, anchor_triton, block_sparse_torch, block_sparse_triton,
+                                              dense_torch, dense_triton, token_sparse_torch, token_sparse_triton)
+from comfyui_sparse_attention.kernels._triton_common import lazy_rescale
+assert os.environ["SPARSE_ATTN_RESCALE"] == "lazy" and lazy_rescale()
+results = {}
+
+def rel(name, a, b):
+    fin = torch.isfinite(b.double())
+    results[name] = dict(rel=rel_l2(torch.where(fin, a.double(), 0), torch.where(fin, b.double(), 0)),
+                         nan=bool(torch.isnan(a.float()).any()),
+                         same_inf=bool(torch.equal(torch.isneginf(a), torch.isneginf(b))))
+
+for dtype in (torch.float16, torch.float32):
+    for (n, d) in ((200, 64), (193, 128)):
+        q0, k0, v = structured_qkv(1, 2, n, d, dtype=torch.float32, seed=n + d)
+        # "tiny": every score within a unit of 0 (after the first tile the rescale branch is never taken);
+        # "flat": the structured scores;
+        # "ramp": key norms grow along the sequence, so later tiles raise every row's max by far more than the
+        # slack (the rescale branch is taken tile after tile); "ramp_down": the first tile holds the max
+        ramp = torch.linspace(0.2, 6.0, n).view(1, 1, n, 1)
+        for kind, k in (("tiny", k0 * 0.02), ("flat", k0), ("ramp", k0 * ramp), ("ramp_down", k0 * ramp.flip(2))):
+            q, k, vv = q0.to(dtype), k.to(dtype), v.to(dtype)
+            tag = f"{kind}-{dtype}-{n}-{d}"
+            for path in ("pointer", "tma"):
+                out, lse = dense_triton.attention_dense(q, k, vv, return_lse=True, path=path)
+                ro, rlse = dense_torch.attention_dense(q, k, vv, return_lse=True)
+                rel(f"dense-{path}-out-" + tag, out, ro)
+                rel(f"dense-{path}-lse-" + tag, lse, rlse)
+            nb = -(-n // 64)
+            idx, cnt = random_block_lists(1, 2, nb, nb, nb, seed=n, empty_rows=(1,), full_rows=(0,))
+            ref = block_sparse_torch.block_sparse_attention(q, k, vv, idx, cnt, block_q=64, block_k=64)
+            for path in ("pointer", "tma", "persistent"):
+                rel(f"bsa-{path}-" + tag, block_sparse_triton.block_sparse_attention(
+                    q, k, vv, idx, cnt, block_q=64, block_k=64, path=path), ref)
+            o, lse, r = anchor_triton.block_anchor_attention(q, k, vv, idx, cnt, block_q=64, block_k=64,
+                                                             residual_precision="model", return_lse=True)
+            ro, rlse, rr = anchor_torch.block_anchor_attention(q, k, vv, idx, cnt, block_q=64, block_k=64,
+                                                               residual_precision="model", return_lse=True)
+            rel("anchor-out-" + tag, o, ro)
+            rel("anchor-lse-" + tag, lse, rlse)
+            groups = K.group_queries(q, 64)
+            g = groups.shape[2]
+            toks = torch.arange(n, dtype=torch.int32).view(1, 1, 1, n).expand(1, 2, g, n).contiguous()
+            tcnt = torch.full((1, 2, g), n, dtype=torch.int32)
+            tcnt[0, 1, 0] = 70  # a partial list: a masked tail
+            rel("token-" + tag, token_sparse_triton.token_sparse_attention(q, k, vv, groups, toks, tcnt),
+                token_sparse_torch.token_sparse_attention(q, k, vv, groups, toks, tcnt))
+print("RESULT:" + json.dumps(results))
+"""
+
+
+def test_lazy_rescale_matches_twins_in_interpreter():
+    """SPARSE_ATTN_RESCALE=lazy: every kernel (dense pointer / TMA, block-sparse pointer / TMA / persistent, fused
+    anchor, token-sparse) equals its twin on scores whose row max never moves by the slack, climbs tile after
+    tile, or sits in the first tile (kernels/_triton_common.py, online_softmax_step)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SPARSE_ATTN_RESCALE="lazy")
+    proc = subprocess.run([sys.executable, "-c", LAZY_CHILD, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    results = json.loads(lines[-1][7:])
+    assert len(results) == 2 * 2 * 4 * (4 + 3 + 2 + 1)
+    bad = {name: e for name, e in results.items()
+           if e["nan"] or not e["same_inf"] or e["rel"] > (2e-3 if "float16" in name else 1e-5)}
+    assert not bad, bad
+
+
+def test_rescale_mode_is_read_at_each_launch(monkeypatch):
+    from comfyui_sparse_attention.kernels._triton_common import DEFAULT_RESCALE, lazy_rescale
+    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "lazy")
+    assert lazy_rescale() is True
+    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "eager")
+    assert lazy_rescale() is False
+    monkeypatch.delenv("SPARSE_ATTN_RESCALE")
+    assert lazy_rescale() is (DEFAULT_RESCALE == "lazy")
+    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "sometimes")
+    with pytest.raises(ValueError, match="SPARSE_ATTN_RESCALE"):
+        lazy_rescale()
