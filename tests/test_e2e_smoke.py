@@ -89,3 +89,16 @@ def test_multigpu_benchmark_on_two_cpu_device_keys(tmp_path):
     assert all(len(t) == 1 for t in threads) and not threads[0] & threads[1]
     (cmp,) = [r for r in rows if r["mode"] == "compare"]
     assert cmp["sparse_equal_within_tolerance"] and cmp["sparse_rel_l2"] <= cmp["tolerance"]
+
+
+def test_e2e_benchmark_builds_hunyuan_video(tmp_path):
+    """HunyuanVideo's parameters differ between ComfyUI releases (0.33.0 added ``meanflow_sum``): the benchmark
+    builds and samples it with whichever ComfyUI the tests run against."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "hyv", "--modes", "block_topk@0.15"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert [(r["model"], r["mode"]) for r in rows] == [("hyv", "dense"), ("hyv", "block_topk@0.15")]
+    assert rows[1]["projected_s"] > 0
