@@ -1,0 +1,230 @@
+"""Per-head densities searched directly on the quality testbed's output (docs/calibration.md, "A search on the
+output"): is there any allocation of the same average density that gains what issue 18 asks (+1.5 dB at 0.10)?
+The calibration (engine/calibrate.py) predicts from the attention error; this asks the sampled videos instead.
+
+    python bench/quality_search.py --testbed DIR --out OUT [--method mc_sparse] [--density 0.1] [--step 0.5]
+        [--fit-seeds 0,..,7] [--check-seeds 8,..,15] [--budget-s 240] [--steps 30] [--warmup 2] [--anchors 2,10]
+    python bench/quality_search.py --testbed DIR --out OUT --random-init-small --steps 3 --warmup 0 --anchors 0 \\
+        --fit-seeds 0,1 --check-seeds 2 --rounds 1      # CPU check of the whole path
+
+Greedy search over factors f (one per layer and head, mean 1, each in [--min-factor, --max-factor], so the heads
+together compute the uniform density's pairs): a move raises one head's factor by ``--step`` and scales every other
+head down to keep the mean, or lowers it and scales the others up. Each round scores every move by the mean PSNR
+of the fit videos against the dense reference and takes the best one if it gains more than ``--min-gain-db``;
+rounds stop when none does, after ``--rounds`` or when ``--budget-s`` runs out. The uniform density and the best
+factors found are then sampled on the check videos (other seeds, never seen by the search): the gain there is what
+a search on the output delivers, not fitted noise.
+
+Writes OUT/search.json (settings, every move scored, the rounds, fit and check PSNR) and OUT/search.md (the table
+for docs/calibration.md). The testbed loader and the engine adapter are bench/quality.py's and
+bench/quality_engine.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from _pack import load
+from quality import build_model, load_testbed, sha256, versions, write_json
+from quality_engine import EngineAttention
+
+
+def say(msg: str) -> None:
+    print(f"[search] {msg}", flush=True)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def moved(factors: list[float], i: int, delta: float, lo: float, hi: float) -> list[float] | None:
+    """``factors`` with head i changed by ``delta`` and every other head scaled so the mean stays 1; None when a
+    factor would leave [lo, hi]."""
+    n = len(factors)
+    fi = factors[i] + delta
+    rest = sum(factors) - factors[i]
+    if not (lo <= fi <= hi) or rest <= 0:
+        return None
+    scale = (n - fi) / rest
+    out = [fi if j == i else f * scale for j, f in enumerate(factors)]
+    if any(not (lo - 1e-9 <= f <= hi + 1e-9) for f in out):
+        return None
+    return out
+
+
+def as_layer_densities(factors: list[float], heads: int) -> dict:
+    """{layer: [factor per head]} from the flat list (layer-major), rounded for the config and the report."""
+    return {layer: [round(f, 4) for f in factors[layer * heads:(layer + 1) * heads]]
+            for layer in range(len(factors) // heads)}
+
+
+def section(doc: dict) -> str:
+    m, r = doc["meta"], doc["result"]
+    lines = ["### A search on the output", "",
+             f"{m['device']}, torch {m['versions'].get('torch')}, Triton {m['versions'].get('triton')}; {m['date']}; "
+             f"`{m['command']}` ({m['wall_s']:.0f} s).", "",
+             f"{m['method']} at average density {m['density']:g}; {m['steps']} steps, warm-up {m['warmup']}, anchors "
+             f"{m['anchors']}, blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
+             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled; "
+             f"{len(doc['moves'])} allocations sampled in {len(doc['rounds'])} round(s) on the fit videos (seeds "
+             f"{m['fit_seeds']}); the result checked on videos the search never saw (seeds {m['check_seeds']}).", "",
+             "| allocation | fit PSNR dB (min) | check PSNR dB (min) | check gain dB | density of sparse calls "
+             "(check) |",
+             "|---|---|---|---|---|"]
+    for name in ("uniform", "searched"):
+        f, c = r[name]["fit"], r[name]["check"]
+        gain = "" if name == "uniform" else f"{c['psnr_mean'] - r['uniform']['check']['psnr_mean']:+.2f}"
+        lines.append(f"| {name} | {f['psnr_mean']:.2f} ({f['psnr_min']:.2f}) | {c['psnr_mean']:.2f} "
+                     f"({c['psnr_min']:.2f}) | {gain} | {c['density_sparse']:.3f} |")
+    lines += ["", "Rounds (move taken, fit PSNR after it): " + "; ".join(
+        f"{i + 1}: {rd['taken'] or 'none'} {rd['best_psnr']:.2f} dB" for i, rd in enumerate(doc["rounds"])) + ".",
+              "", f"Searched factors: `{r['layer_densities']}`", ""]
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    import torch
+
+    clock0 = time.perf_counter()
+    eng = load("engine")
+    layer_density = load("engine.layer_density")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ev = load_testbed(args.testbed, need_weights=not args.random_init_small)
+    M = ev.M
+    net = build_model(ev, args.testbed, args.random_init_small, device)
+    cfg = net.cfg
+    fit_seeds, check_seeds = ints(args.fit_seeds), ints(args.check_seeds)
+    if set(fit_seeds) & set(check_seeds):
+        raise SystemExit(f"--fit-seeds {fit_seeds} and --check-seeds {check_seeds} must not share a seed")
+    anchors = ints(args.anchors)
+    layers, heads = cfg.num_layers, cfg.num_heads
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base_fields = dict(method=args.method, density=args.density, block_q=args.size, block_k=args.size,
+                       group_size=args.size, warmup_steps=args.warmup, anchor_steps=anchors, residual=True,
+                       min_tokens=0, backend="auto")
+    eng.SparseConfig.from_dict(base_fields, source="search base")  # bad settings fail here, before any sampling
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def inputs(seeds):
+        return ev.make_noise(cfg, seeds), torch.tensor([s % cfg.num_classes for s in seeds], dtype=torch.long)
+
+    def sample(seeds, attn):
+        noise, labels = inputs(seeds)
+        return ev.sample(net, noise, labels, steps=args.steps, shift=args.shift, batch=args.batch, attn=attn,
+                         device=device).to(device)
+
+    t = time.perf_counter()
+    refs = {"fit": sample(fit_seeds, M.sdpa_attention), "check": sample(check_seeds, M.sdpa_attention)}
+    sync()
+    say(f"testbed: {layers} layers x {heads} heads, {math.prod(cfg.grid)} tokens, device {device}; dense references "
+        f"in {time.perf_counter() - t:.1f} s")
+
+    def score(factors, which="fit"):
+        config = dict(base_fields)
+        if factors is not None:
+            config["layer_densities"] = layer_density.layer_densities_dict(as_layer_densities(factors, heads))
+        attn = EngineAttention(config, args.steps, M.CONTEXT, dense_fn=M.sdpa_attention)
+        with attn.run():
+            video = sample(fit_seeds if which == "fit" else check_seeds, attn)
+        sync()
+        p = ev.psnr(video, refs[which])
+        return dict(psnr=[round(x, 3) for x in p], psnr_mean=round(sum(p) / len(p), 3), psnr_min=round(min(p), 3),
+                    density_sparse=attn.stats["density_sparse"])
+
+    deadline = clock0 + args.budget_s
+    uniform = [1.0] * (layers * heads)
+    uniform_fit = score(None)
+    best, best_fit = uniform, uniform_fit
+    say(f"uniform: fit PSNR {best_fit['psnr_mean']:.2f} dB (min {best_fit['psnr_min']:.2f})")
+    moves, rounds = [], []
+    per_eval = None
+    for rnd in range(args.rounds):
+        cands = []
+        for i in range(len(best)):
+            for delta in (args.step, -args.step):
+                f = moved(best, i, delta, args.min_factor, args.max_factor)
+                if f is not None:
+                    cands.append((f"{i // heads}.{i % heads}{'+' if delta > 0 else '-'}", f))
+        scored = []
+        for name, f in cands:
+            if per_eval is not None and time.perf_counter() + per_eval > deadline:
+                break
+            t = time.perf_counter()
+            s = score(f)
+            per_eval = time.perf_counter() - t
+            scored.append((s["psnr_mean"], name, f, s))
+            moves.append(dict(round=rnd + 1, move=name, psnr_mean=s["psnr_mean"], psnr_min=s["psnr_min"],
+                              density_sparse=s["density_sparse"]))
+        complete = len(scored) == len(cands)
+        top = max(scored, key=lambda x: x[0], default=None)
+        gain = top[0] - best_fit["psnr_mean"] if top else float("-inf")
+        taken = top is not None and gain > args.min_gain_db
+        if taken:
+            best, best_fit = top[2], top[3]
+        rounds.append(dict(round=rnd + 1, scored=len(scored), candidates=len(cands), complete=complete,
+                           taken=top[1] if taken else None, best_psnr=best_fit["psnr_mean"]))
+        say(f"round {rnd + 1}: {len(scored)}/{len(cands)} moves scored; "
+            + (f"took {top[1]} ({gain:+.2f} dB): fit PSNR {best_fit['psnr_mean']:.2f}" if taken else
+               f"no move gains more than {args.min_gain_db} dB (best {gain:+.2f})"))
+        if not taken or not complete:
+            break
+    result = {"uniform": {"fit": uniform_fit, "check": score(None, "check")},
+              "searched": {"fit": best_fit, "check": score(best, "check")},
+              "factors": [round(f, 4) for f in best],
+              "layer_densities": layer_density.layer_densities_text(as_layer_densities(best, heads))}
+    u, s = result["uniform"]["check"], result["searched"]["check"]
+    say(f"check videos: uniform {u['psnr_mean']:.2f} dB, searched {s['psnr_mean']:.2f} dB "
+        f"({s['psnr_mean'] - u['psnr_mean']:+.2f}); factors {result['layer_densities']}")
+    weights = Path(args.testbed) / "weights.safetensors"
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python bench/quality_search.py " + " ".join(sys.argv[1:]), "method": args.method,
+            "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
+            "size": args.size, "step": args.step, "fit_seeds": fit_seeds, "check_seeds": check_seeds,
+            "wall_s": round(time.perf_counter() - clock0, 1),
+            "testbed": {"layers": layers, "heads": heads, "tokens": math.prod(cfg.grid),
+                        "random_init": bool(args.random_init_small),
+                        "weights_sha256": None if args.random_init_small else sha256(weights)}}
+    doc = {"meta": meta, "moves": moves, "rounds": rounds, "result": result}
+    write_json(out / "search.json", doc)
+    (out / "search.md").write_text(section(doc))
+    say(f"wrote {out / 'search.json'} and {out / 'search.md'} ({meta['wall_s']:.0f} s)")
+    return doc
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--testbed", required=True, help="folder with the testbed's model.py, evaluate.py, weights")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--method", default="mc_sparse")
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--step", type=float, default=0.5, help="factor change of one move")
+    ap.add_argument("--min-factor", type=float, default=0.25)
+    ap.add_argument("--max-factor", type=float, default=4.0)
+    ap.add_argument("--min-gain-db", type=float, default=0.05, help="a move must gain more than this on the fit set")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop searching (then check) after this long")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--anchors", default="2,10")
+    ap.add_argument("--size", type=int, default=64, help="blocks (block_topk) and query groups (mc_sparse)")
+    ap.add_argument("--fit-seeds", default="0,1,2,3,4,5,6,7")
+    ap.add_argument("--check-seeds", default="8,9,10,11,12,13,14,15")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--shift", type=float, default=3.0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--random-init-small", action="store_true",
+                    help="the testbed's --random-init --small: a tiny random model (CPU check, no weights)")
+    run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""bench/quality_search.py (per-head densities searched on the sampled output) on the CPU with the stand-in
+quality testbed (tests/quality_testbed_fake): the whole path, and the move that keeps the average density."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+BENCH = ROOT / "bench"
+FAKE_TESTBED = ROOT / "tests" / "quality_testbed_fake"
+
+
+@pytest.fixture(scope="module")
+def search_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import quality_search
+        yield quality_search
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_a_move_keeps_the_mean_and_the_bounds(search_module):
+    f = [1.0, 1.0, 1.0, 1.0]
+    up = search_module.moved(f, 1, 0.5, 0.25, 4.0)
+    assert up[1] == 1.5 and abs(sum(up) / 4 - 1.0) < 1e-12 and all(abs(x - 2.5 / 3) < 1e-12 for i, x in
+                                                                    enumerate(up) if i != 1)
+    down = search_module.moved(up, 1, -0.5, 0.25, 4.0)
+    assert abs(sum(down) / 4 - 1.0) < 1e-12 and abs(down[1] - 1.0) < 1e-12
+    assert search_module.moved(f, 0, -0.8, 0.25, 4.0) is None  # 0.2 is below the lower bound
+    assert search_module.moved([0.3, 1.0, 1.0, 1.7], 3, 1.0, 0.25, 4.0) is None  # 0.3 would be scaled below 0.25
+    assert search_module.as_layer_densities([0.5, 1.5, 1.0, 1.0], 2) == {0: [0.5, 1.5], 1: [1.0, 1.0]}
+
+
+def test_search_end_to_end_on_the_fake_testbed(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--fit-seeds", "0,1", "--check-seeds", "2", "--rounds", "2", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "search.json").read_text())
+    r, heads = doc["result"], doc["meta"]["testbed"]["heads"]
+    factors = r["factors"]
+    assert len(factors) == doc["meta"]["testbed"]["layers"] * heads
+    assert abs(sum(factors) / len(factors) - 1.0) < 1e-3  # the average density is the uniform one
+    assert all(0.25 - 1e-6 <= f <= 4.0 + 1e-6 for f in factors)
+    # every candidate of round 1 was sampled: two moves per head, minus those leaving the bounds
+    assert doc["rounds"][0]["complete"] and doc["rounds"][0]["scored"] == len(
+        [m for m in doc["moves"] if m["round"] == 1]) == 2 * len(factors)
+    taken = doc["rounds"][0]["taken"]
+    if taken:  # the move taken is the best scored one, and the fit PSNR is its score
+        best = max((m for m in doc["moves"] if m["round"] == 1), key=lambda m: m["psnr_mean"])
+        assert best["move"] == taken and r["searched"]["fit"]["psnr_mean"] == best["psnr_mean"]
+    else:
+        assert factors == [1.0] * len(factors)
+    for name in ("uniform", "searched"):
+        assert len(r[name]["fit"]["psnr"]) == 2 and len(r[name]["check"]["psnr"]) == 1
+        assert abs(r[name]["check"]["density_sparse"] - 0.25) < 0.05
+    md = (out / "search.md").read_text()
+    assert md.startswith("### A search on the output") and "| uniform |" in md and "| searched |" in md
+
+
+def test_search_refuses_overlapping_seed_sets(tmp_path):
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out",
+           str(tmp_path), "--random-init-small", "--fit-seeds", "0,1", "--check-seeds", "1,2", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "must not share a seed" in proc.stderr
