@@ -62,6 +62,21 @@ def as_layer_densities(factors: list[float], heads: int) -> dict:
             for layer in range(len(factors) // heads)}
 
 
+def start_factors(text: str, layers: int, heads: int, parse) -> list[float]:
+    """Flat per-head factors (layer-major, mean 1) from a ``layer_densities`` text (unlisted layers and heads keep
+    1), e.g. the factors an earlier search printed; ``parse``: engine/layer_density.parse_layer_densities."""
+    flat = [1.0] * (layers * heads)
+    for layer, f in parse(text):
+        if not 0 <= layer < layers:
+            raise SystemExit(f"--start: layer {layer} is not among the testbed's {layers} layers")
+        per_head = f if isinstance(f, tuple) else (f,) * heads
+        if len(per_head) != heads:
+            raise SystemExit(f"--start: layer {layer} lists {len(per_head)} factors for {heads} heads")
+        flat[layer * heads:(layer + 1) * heads] = [float(x) for x in per_head]
+    mean = sum(flat) / len(flat)
+    return [x / mean for x in flat]
+
+
 def section(doc: dict) -> str:
     m, r = doc["meta"], doc["result"]
     lines = ["### A search on the output", "",
@@ -69,7 +84,8 @@ def section(doc: dict) -> str:
              f"`{m['command']}` ({m['wall_s']:.0f} s).", "",
              f"{m['method']} at average density {m['density']:g}; {m['steps']} steps, warm-up {m['warmup']}, anchors "
              f"{m['anchors']}, blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
-             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled; "
+             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled, starting from "
+             f"{'`' + m['start'] + '`' if m.get('start') else 'uniform'}; "
              f"{len(doc['moves'])} allocations sampled in {len(doc['rounds'])} round(s) on the fit videos (seeds "
              f"{m['fit_seeds']}); the result checked on videos the search never saw (seeds {m['check_seeds']}).", "",
              "| allocation | fit PSNR dB (min) | check PSNR dB (min) | check gain dB | density of sparse calls "
@@ -144,6 +160,11 @@ def run(args) -> dict:
     uniform_fit = score(None)
     best, best_fit = uniform, uniform_fit
     say(f"uniform: fit PSNR {best_fit['psnr_mean']:.2f} dB (min {best_fit['psnr_min']:.2f})")
+    if args.start:
+        best = start_factors(args.start, layers, heads, layer_density.parse_layer_densities)
+        best_fit = score(best)
+        say(f"start {layer_density.layer_densities_text(as_layer_densities(best, heads))}: fit PSNR "
+            f"{best_fit['psnr_mean']:.2f} dB")
     moves, rounds = [], []
     per_eval = None
     for rnd in range(args.rounds):
@@ -189,6 +210,7 @@ def run(args) -> dict:
             "command": "python bench/quality_search.py " + " ".join(sys.argv[1:]), "method": args.method,
             "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
             "size": args.size, "step": args.step, "fit_seeds": fit_seeds, "check_seeds": check_seeds,
+            "start": args.start or None,
             "wall_s": round(time.perf_counter() - clock0, 1),
             "testbed": {"layers": layers, "heads": heads, "tokens": math.prod(cfg.grid),
                         "random_init": bool(args.random_init_small),
@@ -211,6 +233,8 @@ def main(argv=None):
     ap.add_argument("--max-factor", type=float, default=4.0)
     ap.add_argument("--min-gain-db", type=float, default=0.05, help="a move must gain more than this on the fit set")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--start", default="", help="layer_densities to start from (default: uniform), e.g. the "
+                    "factors an earlier search printed, to continue it")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop searching (then check) after this long")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=2)

@@ -34,6 +34,17 @@ def test_a_move_keeps_the_mean_and_the_bounds(search_module):
     assert search_module.as_layer_densities([0.5, 1.5, 1.0, 1.0], 2) == {0: [0.5, 1.5], 1: [1.0, 1.0]}
 
 
+def test_a_search_continues_from_printed_factors(search_module):
+    from comfyui_sparse_attention.engine.layer_density import parse_layer_densities
+    flat = search_module.start_factors("{0: [0.5, 1.5], 2: 2}", 3, 2, parse_layer_densities)
+    assert len(flat) == 6 and abs(sum(flat) / 6 - 1.0) < 1e-12
+    assert flat[1] / flat[0] == 3.0 and flat[4] == flat[5] and flat[2] == flat[3]
+    with pytest.raises(SystemExit, match="layer 5"):
+        search_module.start_factors("{5: 1.5}", 3, 2, parse_layer_densities)
+    with pytest.raises(SystemExit, match="3 factors for 2 heads"):
+        search_module.start_factors("{0: [1, 1, 1]}", 3, 2, parse_layer_densities)
+
+
 def test_search_end_to_end_on_the_fake_testbed(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
@@ -61,6 +72,20 @@ def test_search_end_to_end_on_the_fake_testbed(tmp_path):
         assert abs(r[name]["check"]["density_sparse"] - 0.25) < 0.05
     md = (out / "search.md").read_text()
     assert md.startswith("### A search on the output") and "| uniform |" in md and "| searched |" in md
+
+
+def test_search_starts_from_given_factors(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--fit-seeds", "0,1", "--check-seeds", "2", "--rounds", "1", "--min-gain-db", "1000", "--device", "cpu",
+           "--start", "{0: [0.5, 1.5]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "search.json").read_text())
+    assert doc["meta"]["start"] == "{0: [0.5, 1.5]}" and doc["rounds"][0]["taken"] is None  # no move clears 1000 dB
+    assert doc["result"]["factors"] == [0.5, 1.5, 1.0, 1.0]  # kept as given (mean 1 already)
+    assert doc["result"]["searched"]["fit"] != doc["result"]["uniform"]["fit"]
 
 
 def test_search_refuses_overlapping_seed_sets(tmp_path):
