@@ -145,6 +145,10 @@ class SparseAttentionCalibrate(io.ComfyNode):
                                         "measured with the anchor before it. '' = consecutive recorded steps."),
                 io.String.Input("filename_prefix", default="sparse_attention/calibrated",
                                 tooltip="Preset, report and plot names in the output folder."),
+                io.Combo.Input("scope", options=list(cal.SCOPES), default="model",
+                               tooltip="model: density moves between layers and between heads; layer: every layer "
+                                       "keeps the pairs the uniform density gives it and only its heads trade "
+                                       "density (docs/calibration.md)."),
                 io.Latent.Input("samples", optional=True, tooltip="Connect the recording run's sampler output, so "
                                 "calibration runs after the recording is written."),
                 io.Model.Input("model", optional=True, tooltip="Optional: the model the densities are for; a "
@@ -161,7 +165,7 @@ class SparseAttentionCalibrate(io.ComfyNode):
 
     @classmethod
     def execute(cls, recording, method, density, block_size, residual_caching, anchor_steps, filename_prefix,
-                samples=None, model=None) -> io.NodeOutput:
+                samples=None, model=None, scope="model") -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
         import folder_paths
@@ -188,11 +192,11 @@ class SparseAttentionCalibrate(io.ComfyNode):
         bar = comfy.utils.ProgressBar(1)
         device = comfy.model_management.get_torch_device()
         curves, allocs, pairs, seconds = cal.calibrate(
-            rec, [method], [density], base=base, anchors=anchors, device=device,
+            rec, [method], [density], base=base, anchors=anchors, device=device, scope=scope,
             progress=lambda done, total: bar.update_absolute(done, total))
         alloc = allocs[0]
         preset = output_path(filename_prefix or "sparse_attention/calibrated", "yaml")
-        command = f"Sparse Attention Calibrate ({method}, density {density:g}, block size {size})"
+        command = f"Sparse Attention Calibrate ({method}, density {density:g}, block size {size}, scope {scope})"
         cal.write_preset(preset, cal.preset_text(alloc, rec, cal.plain_fields(base), command=command))
         png = preset.with_suffix(".png")
         drew = cal.plot(curves, allocs, png)

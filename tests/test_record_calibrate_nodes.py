@@ -69,6 +69,18 @@ r["plot_shape"] = list(plot.shape)
 cfg = SparseConfig.from_yaml(preset)
 r["preset_method"], r["preset_density"] = cfg.method, cfg.density
 r["preset_factors"] = [list(f) if isinstance(f, tuple) else f for _, f in cfg.layer_densities]
+# scope "layer": every layer keeps its share, only its heads trade density
+_, preset_l, report_l, _ = result(SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "",
+                                                                   "calib/layer", None, rec_model, scope="layer"))
+r["layer_scope_factors"] = [list(f) if isinstance(f, tuple) else f
+                            for _, f in SparseConfig.from_yaml(preset_l).layer_densities]
+r["layer_scope_in_report"] = "scope layer" in report_l
+try:
+    SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "", "calib/bad", None, rec_model,
+                                     scope="everywhere")
+    r["bad_scope"] = "no error"
+except ValueError as exc:
+    r["bad_scope"] = str(exc)
 node = result(SparseAttention.execute(model, "mc_sparse", 0.3, "64", "64", 0, 0, "", "", True, True, 0, "torch",
                                       dens))[0]
 o = C.sample(node, latent, pos, neg, steps=4)
@@ -134,6 +146,17 @@ def test_record_round_trip(results):
     assert {"format", "layouts", "family", "model", "model_signature", "steps", "total_steps", "dtype"} <= set(
         r["meta_keys"])
     assert r["q_match"] < 1e-3  # fp16 of exactly what the override received
+
+
+def test_calibrate_node_scope_layer_keeps_each_layers_share(results):
+    r = results
+    assert r["layer_scope_in_report"]
+    factors = r["layer_scope_factors"]
+    assert any(isinstance(f, list) for f in factors), factors  # some layer's heads traded density
+    for f in factors:  # per layer: the heads' mean is the layer's unchanged share
+        f = f if isinstance(f, list) else [f]
+        assert abs(sum(f) / len(f) - 1.0) < 0.05, factors
+    assert "scope" in r["bad_scope"] and "everywhere" in r["bad_scope"]
 
 
 def test_calibrate_node_feeds_the_sparse_attention_node(results):
