@@ -314,7 +314,8 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
           "Rows whose label names layers (`layer 2 x3`, `sqrt sensitivity`) set `layer_densities` by hand. The "
           "calibrated allocations of `tools/calibrate.py` against a uniform density, measured on this testbed by "
           "`bench/quality_calibration.py`, and what the hand-made rows say about them: docs/calibration.md, "
-          "\"Measured on the quality testbed\"."]
+          "\"Measured on the quality testbed\"; the best per-head allocation a search on the sampled videos finds "
+          "(`bench/quality_search.py`): docs/calibration.md, \"A search on the output\"."]
     return "\n".join(L) + "\n"
 
 
