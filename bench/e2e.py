@@ -107,7 +107,8 @@ def build(name: str, tiny: bool, device, weights: str = "bf16", offload: bool = 
 
     cls, config, latent, (txt_len, txt_dim), extra, cfg, preset, total = MODELS[name]
     config = dict(config)
-    if name == "hyv":  # ComfyUI 0.33.0 added a field its model detection sets False for HunyuanVideo 1.0
+    if name == "hyv":  # 0.33.0's HunyuanVideoParams has meanflow_sum (docs/benchmarks.md, "End to end under ComfyUI
+        # 0.33.0"); its model detection sets False for HunyuanVideo 1.0
         import comfy.ldm.hunyuan_video.model as hv
         if "meanflow_sum" in getattr(hv.HunyuanVideoParams, "__dataclass_fields__", {}):
             config["meanflow_sum"] = False

@@ -74,6 +74,8 @@ def start_factors(text: str, layers: int, heads: int, parse) -> list[float]:
             raise SystemExit(f"--start: layer {layer} lists {len(per_head)} factors for {heads} heads")
         flat[layer * heads:(layer + 1) * heads] = [float(x) for x in per_head]
     mean = sum(flat) / len(flat)
+    if mean <= 0:
+        raise SystemExit("--start: the factors must average more than 0")
     return [x / mean for x in flat]
 
 
@@ -96,8 +98,11 @@ def section(doc: dict) -> str:
         gain = "" if name == "uniform" else f"{c['psnr_mean'] - r['uniform']['check']['psnr_mean']:+.2f}"
         lines.append(f"| {name} | {f['psnr_mean']:.2f} ({f['psnr_min']:.2f}) | {c['psnr_mean']:.2f} "
                      f"({c['psnr_min']:.2f}) | {gain} | {c['density_sparse']:.3f} |")
-    lines += ["", "Rounds (move taken, fit PSNR after it): " + "; ".join(
-        f"{i + 1}: {rd['taken'] or 'none'} {rd['best_psnr']:.2f} dB" for i, rd in enumerate(doc["rounds"])) + ".",
+    lines += ["", "Rounds (move taken, fit PSNR after it; a round the time budget cut takes the best of the moves it "
+              "scored): " + "; ".join(
+                  f"{i + 1}: {rd['taken'] or 'none'} {rd['best_psnr']:.2f} dB"
+                  + ("" if rd["complete"] else f" (cut: {rd['scored']} of {rd['candidates']} moves scored)")
+                  for i, rd in enumerate(doc["rounds"])) + ".",
               "", f"Searched factors: `{r['layer_densities']}`", ""]
     return "\n".join(lines)
 
@@ -162,6 +167,10 @@ def run(args) -> dict:
     say(f"uniform: fit PSNR {best_fit['psnr_mean']:.2f} dB (min {best_fit['psnr_min']:.2f})")
     if args.start:
         best = start_factors(args.start, layers, heads, layer_density.parse_layer_densities)
+        outside = [f for f in best if not args.min_factor - 1e-6 <= f <= args.max_factor + 1e-6]
+        if outside:
+            raise SystemExit(f"--start: factors {outside} (after scaling to mean 1) lie outside [--min-factor "
+                             f"{args.min_factor}, --max-factor {args.max_factor}]")
         best_fit = score(best)
         say(f"start {layer_density.layer_densities_text(as_layer_densities(best, heads))}: fit PSNR "
             f"{best_fit['psnr_mean']:.2f} dB")

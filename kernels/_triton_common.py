@@ -18,11 +18,12 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-# Lazy rescaling (docs/kernel_notes.md, "Lazy rescaling"): the running max is raised only when some row of the
+# Lazy rescaling (docs/kernel_notes.md, "v5"): the running max is raised only when some row of the
 # tile exceeds it by more than RESCALE_SLACK base-2 units, so most tiles skip the accumulator rescale (a multiply
-# over the whole [M, D] accumulator) and the exp2 of the correction. Unraised, p <= 2**RESCALE_SLACK = 256:
-# exact in fp32 sums, and bf16 / fp16 keep their relative precision for p. The result is the same softmax (LSE
-# = m + log2 l holds for any m >= every score seen minus the slack).
+# over the whole [M, D] accumulator) and the exp2 of the correction. The softmax is the same for any finite
+# running max m (LSE = m + log2 l, out = acc / l); the slack only bounds the unraised p <= 2**RESCALE_SLACK = 256,
+# so nothing overflows in the fp32 sums and bf16 / fp16 p keep their relative precision. Measured slower or equal
+# on the H200, so eager is the default (docs/kernel_notes.md, "v5").
 RESCALE_SLACK = tl.constexpr(8.0)
 RESCALE_MODES = ("lazy", "eager")
 DEFAULT_RESCALE = "eager"

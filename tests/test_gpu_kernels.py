@@ -311,42 +311,54 @@ def test_engine_reuse_under_inference_mode_on_the_triton_kernels(method):
 
 
 @needs_hopper
+@pytest.mark.parametrize("path", ["tma", "persistent", "warp_spec", "pointer"])
 @pytest.mark.parametrize("n,d", [(32760, 128), (75600, 128), (4133, 64)])
-def test_lazy_rescale_matches_eager_at_real_sizes(monkeypatch, n, d):
-    """SPARSE_ATTN_RESCALE=lazy (kernels/_triton_common.py): TMA block-sparse with an fp8 residual, TMA dense +
-    LSE, the fused anchor and the token-sparse kernel agree with the eager kernels and with the twins."""
+def test_lazy_rescale_matches_eager_at_real_sizes(monkeypatch, n, d, path):
+    """SPARSE_ATTN_RESCALE=lazy (kernels/_triton_common.py): block-sparse with an fp8 residual and dense + LSE on
+    every kernel variant, the fused anchor (TMA variants) and the token-sparse kernel agree with the eager kernels
+    and with the twins."""
     from comfyui_sparse_attention.kernels import (anchor_triton, block_sparse_torch, block_sparse_triton,
                                                   dense_triton)
     h, bq = 2, 128 if d == 128 else 64
     q, k, v = qkv(h, n, d, seed=n + 11)
-    k = k * torch.linspace(0.3, 3.0, n, device=DEV).view(1, 1, n, 1).to(k.dtype)  # maxima that keep climbing
+    k = k * torch.linspace(0.5, 1.5, n, device=DEV).view(1, 1, n, 1).to(k.dtype)  # maxima that keep climbing
     nb = math.ceil(n / bq)
     idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=d)
     res = make_residual("fp8", q.shape, seed=3)
-    groups = K.group_queries(q, 128)
-    g, sel = groups.shape[2], int(0.15 * n)
-    gen = torch.Generator(device=DEV).manual_seed(9)
-    toks = torch.sort(torch.topk(torch.rand(1, h, g, n, device=DEV, generator=gen), sel, -1).indices, -1).values
-    toks, tcnt = toks.to(torch.int32).contiguous(), torch.full((1, h, g), sel, dtype=torch.int32, device=DEV)
     outs = {}
     for mode in ("eager", "lazy"):
         monkeypatch.setenv("SPARSE_ATTN_RESCALE", mode)
-        outs[mode] = dict(
-            sparse=block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
-                                                              residual=res, path="tma"),
-            dense=dense_triton.attention_dense(q, k, v, return_lse=True, path="tma"),
-            anchor=anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
-                                                        residual_precision="model", return_lse=True, path="tma"),
-            token=K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton"))
+        try:
+            got = dict(
+                sparse=block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                                  residual=res, path=path),
+                dense=dense_triton.attention_dense(q, k, v, return_lse=True, path=path))
+        except Exception as exc:  # as test_block_sparse_variants_match_twin: warp_spec may not compile here
+            if path == "warp_spec":
+                pytest.skip(f"warp_spec variant did not compile: {type(exc).__name__}: {str(exc)[:200]}")
+            raise
+        if path in ("tma", "persistent"):
+            got["anchor"] = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                                 residual_precision="model", return_lse=True,
+                                                                 path=path)
+        outs[mode] = got
     lazy, eager = outs["lazy"], outs["eager"]
     twin = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual=res)
+    assert not torch.isnan(lazy["sparse"]).any()
     assert rel(lazy["sparse"], twin) <= 1e-2 and rel(lazy["sparse"], eager["sparse"]) <= 1e-2
     assert rel(lazy["dense"][0], F.scaled_dot_product_attention(q, k, v)) <= 1e-2
     assert torch.allclose(lazy["dense"][1], eager["dense"][1], atol=2e-2)
-    assert rel(lazy["anchor"][0], eager["anchor"][0]) <= 1e-2  # anchor: dense output, LSE, residual (data, scale)
-    assert torch.allclose(lazy["anchor"][1], eager["anchor"][1], atol=2e-2)
-    assert rel(decoded(lazy["anchor"][2]), decoded(eager["anchor"][2])) <= 2e-2
-    token_twin = K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch")
-    assert rel(lazy["token"], token_twin) <= 1e-2
-    for name in ("sparse", "token"):
-        assert not torch.isnan(lazy[name]).any()
+    if "anchor" in lazy:  # dense output, LSE, residual (data, scale)
+        assert rel(lazy["anchor"][0], eager["anchor"][0]) <= 1e-2
+        assert torch.allclose(lazy["anchor"][1], eager["anchor"][1], atol=2e-2)
+        assert rel(decoded(lazy["anchor"][2]), decoded(eager["anchor"][2])) <= 2e-2
+    if path == "tma":  # the token kernel has one variant; it runs lazy (the mode set last)
+        groups = K.group_queries(q, 128)
+        g, sel = groups.shape[2], int(0.15 * n)
+        gen = torch.Generator(device=DEV).manual_seed(9)
+        toks = torch.topk(torch.rand(1, h, g, n, device=DEV, generator=gen), sel, -1).indices
+        toks = torch.sort(toks, -1).values.to(torch.int32).contiguous()
+        tcnt = torch.full((1, h, g), sel, dtype=torch.int32, device=DEV)
+        token = K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton")
+        assert not torch.isnan(token).any()
+        assert rel(token, K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch")) <= 1e-2

@@ -88,6 +88,14 @@ def test_search_starts_from_given_factors(tmp_path):
     assert doc["result"]["searched"]["fit"] != doc["result"]["uniform"]["fit"]
 
 
+def test_search_refuses_start_factors_outside_the_bounds(tmp_path):
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out",
+           str(tmp_path), "--random-init-small", "--fit-seeds", "0", "--check-seeds", "1", "--device", "cpu",
+           "--steps", "2", "--warmup", "0", "--anchors", "0", "--start", "{0: [0.01, 1]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "outside" in proc.stderr and "--min-factor" in proc.stderr
+
+
 def test_search_refuses_overlapping_seed_sets(tmp_path):
     cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out",
            str(tmp_path), "--random-init-small", "--fit-seeds", "0,1", "--check-seeds", "1,2", "--device", "cpu"]

@@ -317,7 +317,43 @@ for dtype in (torch.float16, torch.float32):
             tcnt[0, 1, 0] = 70  # a partial list: a masked tail
             rel("token-" + tag, token_sparse_triton.token_sparse_attention(q, k, vv, groups, toks, tcnt),
                 token_sparse_torch.token_sparse_attention(q, k, vv, groups, toks, tcnt))
-print("RESULT:" + json.dumps(results))
+
+# Every kernel takes the mode from lazy_rescale(): with an unbounded slack the lazy kernels never raise the max after
+# the first tile, so steeply climbing scores overflow exp2 (non-finite output) while the eager kernels stay finite.
+# A call site that ignored the switch would stay finite in both modes.
+import triton.language as tl
+from comfyui_sparse_attention.kernels import _triton_common
+_triton_common.RESCALE_SLACK = tl.constexpr(1e9)
+n, d = 193, 64
+q, k0, v = structured_qkv(1, 2, n, d, dtype=torch.float32, seed=3)
+k = k0 * torch.linspace(0.1, 40.0, n).view(1, 1, n, 1)
+nb = -(-n // 64)
+idx, cnt = random_block_lists(1, 2, nb, nb, nb, seed=5, full_rows=(0,))
+groups = K.group_queries(q, 64)
+g = groups.shape[2]
+toks = torch.arange(n, dtype=torch.int32).view(1, 1, 1, n).expand(1, 2, g, n).contiguous()
+tcnt = torch.full((1, 2, g), n, dtype=torch.int32)
+calls = {
+    "dense-pointer": lambda: dense_triton.attention_dense(q, k, v, path="pointer"),
+    "dense-tma": lambda: dense_triton.attention_dense(q, k, v, path="tma"),
+    "bsa-pointer": lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                       path="pointer"),
+    "bsa-tma": lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                   path="tma"),
+    "bsa-persistent": lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=64,
+                                                                          block_k=64, path="persistent"),
+    "bsa-warp_spec": lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                         path="warp_spec"),
+    "anchor": lambda: anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                           residual_precision="model")[0],
+    "token": lambda: token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, tcnt),
+}
+reach = {}
+for mode in ("lazy", "eager"):
+    os.environ["SPARSE_ATTN_RESCALE"] = mode
+    for name, fn in calls.items():
+        reach[f"{name}-{mode}"] = bool(torch.isfinite(fn()).all())
+print("RESULT:" + json.dumps(dict(results=results, reach=reach)))
 """
 
 
@@ -330,7 +366,10 @@ def test_lazy_rescale_matches_twins_in_interpreter():
                           timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
     assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    results = json.loads(lines[-1][7:])
+    got = json.loads(lines[-1][7:])
+    results, reach = got["results"], got["reach"]
+    # the switch reaches every kernel: lazy with an unbounded slack overflows, eager does not
+    assert len(reach) == 16 and all(v is (k.endswith("-eager")) for k, v in reach.items()), reach
     assert len(results) == 2 * 2 * 4 * (4 + 3 + 2 + 1)
     bad = {name: e for name, e in results.items()
            if e["nan"] or not e["same_inf"] or e["rel"] > (2e-3 if "float16" in name else 1e-5)}
