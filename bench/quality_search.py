@@ -11,7 +11,8 @@ Greedy search over factors f (one per layer and head, mean 1, each in [--min-fac
 together compute the uniform density's pairs): a move raises one head's factor by ``--step`` and scales every other
 head down to keep the mean, or lowers it and scales the others up. Each round scores every move by the mean PSNR
 of the fit videos against the dense reference and takes the best one if it gains more than ``--min-gain-db``;
-rounds stop when none does, after ``--rounds`` or when ``--budget-s`` runs out. The uniform density and the best
+rounds stop when none does, after ``--rounds`` or when ``--budget-s`` runs out (a round the budget cuts takes the
+best of the moves it scored, and is marked so in the report). The uniform density and the best
 factors found are then sampled on the check videos (other seeds, never seen by the search): the gain there is what
 a search on the output delivers, not fitted noise.
 
