@@ -1,0 +1,80 @@
+"""bench/calibration_vs_search.py: the rank correlation between the calibration objective's predicted gains and an
+output search's measured ones (docs/calibration.md, "A search on the output")."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+BENCH = ROOT / "bench"
+
+
+@pytest.fixture(scope="module")
+def cvs():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import calibration_vs_search
+        yield calibration_vs_search
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_spearman_and_ranks(cvs):
+    assert cvs.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert cvs.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert cvs.ranks([5.0, 1.0, 5.0, 3.0]) == [2.5, 0.0, 2.5, 1.0]  # ties share their mean rank
+    assert cvs.spearman([1, 1, 1], [1, 2, 3]) == 0.0
+    f = cvs.moved([1.0] * 4, 2, 0.5)
+    assert f[2] == 1.5 and sum(f) == pytest.approx(4.0)
+
+
+def _synthetic(cvs, measured_from):
+    """Two layers x two heads with made-up curves; the search's measured PSNR changes are the predicted gains of
+    ``measured_from`` (objective, weighted, squared) times 100."""
+    dens = [0.05, 0.1, 0.2]
+    curves = []
+    for i, (layer, head) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        e = [0.3 / (1 + i), 0.2 / (1 + i * i), 0.1 / (1 + i)]
+        curves.append(dict(method="mc_sparse", layer=layer, head=head, densities=dens, reuse=e,
+                           fresh=[x * 2 for x in e[::-1]], reuse_plain=[0.5, 0.5, 0.5], weight=0.5))
+    base = [1.0] * 4
+    moves = []
+    for i, (layer, head) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        for s, tag in ((1, "+"), (-1, "-")):
+            before = cvs.cost(curves, base, 0.1, *measured_from)
+            gain = before - cvs.cost(curves, cvs.moved(base, i, s * 0.5), 0.1, *measured_from)
+            moves.append(dict(round=1, move=f"{layer}.{head}{tag}", psnr_mean=30.0 + 100 * gain))
+    moves.append(dict(round=2, move="0.0+", psnr_mean=99.0))  # later rounds start elsewhere: ignored
+    search = dict(meta=dict(method="mc_sparse", density=0.1, step=0.5, start=None), moves=moves,
+                  result=dict(uniform=dict(fit=dict(psnr_mean=30.0))))
+    return dict(curves=curves), search
+
+
+def test_the_objective_that_made_the_measurements_ranks_them_perfectly(cvs):
+    cal, search = _synthetic(cvs, ("fresh", False, True))
+    rows = cvs.compare(cal, search)
+    assert len(rows) == 12 and sum(r["used_by_calibration"] for r in rows) == 1
+    row = next(r for r in rows if (r["objective"], r["weighted"], r["squared"]) == ("fresh", False, True))
+    assert row["spearman"] == pytest.approx(1.0) and row["moves"] == 8
+    flat = next(r for r in rows if r["objective"] == "reuse_plain" and not r["weighted"])
+    assert flat["spearman"] < 1.0
+
+
+def test_a_search_started_elsewhere_is_refused(cvs):
+    cal, search = _synthetic(cvs, ("reuse", True, True))
+    search["meta"]["start"] = "{0: 2}"
+    with pytest.raises(SystemExit, match="started from given factors"):
+        cvs.compare(cal, search)
+
+
+def test_on_the_runs_in_the_repository(tmp_path):
+    out = tmp_path / "t.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "calibration_vs_search.py"),
+                           str(ROOT / "docs/bench-runs/calibration-2/calibration.json"),
+                           str(ROOT / "docs/bench-runs/search-1/mc_sparse/search.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "32 single-head moves" in text and text.count("\n| ") == 13  # header + 12 variants
+    assert "the calibration's objective" in text
