@@ -32,6 +32,16 @@ def _import_pack():
 _import_pack()
 
 
+@pytest.fixture
+def bench_import(monkeypatch):
+    """``bench_import("name")`` imports bench/name.py as a module, bench/ on the path (the bench scripts import each
+    other by name, as when run from bench/)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module
+
+
 def comfyui_path() -> Path | None:
     """The ComfyUI source tree named by COMFYUI_PATH, or None."""
     p = os.environ.get("COMFYUI_PATH")

@@ -10,14 +10,9 @@ from conftest import ROOT
 BENCH = ROOT / "bench"
 
 
-@pytest.fixture(scope="module")
-def cvs():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import calibration_vs_search
-        yield calibration_vs_search
-    finally:
-        sys.path.remove(str(BENCH))
+@pytest.fixture
+def cvs(bench_import):
+    return bench_import("calibration_vs_search")
 
 
 def test_spearman_and_ranks(cvs):

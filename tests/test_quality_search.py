@@ -12,14 +12,9 @@ BENCH = ROOT / "bench"
 FAKE_TESTBED = ROOT / "tests" / "quality_testbed_fake"
 
 
-@pytest.fixture(scope="module")
-def search_module():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import quality_search
-        yield quality_search
-    finally:
-        sys.path.remove(str(BENCH))
+@pytest.fixture
+def search_module(bench_import):
+    return bench_import("quality_search")
 
 
 def test_a_move_keeps_the_mean_and_the_bounds(search_module):
