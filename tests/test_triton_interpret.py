@@ -25,6 +25,18 @@ spec.loader.exec_module(pack)
 sys.path.insert(0, sys.argv[1] + "/tests")
 """
 
+
+def run_child(code: str, timeout: int, **env) -> object:
+    """Run ``code`` (PREAMBLE + a body printing ``RESULT:<json>``) in a child under the Triton interpreter, with
+    ``env`` added to the environment; returns the parsed result (the child's stderr on failure)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **env)
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    return json.loads(lines[-1][7:])
+
+
 CHILD = PREAMBLE + r"""
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
@@ -73,12 +85,7 @@ print("RESULT:" + json.dumps(results))
 
 
 def test_triton_kernels_match_twins_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    results = json.loads(lines[-1][7:])
+    results = run_child(CHILD, 900)
     assert len(results) == 2 * 4 * 6
     bad = {}
     for name, errs in results.items():
@@ -111,12 +118,7 @@ print("RESULT:" + json.dumps(out))
 def test_block_sparse_triton_path_under_inference_mode_in_interpreter():
     """The Triton wrapper's remembered row order works on inference tensors (ComfyUI samples under
     torch.inference_mode; they have no version counter) and is reused on the next call."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", INFERENCE_CHILD, str(ROOT)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    r = json.loads(lines[-1][7:])
+    r = run_child(INFERENCE_CHILD, 600)
     assert r["inference"] and r["same_memo"] and r["equal"] and r["rel"] <= 1e-5
     counts = r["counts"]
     assert sorted(r["order"]) == list(range(len(counts)))  # a permutation of the rows, heaviest first
@@ -238,12 +240,7 @@ print("RESULT:" + json.dumps(dict(results=results, flags=flags)))
 def test_hopper_kernels_residual_anchor_and_mass_in_interpreter():
     """TMA kernels (block-sparse: tma, persistent, warp_spec; dense+LSE; anchor), the pointer kernel and
     token kernel with fused residuals, and both mass paths, against their twins; dispatch and fallback."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", HOPPER_CHILD, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=1500)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    got = json.loads(lines[-1][7:])
+    got = run_child(HOPPER_CHILD, 1500)
     results, flags = got["results"], got["flags"]
     # 2 dtypes x 3 shapes x (3 block configs x (4 paths + 2 precisions x 2 paths x 3) + 2 dense + 2 token + 2 mass)
     assert len(results) == 2 * 3 * (3 * (4 + 12) + 6)
@@ -361,12 +358,7 @@ def test_lazy_rescale_matches_twins_in_interpreter():
     """SPARSE_ATTN_RESCALE=lazy: every kernel (dense pointer / TMA, block-sparse pointer / TMA / persistent, fused
     anchor, token-sparse) equals its twin on scores whose row max never moves by the slack, climbs tile after
     tile, or sits in the first tile (kernels/_triton_common.py, online_softmax_step)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", SPARSE_ATTN_RESCALE="lazy")
-    proc = subprocess.run([sys.executable, "-c", LAZY_CHILD, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    got = json.loads(lines[-1][7:])
+    got = run_child(LAZY_CHILD, 900, SPARSE_ATTN_RESCALE="lazy")
     results, reach = got["results"], got["reach"]
     # the switch reaches every kernel: lazy with an unbounded slack overflows, eager does not
     assert len(reach) == 16 and all(v is (k.endswith("-eager")) for k, v in reach.items()), reach
