@@ -6,14 +6,11 @@
 #   bash bench/device_e2e_033.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=/tmp/e2e033
-rm -rf "$root" && mkdir -p "$root"
+source bench/device_part.sh
+new_root /tmp/e2e033
 source bench/device_comfyui.sh
 unpack_comfyui .carry/bundle-033.tar.xz
-export PYTHONUNBUFFERED=1
-source bench/device_part.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$root/gpu.txt"
+record_gpu
 part lazy_test 90 env SPARSE_ATTN_TUNE=first python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -k lazy \
   -p no:cacheprovider
 part wan14b 250 python3 bench/e2e.py --out "$root/wan14b" --models wan14b --modes block_topk@0.15 --budget-s 240

@@ -5,10 +5,8 @@
 # $OUT/final.tar.gz (the device returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=/tmp/final
-rm -rf "$root" && mkdir -p "$root"
-export PYTHONUNBUFFERED=1
 source bench/device_part.sh
+new_root /tmp/final
 part calibration 160 bash bench/device_calibration.sh
 part torch_backend 80 python3 bench/torch_backend.py --device cuda --out "$root/torch_backend"
 part card16 120 bash bench/device_e2e.sh --models wan13b --modes block_topk@0.15,mc_sparse@0.15 --vram-gb 16 --host-gb 32

@@ -8,16 +8,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-540}
 shift || true
-root=/tmp/multigpu
-rm -rf "$root" && mkdir -p "$root"
+source bench/device_part.sh
+new_root /tmp/multigpu
 source bench/device_comfyui.sh
 unpack_comfyui .carry/bundle-033.tar.xz
 # the machine's own settings (KINDS.md): NVLink multicast stays off
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-source bench/device_part.sh
-nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+record_gpu
 nvidia-smi topo -m >> "$root/gpu.txt" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$root/gpu.txt"
 part multigpu "$secs" python3 bench/multigpu.py --out "$root/multigpu" --models wan13b,wan14b \
   --budget-s $((secs - 20)) "$@"
 tar czf "$OUT/multigpu.tar.gz" -C /tmp multigpu

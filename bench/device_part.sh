@@ -1,7 +1,23 @@
-# Sourced by the device scripts (bench/device_final.sh, device_multigpu.sh, device_small_cards.sh):
+# Sourced by the device scripts that run in parts (bench/device_final.sh, device_multigpu.sh, device_small_cards.sh,
+# device_rescale.sh, device_e2e_033.sh, device_search.sh):
+#   new_root DIR                   makes DIR afresh, sets root=DIR and PYTHONUNBUFFERED=1
+#   record_gpu                     writes the GPUs (index, name, driver, memory) and the torch / Triton versions to
+#                                  $root/gpu.txt and the log
 #   part NAME SECONDS COMMAND...   runs COMMAND with OUT=$root/NAME under a time limit, its output in
 #                                  $root/NAME/run.log, and prints the exit status and the log's tail; the caller
-#                                  sets $root and packs it (the device returns at most 8 files).
+#                                  packs $root (the device returns at most 8 files).
+new_root() {
+  root=$1
+  rm -rf "$root" && mkdir -p "$root"
+  export PYTHONUNBUFFERED=1
+}
+
+record_gpu() {
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 \
+    | tail -n 1 | tee -a "$root/gpu.txt"
+}
+
 part() {
   local name=$1 secs=$2
   shift 2

@@ -5,12 +5,9 @@
 #   bash bench/device_rescale.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=/tmp/rescale
-rm -rf "$root" && mkdir -p "$root"
-export PYTHONUNBUFFERED=1
 source bench/device_part.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$root/gpu.txt"
+new_root /tmp/rescale
+record_gpu
 part gpu_tests 180 env SPARSE_ATTN_TUNE=first python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider
 part rescale 250 python3 bench/hopper.py --plan rescale --shapes wan14b,hyv --skip-tests --no-flex --budget 210 --out "$root/rescale"
 part engine 100 python3 bench/engine.py --out "$root/engine"

@@ -7,11 +7,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 b=.carry/quality
 [ -f "$b/testbed/weights.safetensors" ] || { echo "no $b/testbed: run bench/quality_bundle.sh --no-sol" >&2; exit 2; }
-root=/tmp/search
-rm -rf "$root" && mkdir -p "$root"
-export PYTHONUNBUFFERED=1
 source bench/device_part.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+new_root /tmp/search
+record_gpu
 part mc_sparse 260 python3 bench/quality_search.py --testbed "$b/testbed" --out "$root/mc_sparse" \
   --method mc_sparse --density 0.1 --budget-s 225
 part block_topk 170 python3 bench/quality_search.py --testbed "$b/testbed" --out "$root/block_topk" \

@@ -5,13 +5,12 @@
 # Results packed into $OUT/small_cards.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-root=/tmp/small_cards
-rm -rf "$root" && mkdir -p "$root"
+source bench/device_part.sh
+new_root /tmp/small_cards
 source bench/device_comfyui.sh
 unpack_comfyui .carry/bundle-033.tar.xz
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-source bench/device_part.sh
-nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$root/gpu.txt"
+record_gpu
 part overhead-flux 45 python3 bench/engine.py --out "$root/overhead-flux" \
   --heads 24 --frames 1 --height 72 --width 64
 part overhead-wan13b 45 python3 bench/engine.py --out "$root/overhead-wan13b" \
