@@ -1,0 +1,34 @@
+"""bench/hopper.py's plans run end to end under the Triton interpreter on tiny shapes (--dry), so the device
+benchmark does not rot between device sessions."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                                reason="Triton not installed")
+
+
+@pytest.mark.parametrize("plan", ["full", "rescale"])
+def test_hopper_bench_dry_run(tmp_path, plan):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hopper.py"), "--dry", "--plan", plan, "--shapes",
+                           "wan14b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "hopper.json").read_text())
+    rows = doc["rows"]
+    failed = [r for r in rows if "error" in r]
+    assert not failed, failed
+    kinds = {(r["kind"], r["variant"]) for r in rows}
+    if plan == "rescale":  # each kernel timed in both modes
+        for mode in ("eager", "lazy"):
+            assert {("bsa128", f"tma-{mode}"), ("dense_lse", f"tma-{mode}"), ("anchor", f"fused_fp8-{mode}"),
+                    ("token128", f"pointer-{mode}")} <= kinds
+        assert sum(1 for r in rows if r["kind"] == "bsa128") == 6  # 3 densities x 2 modes
+    else:
+        assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
+                ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds
+    assert (tmp_path / "hopper.md").read_text().count("| wan14b |") == len(rows)
