@@ -245,6 +245,7 @@ def test_preset_and_report(calibrated, tmp_path):
     md = cal.report_markdown(rec, curves, allocs, pairs=pairs, plot_name="x.png", seconds=seconds)
     assert "| 0 | 1 |" in md and "error against density (reuse with residual)" in md and "![" in md
     assert md.count("\n| 1.1 |") == 3  # one row per table: reuse, reuse without residual, fresh
+    assert "Check the result before keeping it" in md and "Sparse Attention Compare" in md
 
 
 def test_calibration_errors_name_the_file(recording, tmp_path):
