@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+import quality_search
+
 OBJECTIVES = ("reuse", "fresh", "reuse_plain")
 
 
@@ -58,10 +60,9 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def moved(factors: list[float], i: int, delta: float) -> list[float]:
-    """bench/quality_search.py's move: head i changed by delta, the others scaled to keep the mean."""
-    n, fi = len(factors), factors[i] + delta
-    scale = (n - fi) / (sum(factors) - factors[i])
-    return [fi if j == i else f * scale for j, f in enumerate(factors)]
+    """bench/quality_search.py's move (head i changed by delta, the others scaled to keep the mean), unbounded: the
+    moves being ranked were all within the search's bounds."""
+    return quality_search.moved(factors, i, delta, 0.0, float(len(factors)))
 
 
 def cost(curves: list[dict], factors: list[float], density: float, objective: str, weighted: bool,
