@@ -73,6 +73,10 @@ def main():
     ap.add_argument("--width", type=int, default=80)
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
+    ap.add_argument("--grouping-rank", type=int, default=0, help="mc_sparse grouping_rank of the engine's calls")
+    ap.add_argument("--grouping-ranks", default="", help="also time the query grouping alone at these ranks, "
+                    "e.g. 8,16,32 (0: all dimensions)")
+    ap.add_argument("--methods", default="mc_sparse,block_topk")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     eng = load("engine")
@@ -90,9 +94,9 @@ def main():
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
     res["cudnn_dense_ms"] = cudnn
-    for method in ("mc_sparse", "block_topk"):
+    for method in args.methods.split(","):
         cfg = eng.SparseConfig(method=method, density=args.density, residual=True, min_tokens=0,
-                               cache_budget_mb=1e6, offload=False)
+                               cache_budget_mb=1e6, offload=False, grouping_rank=args.grouping_rank)
         engine = eng.SparseEngine(cfg)
         layout = problem.layout
 
@@ -120,9 +124,11 @@ def main():
             mc = load("engine.policy_mc_sparse")
             phases["dense_lse_ms"] = timed(lambda: kern.attention_dense(q0, k0, v0, return_lse=True), 3)
             lse = kern.attention_dense(q0, k0, v0, return_lse=True)[1]
-            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
+            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size, rank=cfg.grouping_rank), 3)
+            for r in [int(x) for x in args.grouping_ranks.split(",") if x.strip()]:
+                phases[f"grouping_rank{r}_ms"] = timed(lambda r=r: kern.group_queries(q0, cfg.group_size, rank=r), 3)
             phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
-            groups = kern.group_queries(q0, cfg.group_size)
+            groups = kern.group_queries(q0, cfg.group_size, rank=cfg.grouping_rank)
             phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
                                                                   groups[:, i:i + 5], validate=False)
                                                for i in range(0, args.heads, 5)], 3)

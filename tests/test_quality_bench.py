@@ -119,6 +119,19 @@ def test_yaml_grid_and_its_errors(tmp_path):
         load_grid("medium", [30])
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "bench" / "grids").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_grid_loads_and_builds_its_configs(path):
+    from quality_grid import grid_from_yaml
+
+    from comfyui_sparse_attention.engine import SparseConfig
+
+    grid = grid_from_yaml(path)
+    assert grid and len({s["id"] for s in grid}) == len(grid)  # distinct settings (ids merge and resume runs)
+    for s in grid:
+        if s["kind"] == "engine":
+            SparseConfig.from_dict(s["config"], source=path.name)
+
+
 # ---- projection -------------------------------------------------------------------------------------------
 
 def write_e2e(path, meta, rows):
