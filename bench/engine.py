@@ -4,6 +4,7 @@ overhead on reuse calls.
 
     python bench/engine.py --out DIR [--heads 40 --frames 21 --height 45 --width 80]   # Wan 14B 720p
     python bench/engine.py --out DIR --heads 24 --frames 1 --height 72 --width 64      # 4 608 tokens
+    python bench/engine.py --out DIR --methods mc_sparse --profile                      # + operator profile
 
 Host overhead: ``--overhead-reps`` reuse calls back to back (one synchronisation at the end), once through
 ``SparseEngine.attend`` (schedule, cache lookup, statistics, the kernel with the residual in its epilogue) and
@@ -63,6 +64,23 @@ def back_to_back(fn, reps, rounds=5):
     return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
 
 
+def profile_to(path: Path, fn) -> None:
+    """One call of fn under torch.profiler (after a warm-up call); the operators by total CUDA time to path."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    try:
+        table = avg.table(sort_by="device_time_total", row_limit=45)
+    except (KeyError, ValueError, AttributeError):
+        table = avg.table(sort_by="cuda_time_total", row_limit=45)
+    path.write_text(table)
+    log.info("profile -> %s\n%s", path, table)
+
+
 @torch.inference_mode()  # as ComfyUI executes its nodes: the engine's cached tensors are inference tensors
 def main():
     ap = argparse.ArgumentParser()
@@ -73,10 +91,9 @@ def main():
     ap.add_argument("--width", type=int, default=80)
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
-    ap.add_argument("--grouping-rank", type=int, default=0, help="mc_sparse grouping_rank of the engine's calls")
-    ap.add_argument("--grouping-ranks", default="", help="also time the query grouping alone at these ranks, "
-                    "e.g. 8,16,32 (0: all dimensions)")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
+    ap.add_argument("--profile", action="store_true", help="also write the CUDA time per operator of one query "
+                    "grouping and one mc_sparse selection (torch.profiler) to DIR/profile-*.txt")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     eng = load("engine")
@@ -96,7 +113,7 @@ def main():
     res["cudnn_dense_ms"] = cudnn
     for method in args.methods.split(","):
         cfg = eng.SparseConfig(method=method, density=args.density, residual=True, min_tokens=0,
-                               cache_budget_mb=1e6, offload=False, grouping_rank=args.grouping_rank)
+                               cache_budget_mb=1e6, offload=False)
         engine = eng.SparseEngine(cfg)
         layout = problem.layout
 
@@ -124,14 +141,17 @@ def main():
             mc = load("engine.policy_mc_sparse")
             phases["dense_lse_ms"] = timed(lambda: kern.attention_dense(q0, k0, v0, return_lse=True), 3)
             lse = kern.attention_dense(q0, k0, v0, return_lse=True)[1]
-            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size, rank=cfg.grouping_rank), 3)
-            for r in [int(x) for x in args.grouping_ranks.split(",") if x.strip()]:
-                phases[f"grouping_rank{r}_ms"] = timed(lambda r=r: kern.group_queries(q0, cfg.group_size, rank=r), 3)
+            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
             phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
-            groups = kern.group_queries(q0, cfg.group_size, rank=cfg.grouping_rank)
+            groups = kern.group_queries(q0, cfg.group_size)
             phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
                                                                   groups[:, i:i + 5], validate=False)
                                                for i in range(0, args.heads, 5)], 3)
+            if args.profile:
+                out_dir = Path(args.out)
+                out_dir.mkdir(parents=True, exist_ok=True)
+                profile_to(out_dir / "profile-grouping.txt", lambda: kern.group_queries(q0, cfg.group_size))
+                profile_to(out_dir / "profile-selection.txt", lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg))
             del lse, groups
             toks = selection.kv_tokens()
             decode_ms = timed(lambda: selection.kv_tokens(), 5)

@@ -33,9 +33,6 @@ class SparseConfig:
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
     grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or
         "cuboid" (neighbouring tiles of the latent grid: free, the same for every head).
-    grouping_rank: "pca" splits each head's queries in its ``grouping_rank`` leading principal directions
-        (0: all head dimensions); fewer dimensions make the grouping cheaper (docs/kernel_notes.md,
-        "Low-rank grouping").
     warmup_steps: dense steps at the start of the run: a step count, or a fraction of the run (0.1 or "10%").
     warmup_layers / dense_layers: computed densely (layers numbered in model order).
     anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
@@ -64,7 +61,6 @@ class SparseConfig:
     block_k: int = 128
     group_size: int = 128
     grouping: str = "pca"
-    grouping_rank: int = 0
     warmup_steps: int | float = 0
     warmup_layers: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -103,7 +99,7 @@ class SparseConfig:
         for name in ("block_q", "block_k", "group_size"):
             v = getattr(self, name)
             _check(_is_int(v) and v in (64, 128), name, f"must be 64 or 128 (an integer), got {shown(v)}")
-        for name in ("warmup_layers", "sink_blocks", "min_tokens", "grouping_rank"):
+        for name in ("warmup_layers", "sink_blocks", "min_tokens"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 0, name, f"must be a non-negative integer, got {shown(v)}")
         _check(all(_is_int(x) and 0 <= x <= MAX_LAYER for x in self.dense_layers), "dense_layers",

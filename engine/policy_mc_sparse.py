@@ -92,7 +92,7 @@ def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tens
     if cfg.grouping == "cuboid":
         local = cuboid_order(span.segment.grid, length, c, q.device)
     else:
-        local = kernels.group_queries(q[:, :, span.start:span.stop], c, rank=cfg.grouping_rank, backend=backend)
+        local = kernels.group_queries(q[:, :, span.start:span.stop], c, backend=backend)
     return torch.where(local >= 0, local + span.start, local).to(torch.int32)
 
 

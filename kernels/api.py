@@ -146,16 +146,15 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
                                                return_lse=return_lse, validate=validate)
 
 
-def group_queries(q, group_size, *, rank=0, backend="auto"):
-    """Principal-direction median-split grouping of q (B,H,N,D) -> int32 (B,H,ceil(N/C),C), -1 pads; rank > 0
-    splits in each head's ``rank`` leading principal directions instead of all D (grouping_torch.group_queries).
+def group_queries(q, group_size, *, backend="auto"):
+    """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads.
 
     Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are: there
     is no separate Triton kernel, so every backend runs the same code on q's device.
     """
     check_backend(backend)
     announce("group_queries", q, "torch", "one PyTorch implementation for every backend")
-    return grouping_torch.group_queries(q, group_size, rank)
+    return grouping_torch.group_queries(q, group_size)
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):

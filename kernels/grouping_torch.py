@@ -78,47 +78,22 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     return torch.argsort(proj, dim=1, stable=True)
 
 
-def principal_basis(x: torch.Tensor, rank: int) -> torch.Tensor:
-    """Coordinates of each head's centred points on its ``rank`` leading principal directions.
-
-    x: fp32 (S, L, D) points of S heads. Returns fp32 (S, L, rank): (x - mean) @ V, V (S, D, rank) the
-    eigenvectors of the D x D scatter matrix with the largest eigenvalues. V is orthonormal, so distances
-    inside the subspace are the original ones; signs and order within equal eigenvalues do not matter to the
-    grouping (the median splits only use distances and projections on directions found from the points).
-    The D x D eigen-decomposition runs on the CPU where the device has no eigh (MPS).
-    """
-    xc = x - x.mean(1, keepdim=True)
-    scatter = xc.transpose(1, 2) @ xc
-    try:
-        _, vecs = torch.linalg.eigh(scatter)
-    except (NotImplementedError, RuntimeError):  # MPS: no eigh kernel; the matrix is D x D per head
-        _, vecs = torch.linalg.eigh(scatter.cpu())
-        vecs = vecs.to(x.device)
-    return xc @ vecs[..., -rank:]
-
-
-def group_queries(q: torch.Tensor, group_size: int, rank: int = 0) -> torch.Tensor:
+def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """Partition each head's queries into groups of exactly ``group_size`` similar queries.
 
     Recursively projects every group on its leading principal direction (power iteration) and
     splits the sorted queries at a multiple of ``group_size`` next to the median, until each group
     holds ``group_size`` queries. Batched over B*H; deterministic; only the last group is padded.
-    q: (B, H, N, D) any float dtype. rank: 0 (or >= D) splits in all D dimensions; otherwise each head's
-    queries are first reduced to their ``rank`` leading principal directions (``principal_basis``) and
-    split there: every level then reads rank instead of D numbers per query (docs/kernel_notes.md,
-    "Low-rank grouping"). Returns int32 (B, H, ceil(N/group_size), group_size): query indices per group,
-    -1 padding the last group.
-    Ops: gather, einsum (batched matmuls), norm, eigh (rank only), argsort(stable=True), index assignment —
-    on q's device (CPU, CUDA, MPS); fp32 work in chunks of heads bounded by ``CHUNK_ELEMS``.
+    q: (B, H, N, D) any float dtype. Returns int32 (B, H, ceil(N/group_size), group_size): query
+    indices per group, -1 padding the last group.
+    Ops: gather, einsum (batched matmuls), norm, argsort(stable=True), index assignment — on q's device
+    (CPU, CUDA, MPS); fp32 work in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a floating tensor of layout (B, H, N, D)")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int (0: every dimension), got {rank!r}")
     b, h, n, d = q.shape
-    low = 0 < rank < d
     c = group_size
     g = math.ceil(n / c)
     n_pad = g * c
@@ -127,14 +102,11 @@ def group_queries(q: torch.Tensor, group_size: int, rank: int = 0) -> torch.Tens
     qf = q.reshape(b * h, n, d)
     levels = _level_positions(n_pad, c, dev)
     budget = CHUNK_ELEMS * (4 if q.is_cuda else 1)  # GPU memory is plentiful next to a 1 GiB scratch
-    width = rank if low else d
-    step = max(1, budget // max(1, n_pad * (d + width)))
+    step = max(1, budget // max(1, n_pad * d * 2))
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
-        if low:
-            x = principal_basis(x, rank)
         nh = x.shape[0]
-        rows = x.reshape(nh * n, width)
+        rows = x.reshape(nh * n, d)
         head_base = (torch.arange(nh, device=dev) * n).view(nh, 1, 1)
         perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
         for level in levels:
@@ -143,7 +115,7 @@ def group_queries(q: torch.Tensor, group_size: int, rank: int = 0) -> torch.Tens
                 # row gather (index_select) rather than an element-wise gather with an expanded index
                 pts = rows.index_select(0, (ids.clamp(max=n - 1) + head_base).view(-1))
                 real = (ids < n).view(-1, length) if n_pad > n else None  # only a ragged N has padding slots
-                order = _principal_order(pts.view(nh * n_segs, length, width), real)
+                order = _principal_order(pts.view(nh * n_segs, length, d), real)
                 perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(nh, -1)
         perm_all[h0:h0 + nh] = perm
     perm_all = torch.where(perm_all < n, perm_all, torch.full_like(perm_all, -1))

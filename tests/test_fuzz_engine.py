@@ -42,7 +42,7 @@ def random_config(r: random.Random) -> SparseConfig:
               residual_precision=r.choice(("fp8", "model")), select_every_step=r.random() < 0.2,
               mass=r.choice((None, None, 0.9)), sink_blocks=r.choice((0, 1, 2)),
               temporal_weight=r.choice((0.5, 1.0, 3.0)), min_tokens=r.choice((0, 0, 0, 100)), backend="torch",
-              offload=r.random() < 0.8, grouping_rank=r.choice((0, 0, 4, 16)))
+              offload=r.random() < 0.8)
     budget = r.random()
     if budget < 0.2:  # nothing fits: fallbacks
         kw.update(cache_budget_mb=0.0, cpu_budget_mb=0.0)

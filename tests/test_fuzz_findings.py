@@ -141,7 +141,6 @@ BAD_FIELDS = [
     ("dense_layers", "0-1000000000"), ("dense_layers", "99999999"), ("dense_layers", "0," * 20_000),
     ("densities", {"image_to_text": None}), ("densities", {"text_to_text": "x"}), ("densities", 5),
     ("density", "0.5"), ("mass", True), ("min_tokens", 1.5), ("warmup_layers", -1), ("sink_blocks", 2.0),
-    ("grouping_rank", -1), ("grouping_rank", 2.0),
     ("method", ["mc_sparse"]), ("backend", {}), ("residual", "yes"), ("warmup_steps", [1]),
 ]
 

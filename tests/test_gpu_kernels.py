@@ -101,33 +101,6 @@ def test_token_sparse_matches_sdpa_and_twin(n, d, c):
         assert rel(out[:, :1, rows], ref) <= 1e-2
 
 
-@pytest.mark.parametrize("n,rank", [(75600, 16), (32760, 32)])
-def test_low_rank_grouping_at_real_sizes(n, rank):
-    """grouping_rank (kernels/grouping_torch.py): an equal partition on the GPU, and groups nearly as tight as the
-    full-dimension grouping's (within-group scatter of the full-dimension queries)."""
-    h, d, c = 2, 128, 128
-    gen = torch.Generator(device=DEV).manual_seed(rank)
-    centers = torch.randn(h, 16, d, device=DEV, generator=gen) * 3  # 16 clusters per head, shuffled in sequence
-    labels = torch.randint(0, 16, (h, n), device=DEV, generator=gen)
-    q = (torch.gather(centers, 1, labels.unsqueeze(-1).expand(h, n, d))
-         + 0.3 * torch.randn(h, n, d, device=DEV, generator=gen)).unsqueeze(0).to(torch.bfloat16)
-    full, low = K.group_queries(q, c), K.group_queries(q, c, rank=rank)
-    g = -(-n // c)
-    assert low.shape == (1, h, g, c) and low.dtype == torch.int32
-    for hi in range(h):
-        flat = low[0, hi].reshape(-1)
-        assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(n, device=DEV, dtype=torch.int32))
-
-    def within(groups):
-        idx = groups[0, :, :-1].long()  # the full groups (the last one is padded)
-        x = torch.stack([q[0, hi].float()[idx[hi]] for hi in range(h)])
-        return float(((x - x.mean(2, keepdim=True)) ** 2).sum())
-
-    contiguous = within(torch.arange(g * c, device=DEV).view(1, 1, g, c).expand(1, h, g, c))
-    assert within(full) < 0.5 * contiguous and within(low) < 0.5 * contiguous
-    assert within(low) <= 1.3 * within(full)  # the clusters span 15 directions; below them only noise is split
-
-
 @pytest.mark.parametrize("n,d", [(32768, 128), (120000, 64)])
 def test_group_kv_mass_matches_twin_with_bounded_memory(n, d):
     h = 1
