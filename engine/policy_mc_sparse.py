@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import compact_rows, keep_top
+from .block_geometry import keep_top
 from .config import SparseConfig
 from .context import Span, TokenLayout
 from .modalities import MODALITIES
 from .policy import Policy
-from .selection import TokenSelection
+from .selection import SEGMENT, TokenSelection
 
 MASS_CHUNK_BYTES = 1 << 30  # fp32 group-mass scratch per pass-2 chunk
 
@@ -68,12 +68,8 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                 budget = budgets[(i, j)]
                 keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget)
         del mass
-        hs = keep.shape[1]
-        idx, cnt = compact_rows(keep.view(b * hs * g, n))
+        parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
         del keep
-        idx, cnt = idx.view(b, hs, g, -1), cnt.view(b, hs, g)
-        parts.append((*TokenSelection.compact(idx, cnt, n), cnt))  # int16 at once: half the bytes held
-        del idx
     width = max(p[0].shape[-1] for p in parts)
     low = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t, _, _ in parts], dim=1)
     seg_ends = torch.cat([e for _, e, _ in parts], dim=1)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import anchor_torch, block_sparse_torch, dense_torch, grouping_torch, selection_torch, token_sparse_torch
+from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
+               token_sparse_torch)
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
 from ._residual import check_residual
 from .backend import announce, check_backend, choose
@@ -171,3 +172,13 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, backend="auto", validate=T
         q, k = _addressable(q, k)
         return mass_triton.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
     return selection_torch.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
+
+
+def compact_keep(keep, *, segment=compact_torch.SEGMENT, backend="auto"):
+    """Kept-token mask bool (..., L) -> compact sorted lists (kv_low int16 (..., W), seg_ends int32 (..., S), counts
+    int32 (...)), the format of mc_sparse's cached selections (compact_torch.compact_keep)."""
+    compact_torch.check_compact_args(keep, segment)
+    if choose(backend, keep, None, "compact_keep") == "triton":
+        from . import compact_triton
+        return compact_triton.compact_keep(keep, segment)
+    return compact_torch.compact_keep(keep, segment)

@@ -101,6 +101,20 @@ def test_token_sparse_matches_sdpa_and_twin(n, d, c):
         assert rel(out[:, :1, rows], ref) <= 1e-2
 
 
+@pytest.mark.parametrize("n,p", [(75600, 0.15), (118800, 0.02), (4133, 0.5)])
+def test_compact_keep_matches_twin_at_real_sizes(n, p):
+    """kernels/compact_triton.py against its twin on a Wan 14B / HunyuanVideo anchor's mask (3 heads' groups),
+    with an empty and a full row."""
+    gen = torch.Generator(device=DEV).manual_seed(n)
+    keep = torch.rand(1, 3, -(-n // 64), n, device=DEV, generator=gen) < p
+    keep[0, 0, 0] = False
+    keep[0, 1, 5] = True
+    got = K.compact_keep(keep, backend="triton")
+    want = K.compact_keep(keep, backend="torch")
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n,d", [(32768, 128), (120000, 64)])
 def test_group_kv_mass_matches_twin_with_bounded_memory(n, d):
     h = 1

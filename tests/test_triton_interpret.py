@@ -379,3 +379,36 @@ def test_rescale_mode_is_read_at_each_launch(monkeypatch):
     monkeypatch.setenv("SPARSE_ATTN_RESCALE", "sometimes")
     with pytest.raises(ValueError, match="SPARSE_ATTN_RESCALE"):
         lazy_rescale()
+
+
+COMPACT_CHILD = PREAMBLE + r"""
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.engine import SparseConfig
+from comfyui_sparse_attention.engine.context import TokenLayout
+from comfyui_sparse_attention.engine.policy_mc_sparse import build_mc_sparse
+from sparse_ref import structured_qkv
+g = torch.Generator().manual_seed(0)
+same = {}
+for (lead, length, segment, p) in [((7,), 300, 64, 0.3), ((2, 3), 1000, 256, 0.05), ((4,), 128, 128, 1.0),
+                                    ((3,), 200, 16, 0.0), ((2, 1, 3), 777, 1 << 16, 0.5)]:
+    keep = torch.rand(*lead, length, generator=g) < p
+    keep.view(-1, length)[0] = False
+    keep.view(-1, length)[-1] = True
+    a = K.compact_keep(keep, segment=segment, backend="torch")
+    b = K.compact_keep(keep, segment=segment, backend="triton")
+    same[f"{lead}-{length}-{segment}"] = all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+# a whole mc_sparse selection, the kernel against the twin
+q, k, v = structured_qkv(1, 2, 700, 64, dtype=torch.float32, seed=5)
+lse = K.attention_dense(q, k, v, return_lse=True, backend="torch")[1]
+cfg = SparseConfig(method="mc_sparse", density=0.2, group_size=64)
+sel = {be: build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend=be) for be in ("torch", "triton")}
+same["selection"] = all(torch.equal(getattr(sel["torch"], f), getattr(sel["triton"], f))
+                        for f in ("q_groups", "kv_low", "seg_ends", "kv_counts"))
+print("RESULT:" + json.dumps(same))
+"""
+
+
+def test_compact_keep_kernel_matches_twin_in_interpreter():
+    """kernels/compact_triton.py writes the same lists as its twin, alone and inside a whole mc_sparse selection."""
+    same = run_child(COMPACT_CHILD, 300)
+    assert len(same) == 6 and all(same.values()), same

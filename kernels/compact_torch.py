@@ -1,0 +1,61 @@
+"""Compaction of a kept-token mask into mc_sparse's compact KV lists (PyTorch twin of ``compact_triton``).
+
+The lists are what ``engine.selection.TokenSelection`` stores: per row, the kept columns in ascending order as
+int16 offsets inside 65536-token segments, plus where each segment's entries end (docs/kernel_notes.md,
+"Compaction of the kept tokens").
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEGMENT = 1 << 16     # tokens per segment of the compact lists (int16 offsets)
+LOW_PAD = -32768      # kv_low of the slots past a row's count: token 0's offset, never read by the kernels
+CHUNK_ELEMS = 1 << 26  # mask entries worked on at a time (int64 scatter index: 512 MiB)
+
+
+def check_compact_args(keep, segment) -> None:
+    """ValueError unless keep is a bool tensor with at least one dimension and segment a power of two in
+    [16, 65536]."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() < 1:
+        raise ValueError("keep must be a bool tensor (..., L)")
+    if not isinstance(segment, int) or isinstance(segment, bool) or not 16 <= segment <= SEGMENT \
+            or segment & (segment - 1):
+        raise ValueError(f"segment must be a power of two in [16, {SEGMENT}], got {segment!r}")
+
+
+def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept columns of each row as compact sorted lists.
+
+    keep: bool (..., L), True where a row keeps that column (token). Returns
+      kv_low int16 (..., W): the j-th kept column c of the row as (c mod segment) - 32768, LOW_PAD past the count;
+      seg_ends int32 (..., S): the number of the row's kept columns below (s + 1) * segment, S = ceil(L / segment)
+        (at least 1), i.e. where segment s's entries end in the list;
+      counts int32 (...): kept columns per row.
+    W is the largest count (0 when nothing is kept). Decoding: column = low + 32768 + segment * (number of
+    seg_ends at or below the slot), as ``TokenSelection.kv_tokens`` does.
+    """
+    check_compact_args(keep, segment)
+    lead, length = keep.shape[:-1], keep.shape[-1]
+    rows = keep.reshape(-1, length)
+    r, dev = rows.shape[0], keep.device
+    counts = rows.sum(-1, dtype=torch.int32)
+    width = int(counts.max()) if r else 0
+    n_seg = max(1, -(-length // segment))
+    low = torch.full((r, width), LOW_PAD, dtype=torch.int16, device=dev)
+    seg_ends = torch.zeros((r, n_seg), dtype=torch.int32, device=dev)
+    if r and length:
+        ends = torch.tensor([min((s + 1) * segment, length) - 1 for s in range(n_seg)], device=dev)
+        cols = torch.arange(length, dtype=torch.int32, device=dev)
+        vals = (cols % segment - 32768).to(torch.int16)
+        step = max(1, CHUNK_ELEMS // length)
+        for r0 in range(0, r, step):
+            k = rows[r0:r0 + step]
+            pos = torch.cumsum(k, dim=-1, dtype=torch.int32)
+            seg_ends[r0:r0 + step] = pos[:, ends]
+            slot = torch.where(k, pos.sub_(1), width).long()
+            del pos
+            buf = torch.full((k.shape[0], width + 1), LOW_PAD, dtype=torch.int16, device=dev)
+            buf.scatter_(1, slot, vals.expand(k.shape[0], length))
+            low[r0:r0 + step] = buf[:, :width]
+    return low.view(*lead, width), seg_ends.view(*lead, n_seg), counts.view(lead)
