@@ -101,6 +101,34 @@ def test_token_sparse_matches_sdpa_and_twin(n, d, c):
         assert rel(out[:, :1, rows], ref) <= 1e-2
 
 
+@pytest.mark.parametrize("n,c", [(75600, 128), (32760, 64)])
+def test_grouping_at_real_sizes(monkeypatch, n, c):
+    """kernels/grouping_torch.py on the GPU at Wan sizes: an equal partition, and groups as tight with the long
+    segments' directions taken from a subsample as with every point (within-group scatter of the queries)."""
+    from comfyui_sparse_attention.kernels import grouping_torch
+    h, d = 2, 128
+    gen = torch.Generator(device=DEV).manual_seed(n)
+    centers = torch.randn(h, 48, d, device=DEV, generator=gen) * 3  # clusters shuffled along the sequence
+    labels = torch.randint(0, 48, (h, n), device=DEV, generator=gen)
+    q = (torch.gather(centers, 1, labels.unsqueeze(-1).expand(h, n, d))
+         + 0.3 * torch.randn(h, n, d, device=DEV, generator=gen)).unsqueeze(0).to(torch.bfloat16)
+    sub = K.group_queries(q, c)
+    g = -(-n // c)
+    assert sub.shape == (1, h, g, c) and sub.dtype == torch.int32
+    for hi in range(h):
+        flat = sub[0, hi].reshape(-1)
+        assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(n, device=DEV, dtype=torch.int32))
+    monkeypatch.setattr(grouping_torch, "SUBSAMPLE", 1 << 30)
+    exact = K.group_queries(q, c)
+
+    def within(groups):
+        idx = groups[0, :, :-1].long()  # the full groups
+        x = torch.stack([q[0, hi].float()[idx[hi]] for hi in range(h)])
+        return float(((x - x.mean(2, keepdim=True)) ** 2).sum())
+
+    assert within(sub) <= 1.05 * within(exact)
+
+
 @pytest.mark.parametrize("n,p", [(75600, 0.15), (118800, 0.02), (4133, 0.5)])
 def test_compact_keep_matches_twin_at_real_sizes(n, p):
     """kernels/compact_triton.py against its twin on a Wan 14B / HunyuanVideo anchor's mask (3 heads' groups),

@@ -64,7 +64,7 @@ def test_token_sparse_bad_inputs():
         token_sparse_attention(q, k, v, groups, toks, cnt[..., :1])
 
 
-@pytest.mark.parametrize("n,c", [(1000, 64), (4097, 128), (128, 128), (50, 64)])
+@pytest.mark.parametrize("n,c", [(1000, 64), (4097, 128), (128, 128), (50, 64), (9000, 64), (8192, 128)])
 def test_group_queries_is_an_equal_partition(n, c):
     q, _, _ = structured_qkv(2, 2, n, 64, seed=n)
     groups = group_queries(q, c)
@@ -96,6 +96,49 @@ def test_group_queries_lowers_within_group_variance():
     ours = within(group_queries(q, c))
     contiguous = within(torch.arange(n).view(1, 1, n // c, c))
     assert ours < 0.5 * contiguous
+
+
+def clustered_queries(n, d, clusters, seed, heads=1):
+    """(1, heads, n, d) fp32 queries drawn around ``clusters`` centres, shuffled along the sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.randn(heads, clusters, d, generator=gen) * 3
+    labels = torch.randint(0, clusters, (heads, n), generator=gen)
+    return (torch.gather(centers, 1, labels.unsqueeze(-1).expand(heads, n, d))
+            + 0.3 * torch.randn(heads, n, d, generator=gen)).unsqueeze(0)
+
+
+def within_scatter(q, groups):
+    """Summed squared distance of each full group's queries to their mean (all heads)."""
+    c = groups.shape[-1]
+    total = 0.0
+    for hi in range(q.shape[1]):
+        full = groups[0, hi][(groups[0, hi] >= 0).all(-1)].long()
+        x = q[0, hi][full.reshape(-1)].view(-1, c, q.shape[-1])
+        total += float(((x - x.mean(1, keepdim=True)) ** 2).sum())
+    return total
+
+
+@pytest.mark.parametrize("n", [16384, 12345])  # ragged: padding slots inside the subsampled segments
+def test_subsampled_directions_group_as_tightly_as_exact_ones(monkeypatch, n):
+    """Segments longer than 2 x SUBSAMPLE take their direction from a subsample (kernels/grouping_torch.py)."""
+    from comfyui_sparse_attention.kernels import grouping_torch
+    q = clustered_queries(n, 64, 40, seed=n, heads=2)
+    sub = group_queries(q, 64)
+    monkeypatch.setattr(grouping_torch, "SUBSAMPLE", 1 << 30)  # every segment the exact way
+    exact = group_queries(q, 64)
+    assert not torch.equal(sub, exact)  # the subsampled path ran
+    assert within_scatter(q, sub) <= 1.05 * within_scatter(q, exact)
+    contiguous = torch.arange(-(-n // 64) * 64).view(1, 1, -1, 64).expand(1, 2, -1, 64)
+    assert within_scatter(q, sub) < 0.5 * within_scatter(q, torch.where(contiguous < n, contiguous, -1))
+
+
+def test_grouping_ignores_autocast():
+    """The grouping's products run in fp32 inside an autocast region too (the testbed samples under bf16 autocast;
+    ComfyUI does not): the same groups either way."""
+    q = clustered_queries(5000, 64, 10, seed=1)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        inside = group_queries(q, 64)
+    assert torch.equal(inside, group_queries(q, 64))
 
 
 def test_pooled_block_scores_match_definition():
