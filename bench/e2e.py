@@ -11,7 +11,8 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
 2. attention share: one run of our patch with every call dense (the calls go to the same SDPA function),
    its CUDA-event attention time over the step time.
 3. each method at each density with the preset's layers and settings but warm-up 0 and no later
-   anchors: step 0 is the anchor, the next 1 (long) or 3 steps reuse steps. Kernels are compiled and
+   anchors: step 0 is the anchor, the next 1 (long) or 3 steps reuse steps (``--anchors-timed N``: steps 0 to
+   N-1 are anchors, so a later anchor, which replaces cached entries, is timed too). Kernels are compiled and
    autotuned beforehand on one layer's worth of random q/k/v of the model's own shapes (recorded during
    step 1), so no step includes compilation.
 4. ``sol``: ComfyUI's own sparse kernel, comfy_kitchen.sol_attn, with ``topk_ratio`` = the density, on
@@ -19,7 +20,8 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
    >= the preset's min_tokens), when comfy_kitchen is importable.
 
 Projection for the preset's schedule over the model's usual step count (``total`` below):
-    warm-up steps x dense + anchors x anchor + the rest x reuse  (sol: warm-up x dense + the rest x sol).
+    warm-up steps x dense + anchors x anchor + the rest x reuse  (sol: warm-up x dense + the rest x sol);
+with ``--anchors-timed`` > 1 the first anchor counts once and the others at the later anchors' median.
 The Amdahl ceiling of that schedule: warm-up and anchor steps dense, each reuse step a dense step minus
 (1 - density kept) of the dense self-attention time of its sparse layers (each recorded call timed alone
 with SDPA; the preset's dense layers excluded).
@@ -356,13 +358,16 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                  "%.0f %%, %d calls of %s); weights %.1f GB, %.1f GB of them on the GPU", name, t_dense, len(times),
                  100 * attn_share, 100 * a_self / t_dense, len(shapes), call_shape, model.model_size() / 2**30,
                  getattr(model.model, "model_loaded_weight_memory", 0) / 2**30)
-    n_steps = 1 + n_timed  # anchor + reuse steps
+    n_anchor_t = max(1, args.anchors_timed)
+    n_steps = n_anchor_t + n_timed  # anchor(s) + reuse steps
+    timed_anchors = (eng.AnchorSchedule() if n_anchor_t == 1
+                     else eng.AnchorSchedule.parse(",".join(str(s) for s in range(n_anchor_t))))
     if args.modes:
         modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
     else:  # density-major: a time limit cuts whole densities
         modes = [(m, float(d)) for d in args.densities.split(",") for m in args.methods.split(",")]
     for method, dens in modes:
-        need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) + n_timed - 1)
+        need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) * n_anchor_t + n_timed - 1)
         if clock.left() < need:
             log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
             continue
@@ -370,7 +375,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
                            total, warm, sched))
             continue
-        c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=eng.AnchorSchedule(),
+        c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=timed_anchors,
                            min_tokens=min_tokens, backend="auto")
         if args.host_gb > 0:
             c = c.replace(cpu_budget_mb=args.host_gb * 1024)
@@ -380,16 +385,18 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
         sm, sp = patch_mod.install(model, c)
         times, peak = timed_run(sm, latent, pos, neg, cfg, n_steps, device)
-        t_anchor, t_reuse = times[0], median(times[1:])
+        t_anchor, t_reuse = times[0], median(times[n_anchor_t:])
+        t_later = median(times[1:n_anchor_t]) if n_anchor_t > 1 else t_anchor
         stats = sp.last_stats
         tot = stats.totals()
         sparse_calls = tot["anchors"] + tot["reuses"]
         d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
         sparse_per_step = tot["reuses"] / max(1, n_steps - 1)
-        projected = warm * t_dense + anchors * t_anchor + rest * t_reuse
+        projected = warm * t_dense + min(anchors, 1) * t_anchor + max(0, anchors - 1) * t_later + rest * t_reuse
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
+                   later_anchor_s=t_later, anchor_times_s=times[:n_anchor_t],
                    projected_s=projected, speedup=total * t_dense / projected,
                    ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
                    density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
@@ -401,8 +408,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
         row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
         emit(row)
-        log.info("%s %s: anchor %.3f s, reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; steady %.2fx), "
-                 "cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_reuse, projected,
+        log.info("%s %s: anchor %.3f s (later anchors %.3f s), reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; "
+                 "steady %.2fx), cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_later, t_reuse,
+                 projected,
                  row["speedup"], row["ceiling_speedup"], row["steady_speedup"], row["cache_gpu_mb"],
                  row["cache_cpu_mb"])
     del model
@@ -458,6 +466,8 @@ def main():
     ap.add_argument("--total-steps", type=int, default=0, help="steps of the projected run (default: the model's)")
     ap.add_argument("--long-step-s", type=float, default=5.0, help="steps longer than this are timed once")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip modes that would not finish in this time")
+    ap.add_argument("--anchors-timed", type=int, default=1, help="anchor steps timed before the reuse steps (a "
+                    "later anchor replaces the cache's entries: it reuses their memory)")
     ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
                     "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")

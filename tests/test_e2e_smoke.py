@@ -24,6 +24,24 @@ def test_e2e_benchmark_smoke(tmp_path):
     assert (tmp_path / "e2e.md").read_text().count("| wan13b |") == 2
 
 
+def test_e2e_times_later_anchors(tmp_path):
+    """--anchors-timed 2: steps 0 and 1 are anchors (the second replaces the cache's entries), the projection counts
+    the first anchor once and the preset's other anchors at the later anchors' time."""
+    import re
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--modes", "block_topk@0.15", "--anchors-timed", "2"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dense, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert len(row["anchor_times_s"]) == 2 and row["later_anchor_s"] == row["anchor_times_s"][1]
+    warm, anchors, rest = map(int, re.search(r"(\d+) dense warm-up, (\d+) anchor\(s\), (\d+) reuse",
+                                             row["schedule"]).groups())
+    assert anchors >= 2
+    want = warm * row["dense_s"] + row["anchor_s"] + (anchors - 1) * row["later_anchor_s"] + rest * row["step_s"]
+    assert abs(row["projected_s"] - want) < 1e-9
+
+
 def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
     """bench/plot_e2e.py --table: runs listed newest first; a (model, mode) comes from the first run holding it."""
     def run(name, rows):
