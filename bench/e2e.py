@@ -405,7 +405,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
                    residuals_dropped=stats.cache.get("residual_dropped", 0),
                    dropped_residual_layers=stats.cache.get("dropped_residual_layers", []),
-                   seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched)
+                   seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched,
+                   cache_info=dict(stats.cache))
         row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
         emit(row)
         log.info("%s %s: anchor %.3f s (later anchors %.3f s), reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; "
