@@ -251,6 +251,8 @@ class SelectionCache:
             where = "none"
         self.peak_device = max(self.peak_device, self.device_bytes)
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
+        if where != "none":  # an anchor step's stores are its accesses: the next step prefetches in their order
+            self._note_access(key)
         return where
 
     def _make_room(self, size: int, entry: Entry) -> bool:

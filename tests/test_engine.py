@@ -386,6 +386,25 @@ def test_demo_runs_on_cpu():
     assert lines and float(lines[0].split("|")[4]) < 0.2
 
 
+def _offload_entry(seed, n=4096):
+    g = torch.Generator().manual_seed(seed)
+    sel = build_static(1, 1, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    return Entry(sel, Residual(torch.randn(1, 1, n, 64, generator=g)))
+
+
+def test_the_step_after_an_anchor_step_prefetches_in_the_order_it_stored():
+    """An anchor step only stores; its stores stand for its accesses, so the first reuse step after it prefetches
+    (docs/benchmarks.md, "A second anchor": 10 on-demand fetches and no prefetch in that step before)."""
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    for i, k in enumerate(["l0", "l1", "l2"]):  # the anchor step
+        assert cache.put((k,), _offload_entry(i)) == "cpu"
+    cache.new_step()
+    cache.get(("l0",), "cpu")  # the reuse step: l0 on demand, l1 on its way
+    assert cache.counters["fetched"] == 1 and ("l1",) in cache.prefetched
+    cache.get(("l1",), "cpu")
+    assert cache.counters["fetched"] == 1 and cache.counters["prefetched"] == 2
+
+
 def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
     def entry(seed, n=4096):
         g = torch.Generator().manual_seed(seed)
