@@ -391,7 +391,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         tot = stats.totals()
         sparse_calls = tot["anchors"] + tot["reuses"]
         d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
-        sparse_per_step = tot["reuses"] / max(1, n_steps - 1)
+        sparse_per_step = tot["reuses"] / max(1, n_steps - n_anchor_t)  # per reuse step
         projected = warm * t_dense + min(anchors, 1) * t_anchor + max(0, anchors - 1) * t_later + rest * t_reuse
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 
-SEGMENT = 1 << 16
+from ..kernels.compact_torch import SEGMENT  # one definition: the kernels' list format
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
 
 

@@ -1,8 +1,7 @@
 """Compaction of a kept-token mask into mc_sparse's compact KV lists (PyTorch twin of ``compact_triton``).
 
 The lists are what ``engine.selection.TokenSelection`` stores: per row, the kept columns in ascending order as
-int16 offsets inside 65536-token segments, plus where each segment's entries end (docs/kernel_notes.md,
-"Compaction of the kept tokens").
+int16 offsets inside 65536-token segments, plus where each segment's entries end (docs/kernel_notes.md, "v6").
 """
 
 from __future__ import annotations

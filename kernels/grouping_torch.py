@@ -76,8 +76,8 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     Segments longer than 2 x SUBSAMPLE points take their direction from an even subsample of about SUBSAMPLE
     points and read all their points only twice (the mean, the projection) instead of ~15 times (centring, the
     start point, eight power-iteration products, the projection): the top levels of the partition are most
-    of the grouping's memory traffic, and a few thousand points fix the leading direction of a segment of
-    75 600 (docs/kernel_notes.md, "Query grouping: subsampled directions").
+    of the grouping's memory traffic, and about a thousand points fix the leading direction of a segment of
+    75 600 (docs/kernel_notes.md, "v6").
     """
     s, length, _ = x.shape
     w = None if real is None else real.unsqueeze(-1).to(x.dtype)  # (S, L, 1)
@@ -98,7 +98,9 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
         if w is not None:
             xs = xs * w[:, ::stride]
         vec = _leading_direction(xs)
-        # (x - mean) . vec without writing x - mean: fp32 throughout (group_queries turns autocast off)
+        # (x - mean) . vec without writing x - mean (the mean's term is one constant per segment). fp32: group_queries
+        # turns autocast off; under TF32 matmuls, which neither ComfyUI release turns on, a mean much larger than
+        # the spread would cost the uncentred product x . vec precision
         proj = torch.einsum("sld,sd->sl", x, vec) - (mean * vec).sum(-1, keepdim=True)
     if real is not None:
         proj = proj.masked_fill(~real, float("inf"))

@@ -19,7 +19,9 @@ def random_keep(shape, p, seed):
 
 
 @pytest.mark.parametrize("rows,length,p", [(5, 1000, 0.3), (3, 70000, 0.1), (4, 131072, 0.02), (2, 65536, 0.5)])
-def test_twin_equals_the_lists_built_before(rows, length, p):
+def test_twin_equals_the_lists_built_before(monkeypatch, rows, length, p):
+    from comfyui_sparse_attention.kernels import compact_torch
+    monkeypatch.setattr(compact_torch, "CHUNK_ELEMS", 2 * length)  # two rows per chunk: the chunk loop runs
     keep = random_keep((1, 1, rows, length), p, seed=rows + length)
     idx, cnt = compact_rows(keep.view(rows, length))
     low0, ends0 = TokenSelection.compact(idx.view(1, 1, rows, -1), cnt.view(1, 1, rows), length)

@@ -132,6 +132,22 @@ def test_subsampled_directions_group_as_tightly_as_exact_ones(monkeypatch, n):
     assert within_scatter(q, sub) < 0.5 * within_scatter(q, torch.where(contiguous < n, contiguous, -1))
 
 
+@pytest.mark.parametrize("length", [2049, 3000, 4096])  # the subsampled path (> 2 x SUBSAMPLE points)
+def test_padding_slots_neither_steer_nor_join_the_order_of_a_long_segment(length):
+    """Padding slots (ragged N) must not move the mean or the direction of a segment, and must sort last: filled
+    with huge values, the real points keep exactly the order they have with harmless padding."""
+    from comfyui_sparse_attention.kernels.grouping_torch import _principal_order
+    x = clustered_queries(length, 16, 6, seed=length, heads=2)[0]  # (2, L, 16)
+    real = torch.rand(2, length, generator=torch.Generator().manual_seed(1)) > 0.1
+    calm = torch.where(real.unsqueeze(-1), x, x[:, :1])  # padding: copies of a real point
+    wild = torch.where(real.unsqueeze(-1), x, torch.full_like(x, 1e4))
+    a, b = _principal_order(calm, real), _principal_order(wild, real)
+    assert torch.equal(a, b)
+    for s in range(2):
+        n_real = int(real[s].sum())
+        assert real[s][a[s, :n_real]].all() and not real[s][a[s, n_real:]].any()
+
+
 def test_grouping_ignores_autocast():
     """The grouping's products run in fp32 inside an autocast region too (the testbed samples under bf16 autocast;
     ComfyUI does not): the same groups either way."""
