@@ -23,6 +23,27 @@ def check_compact_args(keep, segment) -> None:
         raise ValueError(f"segment must be a power of two in [16, {SEGMENT}], got {segment!r}")
 
 
+class CompactLists:
+    """What both implementations of ``compact_keep`` start from: the checked mask as rows (R, L), the counts
+    int32 (R,), the width W (the largest count, read back once), and the outputs kv_low (filled with LOW_PAD) and
+    seg_ends (zeros), which the caller fills; ``result()`` shapes them back to the mask's leading dims."""
+
+    def __init__(self, keep: torch.Tensor, segment: int):
+        check_compact_args(keep, segment)
+        self.lead, self.length = keep.shape[:-1], keep.shape[-1]
+        self.rows = keep.reshape(-1, self.length)
+        self.r = self.rows.shape[0]
+        self.counts = self.rows.sum(-1, dtype=torch.int32)
+        self.width = int(self.counts.max()) if self.r else 0
+        self.n_seg = max(1, -(-self.length // segment))
+        self.low = torch.full((self.r, self.width), LOW_PAD, dtype=torch.int16, device=keep.device)
+        self.seg_ends = torch.zeros((self.r, self.n_seg), dtype=torch.int32, device=keep.device)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.low.view(*self.lead, self.width), self.seg_ends.view(*self.lead, self.n_seg),
+                self.counts.view(self.lead))
+
+
 def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept columns of each row as compact sorted lists.
 
@@ -34,15 +55,9 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
     W is the largest count (0 when nothing is kept). Decoding: column = low + 32768 + segment * (number of
     seg_ends at or below the slot), as ``TokenSelection.kv_tokens`` does.
     """
-    check_compact_args(keep, segment)
-    lead, length = keep.shape[:-1], keep.shape[-1]
-    rows = keep.reshape(-1, length)
-    r, dev = rows.shape[0], keep.device
-    counts = rows.sum(-1, dtype=torch.int32)
-    width = int(counts.max()) if r else 0
-    n_seg = max(1, -(-length // segment))
-    low = torch.full((r, width), LOW_PAD, dtype=torch.int16, device=dev)
-    seg_ends = torch.zeros((r, n_seg), dtype=torch.int32, device=dev)
+    lists = CompactLists(keep, segment)
+    rows, r, length, width, n_seg = lists.rows, lists.r, lists.length, lists.width, lists.n_seg
+    low, seg_ends, dev = lists.low, lists.seg_ends, keep.device
     if r and length:
         ends = torch.tensor([min((s + 1) * segment, length) - 1 for s in range(n_seg)], device=dev)
         cols = torch.arange(length, dtype=torch.int32, device=dev)
@@ -57,4 +72,4 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
             buf = torch.full((k.shape[0], width + 1), LOW_PAD, dtype=torch.int16, device=dev)
             buf.scatter_(1, slot, vals.expand(k.shape[0], length))
             low[r0:r0 + step] = buf[:, :width]
-    return low.view(*lead, width), seg_ends.view(*lead, n_seg), counts.view(lead)
+    return lists.result()

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreting
-from .compact_torch import LOW_PAD, check_compact_args
+from .compact_torch import CompactLists
 
 
 @triton.jit
@@ -34,17 +34,10 @@ def _compact_fwd(keep_ptr, low_ptr, seg_ptr, L, W, S, SEGMENT: tl.constexpr, BLO
 def compact_keep(keep: torch.Tensor, segment: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``compact_torch.compact_keep``: keep bool (..., L) -> (kv_low int16 (..., W), seg_ends
     int32 (..., S), counts int32 (...)). The width W is the largest count, read back once (as the twin does)."""
-    check_compact_args(keep, segment)
-    lead, length = keep.shape[:-1], keep.shape[-1]
-    rows = keep.reshape(-1, length).contiguous().view(torch.uint8)
-    r, dev = rows.shape[0], keep.device
-    counts = rows.sum(-1, dtype=torch.int32)
-    width = int(counts.max()) if r else 0
-    n_seg = max(1, -(-length // segment))
-    low = torch.full((r, width), LOW_PAD, dtype=torch.int16, device=dev)
-    seg_ends = torch.zeros((r, n_seg), dtype=torch.int32, device=dev)
-    if r and length and width:
+    lists = CompactLists(keep, segment)
+    if lists.r and lists.length and lists.width:
         block = min(segment, 64 if interpreting() else 2048)
-        _compact_fwd[(r,)](rows, low, seg_ends, length, width, n_seg, SEGMENT=segment, BLOCK=block,
-                           num_warps=4)
-    return low.view(*lead, width), seg_ends.view(*lead, n_seg), counts.view(lead)
+        rows = lists.rows.contiguous().view(torch.uint8)
+        _compact_fwd[(lists.r,)](rows, lists.low, lists.seg_ends, lists.length, lists.width, lists.n_seg,
+                                 SEGMENT=segment, BLOCK=block, num_warps=4)
+    return lists.result()
