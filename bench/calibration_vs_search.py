@@ -5,10 +5,12 @@ output"). Offline, from two runs already in the repository: the error curves of 
 PSNR change). For each move the objective's predicted change (the summed weighted error before minus after the
 move, interpolated on the curves as engine/calibrate.py does) is ranked against the measured PSNR change:
 Spearman's rank correlation, for the objective the calibration uses (reuse error, energy-weighted, squared) and
-eleven variants of it.
+eleven variants of it. With ``--testbed DIR`` (the quality testbed's folder) twelve more variants scale each head's
+term by what its block does with that head's output: the squared norm of the AdaLN-gated output projection's
+slice for the head, averaged over the timesteps of a 30-step run and the classes (``output_map_weights``).
 
     python bench/calibration_vs_search.py docs/bench-runs/calibration-2/calibration.json \\
-        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md]
+        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md] [--testbed ../shared/quality]
 """
 
 from __future__ import annotations
@@ -66,18 +68,62 @@ def moved(factors: list[float], i: int, delta: float) -> list[float]:
 
 
 def cost(curves: list[dict], factors: list[float], density: float, objective: str, weighted: bool,
-         squared: bool) -> float:
-    """Σ over heads of (weight ×) error (or error²) at density × factor; curves and factors in the same order."""
+         squared: bool, scale: dict | None = None) -> float:
+    """Σ over heads of (weight ×) (scale[(layer, head)] ×) error (or error²) at density × factor; curves and factors
+    in the same order."""
     total = 0.0
     for c, f in zip(curves, factors):
         e = interp(c["densities"], c[objective], density * f)
-        total += (c["weight"] if weighted else 1.0) * (e * e if squared else e)
+        s = 1.0 if scale is None else scale[(c["layer"], c["head"])]
+        total += (c["weight"] if weighted else 1.0) * s * (e * e if squared else e)
     return total
 
 
-def compare(calibration: dict, search: dict) -> list[dict]:
+def output_map_weights(model, steps: int = 30, shift: float = 3.0) -> dict:
+    """{(layer, head): mean over the timesteps of a ``steps``-step run (shifted as the testbed samples) and over the
+    classes of ||diag(gate) W_o[:, head's columns]||_F²}: how strongly each head's attention output reaches the
+    residual stream. ``model`` is the testbed's DiT (``blocks[i].o``, ``blocks[i].modulation``,
+    ``embed_conditions(t, y) -> (e0, e (B, 6, dim))``, ``cfg.num_heads / head_dim / num_classes``); gate = the third
+    of the six modulation vectors, as the testbed's Block applies it to o(attention)."""
+    import torch
+    cfg = model.cfg
+    t = torch.linspace(1, 0, steps + 1)[:-1]
+    t = shift * t / (1 + (shift - 1) * t)
+    classes = torch.arange(cfg.num_classes)
+    out = {}
+    with torch.no_grad():
+        gates = []
+        for ti in t:
+            _, e = model.embed_conditions(ti.expand(len(classes)), classes)
+            gates.append(e)
+        for li, blk in enumerate(model.blocks):
+            w_o = blk.o.weight.float()  # (dim, dim): out x in
+            acc = torch.zeros(cfg.num_heads)
+            for e in gates:
+                gate = (blk.modulation + e).unbind(1)[2]  # (classes, dim)
+                for hi in range(cfg.num_heads):
+                    cols = w_o[:, hi * cfg.head_dim:(hi + 1) * cfg.head_dim]
+                    acc[hi] += ((gate[:, :, None] * cols[None]) ** 2).sum((1, 2)).mean()
+            for hi in range(cfg.num_heads):
+                out[(li, hi)] = float(acc[hi]) / len(gates)
+    return out
+
+
+def load_testbed_model(folder: str):
+    """The testbed's DiT with its trained weights, on the CPU (folder: model.py and weights.safetensors)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("quality_testbed_model", str(Path(folder) / "model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.load_model(str(Path(folder) / "weights.safetensors"), "cpu")
+
+
+def compare(calibration: dict, search: dict, head_scale: dict | None = None) -> list[dict]:
     """One row per objective variant: its Spearman correlation with the measured PSNR changes of the search's first
-    round. The moves' names are '<layer>.<head><+|->' (bench/quality_search.py)."""
+    round. The moves' names are '<layer>.<head><+|->' (bench/quality_search.py). With ``head_scale`` ({(layer,
+    head): factor}, e.g. ``output_map_weights``) every variant is also ranked with each head's term scaled."""
     meta = search["meta"]
     method, density, step = meta["method"], meta["density"], meta["step"]
     curves = sorted((c for c in calibration["curves"] if c["method"] == method), key=lambda c: (c["layer"], c["head"]))
@@ -100,26 +146,31 @@ def compare(calibration: dict, search: dict) -> list[dict]:
         sign.append(1.0 if rest.endswith("+") else -1.0)
     base = [1.0] * len(curves)
     rows = []
-    for objective in OBJECTIVES:
-        for weighted in (True, False):
-            for squared in (True, False):
-                before = cost(curves, base, density, objective, weighted, squared)
-                predicted = [before - cost(curves, moved(base, i, s * step), density, objective, weighted, squared)
-                             for i, s in zip(index, sign)]
-                rows.append(dict(objective=objective, weighted=weighted, squared=squared,
-                                 used_by_calibration=(objective == "reuse" and weighted and squared),
-                                 spearman=round(spearman(predicted, measured), 3), moves=len(measured)))
+    for scale in (None, head_scale) if head_scale is not None else (None,):
+        for objective in OBJECTIVES:
+            for weighted in (True, False):
+                for squared in (True, False):
+                    args = (objective, weighted, squared, scale)
+                    before = cost(curves, base, density, *args)
+                    predicted = [before - cost(curves, moved(base, i, s * step), density, *args)
+                                 for i, s in zip(index, sign)]
+                    rows.append(dict(objective=objective, weighted=weighted, squared=squared,
+                                     output_map=scale is not None,
+                                     used_by_calibration=(objective == "reuse" and weighted and squared
+                                                          and scale is None),
+                                     spearman=round(spearman(predicted, measured), 3), moves=len(measured)))
     return rows
 
 
 def table(rows: list[dict], calibration_path: str, search_path: str) -> str:
     lines = [f"Rank correlation of predicted against measured PSNR change, {rows[0]['moves']} single-head moves from "
              f"uniform (`{calibration_path}` against `{search_path}`):", "",
-             "| error | weighted by energy share | squared | Spearman ρ |", "|---|---|---|---|"]
+             "| error | weighted by energy share | × gated output map | squared | Spearman ρ |", "|---|---|---|---|---|"]
     for r in rows:
         mark = " (the calibration's objective)" if r["used_by_calibration"] else ""
         lines.append(f"| {r['objective']}{mark} | {'yes' if r['weighted'] else 'no'} | "
-                     f"{'yes' if r['squared'] else 'no'} | {r['spearman']:+.2f} |")
+                     f"{'yes' if r.get('output_map') else 'no'} | {'yes' if r['squared'] else 'no'} | "
+                     f"{r['spearman']:+.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -128,8 +179,11 @@ def main(argv=None):
     ap.add_argument("calibration", help="calibration.json of bench/quality_calibration.py")
     ap.add_argument("search", help="search.json of bench/quality_search.py (started from uniform)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--testbed", default=None, help="the quality testbed's folder: also rank with each head's term "
+                    "scaled by its gated output map (output_map_weights)")
     args = ap.parse_args(argv)
-    rows = compare(json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text()))
+    scale = output_map_weights(load_testbed_model(args.testbed)) if args.testbed else None
+    rows = compare(json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text()), scale)
     md = table(rows, args.calibration, args.search)
     if args.out:
         Path(args.out).write_text(md)

@@ -73,3 +73,59 @@ def test_on_the_runs_in_the_repository(tmp_path):
     text = out.read_text()
     assert "32 single-head moves" in text and text.count("\n| ") == 13  # header + 12 variants
     assert "the calibration's objective" in text
+
+
+class _Cfg:
+    num_heads, head_dim, num_classes, dim = 2, 4, 3, 8
+
+
+class _Block:
+    def __init__(self, w_o, modulation):
+        import torch
+        self.o = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.o.weight.copy_(w_o)
+        self.modulation = modulation
+
+
+class _TinyDiT:
+    """What output_map_weights reads of the testbed's DiT: blocks (o, modulation), embed_conditions, cfg."""
+    cfg = _Cfg()
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def embed_conditions(self, t, y):
+        import torch
+        e = torch.zeros(len(y), 6, 8)
+        e[:, 2] = t.view(-1, 1)  # the gate grows with t (noise level)
+        return None, e
+
+
+def test_output_map_weights_follow_the_gated_projection(cvs):
+    import torch
+    w_o = torch.zeros(8, 8)
+    w_o[:, :4] = 1.0   # head 0's columns
+    w_o[:, 4:] = 2.0   # head 1's: twice as large, four times the squared norm
+    gate_free = torch.zeros(1, 6, 8)
+    gate_one = torch.zeros(1, 6, 8)
+    gate_one[0, 2] = 1.0  # a constant extra gate
+    w = cvs.output_map_weights(_TinyDiT([_Block(w_o, gate_free), _Block(w_o, gate_one)]), steps=4)
+    assert set(w) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert w[(0, 1)] == pytest.approx(4 * w[(0, 0)]) and w[(1, 1)] == pytest.approx(4 * w[(1, 0)])
+    assert w[(1, 0)] > w[(0, 0)] > 0  # a larger gate, a larger weight
+    t = torch.linspace(1, 0, 5)[:-1]
+    t = 3 * t / (1 + 2 * t)
+    assert w[(0, 0)] == pytest.approx(float((t ** 2).mean()) * 8 * 4)  # gate t on 8 rows x 4 columns of ones
+
+
+def test_a_head_scale_adds_twelve_variants(cvs):
+    cal, search = _synthetic(cvs, ("reuse", True, True))
+    flat = cvs.compare(cal, search, {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 1.0, (1, 1): 1.0})
+    assert len(flat) == 24 and sum(r["used_by_calibration"] for r in flat) == 1
+    # a scale of one everywhere ranks like no scale; a scale that silences heads changes the ranking
+    for a, b in zip(flat[:12], flat[12:]):
+        assert a["spearman"] == b["spearman"] and b["output_map"] and not a["output_map"]
+    skewed = cvs.compare(cal, search, {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 0.0, (1, 1): 5.0})
+    assert [r["spearman"] for r in skewed[12:]] != [r["spearman"] for r in skewed[:12]]
+    assert "× gated output map" in cvs.table(skewed, "c", "s")
