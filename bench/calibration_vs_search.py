@@ -165,7 +165,8 @@ def compare(calibration: dict, search: dict, head_scale: dict | None = None) -> 
 def table(rows: list[dict], calibration_path: str, search_path: str) -> str:
     lines = [f"Rank correlation of predicted against measured PSNR change, {rows[0]['moves']} single-head moves from "
              f"uniform (`{calibration_path}` against `{search_path}`):", "",
-             "| error | weighted by energy share | × gated output map | squared | Spearman ρ |", "|---|---|---|---|---|"]
+             "| error | weighted by energy share | × gated output map | squared | Spearman ρ |",
+             "|---|---|---|---|---|"]
     for r in rows:
         mark = " (the calibration's objective)" if r["used_by_calibration"] else ""
         lines.append(f"| {r['objective']}{mark} | {'yes' if r['weighted'] else 'no'} | "
