@@ -382,10 +382,12 @@ class SelectionCache:
         self.order_prev, self.order_now = [], []
 
     def info(self) -> dict:
-        """Peak and current bytes on each side, and the counters (for the run's statistics)."""
+        """Peak and current bytes on each side, the layers whose entries live on the CPU side now, and the counters
+        (for the run's statistics)."""
         return dict(device_budget_bytes=self.device_budget, auto_limit_bytes=self.auto_limit,
                     peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, dropped_residual_layers=sorted(self.dropped_layers, key=str),
+                    cpu_layers=sorted({k[0] if isinstance(k, tuple) and k else k for k in self.on_cpu}, key=str),
                     **self.counters)
 
     def reset(self) -> None:

@@ -403,6 +403,7 @@ def test_the_step_after_an_anchor_step_prefetches_in_the_order_it_stored():
     assert cache.counters["fetched"] == 1 and ("l1",) in cache.prefetched
     cache.get(("l1",), "cpu")
     assert cache.counters["fetched"] == 1 and cache.counters["prefetched"] == 2
+    assert cache.info()["cpu_layers"] == ["l0", "l1", "l2"]  # where each layer's entry lives (docs/benchmarks.md)
 
 
 def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
