@@ -7,10 +7,12 @@ move, interpolated on the curves as engine/calibrate.py does) is ranked against 
 Spearman's rank correlation, for the objective the calibration uses (reuse error, energy-weighted, squared) and
 eleven variants of it. With ``--testbed DIR`` (the quality testbed's folder) twelve more variants scale each head's
 term by what its block does with that head's output: the squared norm of the AdaLN-gated output projection's
-slice for the head, averaged over the timesteps of a 30-step run and the classes (``output_map_weights``).
+slice for the head, averaged over the timesteps of a 30-step run and the classes (``output_map_weights``); with
+``--sensitivity`` they scale it by its layer's measured sensitivity instead (the pixel error of a sampling run with
+only that layer sparse, from the calibration run's ``sensitivity`` section: ``layer_sensitivity_scale``).
 
     python bench/calibration_vs_search.py docs/bench-runs/calibration-2/calibration.json \\
-        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md] [--testbed ../shared/quality]
+        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md] [--testbed ../shared/quality | --sensitivity]
 """
 
 from __future__ import annotations
@@ -109,6 +111,17 @@ def output_map_weights(model, steps: int = 30, shift: float = 3.0) -> dict:
     return out
 
 
+def layer_sensitivity_scale(calibration: dict, method: str, density: float) -> dict:
+    """{(layer, head): the layer's measured sensitivity} for every curve of ``method``, from the calibration run's
+    ``sensitivity`` entry for that method and target density (bench/quality_calibration.py: ``layer_weights``)."""
+    entry = next((e for e in calibration.get("sensitivity", []) if e["method"] == method
+                  and abs(e["target"] - density) < 1e-9), None)
+    if entry is None:
+        raise SystemExit(f"the calibration has no layer sensitivities for {method} at density {density}")
+    weights = {int(k): float(v) for k, v in entry["layer_weights"].items()}
+    return {(c["layer"], c["head"]): weights[c["layer"]] for c in calibration["curves"] if c["method"] == method}
+
+
 def load_testbed_model(folder: str):
     """The testbed's DiT with its trained weights, on the CPU (folder: model.py and weights.safetensors)."""
     import importlib.util
@@ -155,22 +168,22 @@ def compare(calibration: dict, search: dict, head_scale: dict | None = None) -> 
                     predicted = [before - cost(curves, moved(base, i, s * step), density, *args)
                                  for i, s in zip(index, sign)]
                     rows.append(dict(objective=objective, weighted=weighted, squared=squared,
-                                     output_map=scale is not None,
+                                     scaled=scale is not None,
                                      used_by_calibration=(objective == "reuse" and weighted and squared
                                                           and scale is None),
                                      spearman=round(spearman(predicted, measured), 3), moves=len(measured)))
     return rows
 
 
-def table(rows: list[dict], calibration_path: str, search_path: str) -> str:
+def table(rows: list[dict], calibration_path: str, search_path: str, scale_name: str = "head scale") -> str:
     lines = [f"Rank correlation of predicted against measured PSNR change, {rows[0]['moves']} single-head moves from "
              f"uniform (`{calibration_path}` against `{search_path}`):", "",
-             "| error | weighted by energy share | × gated output map | squared | Spearman ρ |",
+             f"| error | weighted by energy share | × {scale_name} | squared | Spearman ρ |",
              "|---|---|---|---|---|"]
     for r in rows:
         mark = " (the calibration's objective)" if r["used_by_calibration"] else ""
         lines.append(f"| {r['objective']}{mark} | {'yes' if r['weighted'] else 'no'} | "
-                     f"{'yes' if r.get('output_map') else 'no'} | {'yes' if r['squared'] else 'no'} | "
+                     f"{'yes' if r.get('scaled') else 'no'} | {'yes' if r['squared'] else 'no'} | "
                      f"{r['spearman']:+.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -180,12 +193,21 @@ def main(argv=None):
     ap.add_argument("calibration", help="calibration.json of bench/quality_calibration.py")
     ap.add_argument("search", help="search.json of bench/quality_search.py (started from uniform)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
-    ap.add_argument("--testbed", default=None, help="the quality testbed's folder: also rank with each head's term "
-                    "scaled by its gated output map (output_map_weights)")
+    scaling = ap.add_mutually_exclusive_group()
+    scaling.add_argument("--testbed", default=None, help="the quality testbed's folder: also rank with each head's "
+                         "term scaled by its gated output map (output_map_weights)")
+    scaling.add_argument("--sensitivity", action="store_true", help="also rank with each head's term scaled by its "
+                         "layer's measured sensitivity (layer_sensitivity_scale)")
     args = ap.parse_args(argv)
-    scale = output_map_weights(load_testbed_model(args.testbed)) if args.testbed else None
-    rows = compare(json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text()), scale)
-    md = table(rows, args.calibration, args.search)
+    calibration, search = json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text())
+    scale = None
+    if args.testbed:
+        scale = output_map_weights(load_testbed_model(args.testbed))
+    elif args.sensitivity:
+        scale = layer_sensitivity_scale(calibration, search["meta"]["method"], search["meta"]["density"])
+    rows = compare(calibration, search, scale)
+    name = "gated output map" if args.testbed else "layer sensitivity" if args.sensitivity else "head scale"
+    md = table(rows, args.calibration, args.search, name)
     if args.out:
         Path(args.out).write_text(md)
     print(md, end="")

@@ -125,7 +125,29 @@ def test_a_head_scale_adds_twelve_variants(cvs):
     assert len(flat) == 24 and sum(r["used_by_calibration"] for r in flat) == 1
     # a scale of one everywhere ranks like no scale; a scale that silences heads changes the ranking
     for a, b in zip(flat[:12], flat[12:]):
-        assert a["spearman"] == b["spearman"] and b["output_map"] and not a["output_map"]
+        assert a["spearman"] == b["spearman"] and b["scaled"] and not a["scaled"]
     skewed = cvs.compare(cal, search, {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 0.0, (1, 1): 5.0})
     assert [r["spearman"] for r in skewed[12:]] != [r["spearman"] for r in skewed[:12]]
-    assert "× gated output map" in cvs.table(skewed, "c", "s")
+    assert "× gated output map" in cvs.table(skewed, "c", "s", "gated output map")
+
+
+def test_layer_sensitivity_scale_and_its_errors(cvs):
+    cal, search = _synthetic(cvs, ("reuse", True, True))
+    cal["sensitivity"] = [dict(method="mc_sparse", target=0.1, layer_weights={"0": 0.5, "1": 4.0}),
+                          dict(method="mc_sparse", target=0.15, layer_weights={"0": 9.0, "1": 9.0})]
+    scale = cvs.layer_sensitivity_scale(cal, "mc_sparse", 0.1)
+    assert scale == {(0, 0): 0.5, (0, 1): 0.5, (1, 0): 4.0, (1, 1): 4.0}
+    assert len(cvs.compare(cal, search, scale)) == 24
+    with pytest.raises(SystemExit, match="no layer sensitivities"):
+        cvs.layer_sensitivity_scale(cal, "block_topk", 0.1)
+
+
+def test_on_the_runs_in_the_repository_with_layer_sensitivities(tmp_path):
+    out = tmp_path / "t.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "calibration_vs_search.py"),
+                           str(ROOT / "docs/bench-runs/calibration-2/calibration.json"),
+                           str(ROOT / "docs/bench-runs/search-1/block_topk/search.json"), "--sensitivity",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "× layer sensitivity" in text and text.count("\n| ") == 25  # header + 12 variants + 12 scaled
