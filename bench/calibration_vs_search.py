@@ -122,17 +122,6 @@ def layer_sensitivity_scale(calibration: dict, method: str, density: float) -> d
     return {(c["layer"], c["head"]): weights[c["layer"]] for c in calibration["curves"] if c["method"] == method}
 
 
-def load_testbed_model(folder: str):
-    """The testbed's DiT with its trained weights, on the CPU (folder: model.py and weights.safetensors)."""
-    import importlib.util
-    import sys
-    spec = importlib.util.spec_from_file_location("quality_testbed_model", str(Path(folder) / "model.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod.load_model(str(Path(folder) / "weights.safetensors"), "cpu")
-
-
 def compare(calibration: dict, search: dict, head_scale: dict | None = None) -> list[dict]:
     """One row per objective variant: its Spearman correlation with the measured PSNR changes of the search's first
     round. The moves' names are '<layer>.<head><+|->' (bench/quality_search.py). With ``head_scale`` ({(layer,
@@ -202,7 +191,8 @@ def main(argv=None):
     calibration, search = json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text())
     scale = None
     if args.testbed:
-        scale = output_map_weights(load_testbed_model(args.testbed))
+        from quality import build_model, load_testbed  # the testbed's DiT with its trained weights, on the CPU
+        scale = output_map_weights(build_model(load_testbed(args.testbed, True), args.testbed, False, "cpu"))
     elif args.sensitivity:
         scale = layer_sensitivity_scale(calibration, search["meta"]["method"], search["meta"]["density"])
     rows = compare(calibration, search, scale)

@@ -7,9 +7,8 @@
 #   bash bench/device_grouping.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-b=.carry/quality
-[ -f "$b/testbed/weights.safetensors" ] || { echo "no $b/testbed: run bench/quality_bundle.sh --no-sol" >&2; exit 2; }
 source bench/device_part.sh
+need_quality_carry
 new_root /tmp/grouping
 record_gpu
 part quality 120 python3 bench/quality.py --testbed "$b/testbed" --out "$root/quality" \

@@ -1,11 +1,19 @@
 # Sourced by the device scripts that run in parts (bench/device_final.sh, device_multigpu.sh, device_small_cards.sh,
 # device_rescale.sh, device_e2e_033.sh, device_search.sh):
+#   need_quality_carry             sets b=.carry/quality, or stops (exit 2) when the testbed was not carried
 #   new_root DIR                   makes DIR afresh, sets root=DIR and PYTHONUNBUFFERED=1
 #   record_gpu                     writes the GPUs (index, name, driver, memory) and the torch / Triton versions to
 #                                  $root/gpu.txt and the log
 #   part NAME SECONDS COMMAND...   runs COMMAND with OUT=$root/NAME under a time limit, its output in
 #                                  $root/NAME/run.log, and prints the exit status and the log's tail; the caller
 #                                  packs $root (the device returns at most 8 files).
+need_quality_carry() {
+  b=.carry/quality
+  [ -f "$b/testbed/weights.safetensors" ] && return 0
+  echo "no $b/testbed: run bench/quality_bundle.sh --no-sol and carry .carry/quality" >&2
+  exit 2
+}
+
 new_root() {
   root=$1
   rm -rf "$root" && mkdir -p "$root"

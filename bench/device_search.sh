@@ -5,9 +5,8 @@
 #   bash bench/device_search.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-b=.carry/quality
-[ -f "$b/testbed/weights.safetensors" ] || { echo "no $b/testbed: run bench/quality_bundle.sh --no-sol" >&2; exit 2; }
 source bench/device_part.sh
+need_quality_carry
 new_root /tmp/search
 record_gpu
 part mc_sparse 260 python3 bench/quality_search.py --testbed "$b/testbed" --out "$root/mc_sparse" \

@@ -8,9 +8,8 @@
 #   bash bench/device_search_fine.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-b=.carry/quality
-[ -f "$b/testbed/weights.safetensors" ] || { echo "no $b/testbed: run bench/quality_bundle.sh --no-sol" >&2; exit 2; }
 source bench/device_part.sh
+need_quality_carry
 new_root /tmp/search_fine
 record_gpu
 start=$(python3 -c "import json; print(json.load(open('docs/bench-runs/search-2/search.json'))['result']['layer_densities'])")

@@ -282,7 +282,7 @@ class SelectionCache:
             log.warning("sparse attention: no room to keep every residual on the GPU or in host memory: residuals of "
                         "the layers that need them least were dropped (quality falls there; the report lists them; "
                         "a lower density, fewer cached layers or more host memory avoid it)")
-        self.dropped_layers.add(key[0] if isinstance(key, tuple) and key else key)
+        self.dropped_layers.add(_layer_of(key))
 
     def _cpu_fits(self, size: int) -> bool:
         """Offload allowed, within cpu_budget, and the host keeps max(8 GiB, 25 %) of its memory available."""
@@ -387,7 +387,7 @@ class SelectionCache:
         return dict(device_budget_bytes=self.device_budget, auto_limit_bytes=self.auto_limit,
                     peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, dropped_residual_layers=sorted(self.dropped_layers, key=str),
-                    cpu_layers=sorted({k[0] if isinstance(k, tuple) and k else k for k in self.on_cpu}, key=str),
+                    cpu_layers=sorted({_layer_of(k) for k in self.on_cpu}, key=str),
                     **self.counters)
 
     def reset(self) -> None:
@@ -425,6 +425,11 @@ class SelectionCache:
         else:
             self.prefetched[nxt] = (self.on_cpu[nxt].to(dev), None)
         self.counters["prefetched"] += 1
+
+
+def _layer_of(key):
+    """The layer a cache key belongs to: its first element (keys are (layer, ...) tuples), or the key itself."""
+    return key[0] if isinstance(key, tuple) and key else key
 
 
 def _tensors(entry: Entry):

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .backend import interpreting
-from .compact_torch import CompactLists
+from .compact_torch import SEGMENT, CompactLists
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _compact_fwd(keep_ptr, low_ptr, seg_ptr, L, W, S, SEGMENT: tl.constexpr, BLO
     tl.store(seg_ptr + row * S + S - 1, base)  # the last segment ends at L
 
 
-def compact_keep(keep: torch.Tensor, segment: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``compact_torch.compact_keep``: keep bool (..., L) -> (kv_low int16 (..., W), seg_ends
     int32 (..., S), counts int32 (...)). The width W is the largest count, read back once (as the twin does)."""
     lists = CompactLists(keep, segment)

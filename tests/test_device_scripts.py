@@ -20,7 +20,7 @@ def test_scripts_that_use_the_helpers_source_them_first():
         if script.name == "device_part.sh":  # the helpers themselves
             continue
         text = script.read_text()
-        used = [f for f in ("new_root ", "record_gpu", "part ") if f"\n{f}" in text]
+        used = [f for f in ("need_quality_carry", "new_root ", "record_gpu", "part ") if f"\n{f}" in text]
         if used:
             first_use = min(text.index(f"\n{f}") for f in used)
             assert "source bench/device_part.sh" in text[:first_use], (script.name, used)
@@ -55,3 +55,19 @@ echo "unbuffered=$PYTHONUNBUFFERED"
     assert (root / "quick" / "run.log").read_text().splitlines() == [f"out={root}/quick", "done"]
     assert "=== quick exit 0" in proc.stdout and "=== slow exit 124" in proc.stdout  # the time limit holds
     assert "unbuffered=1" in proc.stdout
+
+
+def test_need_quality_carry_stops_without_the_testbed(tmp_path):
+    """need_quality_carry (bench/device_part.sh): b is the carried testbed's folder, or the script stops (exit 2)."""
+    script = f"""
+cd {tmp_path}
+source {ROOT}/bench/device_part.sh
+need_quality_carry
+echo "b=$b"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "no .carry/quality/testbed" in proc.stderr and "b=" not in proc.stdout
+    (tmp_path / ".carry/quality/testbed").mkdir(parents=True)
+    (tmp_path / ".carry/quality/testbed/weights.safetensors").write_bytes(b"")
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "b=.carry/quality"
