@@ -12,7 +12,11 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
    its CUDA-event attention time over the step time.
 3. each method at each density with the preset's layers and settings but warm-up 0 and no later
    anchors: step 0 is the anchor, the next 1 (long) or 3 steps reuse steps (``--anchors-timed N``: steps 0 to
-   N-1 are anchors, so a later anchor, which replaces cached entries, is timed too). Kernels are compiled and
+   N-1 are anchors, so a later anchor, which replaces cached entries, is timed too; ``--pattern ArAr``: the
+   timed steps spelled out, A anchor, r reuse, so a reuse step after a later anchor is timed as a preset's run
+   has it). After each step the row keeps the engine's phase seconds of that step, the memory held on device
+   and host and the cache's placement (``step_probe``); ``--profile-step K`` profiles step K with
+   torch.profiler (OUT/profile-MODEL-MODE.txt). Kernels are compiled and
    autotuned beforehand on one layer's worth of random q/k/v of the model's own shapes (recorded during
    step 1), so no step includes compilation.
 4. ``sol``: ComfyUI's own sparse kernel, comfy_kitchen.sol_attn, with ``topk_ratio`` = the density, on
@@ -21,7 +25,8 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
 
 Projection for the preset's schedule over the model's usual step count (``total`` below):
     warm-up steps x dense + anchors x anchor + the rest x reuse  (sol: warm-up x dense + the rest x sol);
-with ``--anchors-timed`` > 1 the first anchor counts once and the others at the later anchors' median.
+with several timed anchors the first counts once and the others at the later anchors' median; reuse steps at the
+median of the timed reuse steps.
 The Amdahl ceiling of that schedule: warm-up and anchor steps dense, each reuse step a dense step minus
 (1 - density kept) of the dense self-attention time of its sparse layers (each recorded call timed alone
 with SDPA; the preset's dense layers excluded).
@@ -158,9 +163,10 @@ def timed_run(model, latent, pos, neg, cfg, steps, device):
     return times, peaks[str(device)]
 
 
-def sample_timed(model, latent, pos, neg, cfg, steps, devices):
+def sample_timed(model, latent, pos, neg, cfg, steps, devices, on_step=None):
     """Sample ``steps`` euler steps from seed-0 noise, timing each step at the sampler's callback with every
-    device in ``devices`` (torch.devices) synchronised.
+    device in ``devices`` (torch.devices) synchronised. ``on_step(i)``, when given, is called after step i's
+    time is taken (and with i = -1 just before sampling starts), outside the timed interval of the next step.
 
     Returns (seconds per step, {str(device): peak bytes allocated during the run, 0 off CUDA}, final latent:
     the sampler's output, same shape as ``latent`` (B, C, [T,] H, W), on ComfyUI's intermediate device and dtype).
@@ -168,7 +174,7 @@ def sample_timed(model, latent, pos, neg, cfg, steps, devices):
     import comfy.sample
 
     cuda = [d for d in devices if d.type == "cuda"]
-    marks = []
+    starts, ends = [], []
 
     def sync():
         for d in cuda:
@@ -176,16 +182,23 @@ def sample_timed(model, latent, pos, neg, cfg, steps, devices):
 
     def callback(step, x0, x, total):
         sync()
-        marks.append(time.perf_counter())
+        ends.append(time.perf_counter())
+        if on_step is not None:
+            on_step(len(ends) - 1)
+            sync()
+        starts.append(time.perf_counter())  # the next step's time starts after the hook
     sync()
     for d in cuda:
         torch.cuda.reset_peak_memory_stats(d)
-    t0 = time.perf_counter()
+    if on_step is not None:
+        on_step(-1)
+        sync()
+    starts.append(time.perf_counter())
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # as ComfyUI executes its nodes (cached tensors are inference tensors)
         out = comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, denoise=1.0,
                                   disable_pbar=True, seed=0, callback=callback)
-    times = [b - a for a, b in zip([t0] + marks[:-1], marks)]
+    times = [b - a for a, b in zip(starts, ends)]
     peaks = {str(d): torch.cuda.max_memory_allocated(d) if d.type == "cuda" else 0 for d in devices}
     return times, peaks, out
 
@@ -308,6 +321,67 @@ class Clock:
         return self.budget - (time.perf_counter() - self.t0)
 
 
+class StepProbe:
+    """``on_step`` hook of sample_timed: after each timed step, the memory the run holds (device: allocated,
+    reserved, free, the allocator's retries; host: available, pinned by torch) and the cache's placement and
+    counters; optionally torch.profiler over one step (``profile_step``), written to OUT/profile-TAG.txt."""
+
+    def __init__(self, patch, device, out: str, tag: str, profile_step: int = -1):
+        self.patch, self.device, self.out, self.tag, self.profile_step = patch, device, Path(out), tag, profile_step
+        self.rows: list[dict] = []
+        self.prof = None
+
+    def __call__(self, i: int) -> None:
+        if self.prof is not None and i == self.profile_step:
+            self.prof.stop()
+            self._write_profile()
+            self.prof = None
+        if i >= 0:
+            self.rows.append(self.snapshot(i))
+            c = self.rows[-1].get("cache") or {}
+            log.info("step %d done: %s; cache fetched %s prefetched %s, CPU layers %s", i,
+                     ", ".join(f"{k} {v:.1f}" for k, v in self.rows[-1].items() if k.endswith("_gb")),
+                     c.get("fetched"), c.get("prefetched"), c.get("cpu_layers"))
+        if i + 1 == self.profile_step:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.start()
+
+    def snapshot(self, i: int) -> dict:
+        gb = 2 ** 30
+        row = dict(step=i)
+        if self.device.type == "cuda":
+            st = torch.cuda.memory_stats(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            row.update(allocated_gb=st.get("allocated_bytes.all.current", 0) / gb,
+                       reserved_gb=st.get("reserved_bytes.all.current", 0) / gb, device_free_gb=free / gb,
+                       alloc_retries=st.get("num_alloc_retries", 0), ooms=st.get("num_ooms", 0))
+            try:
+                hs = torch.cuda.host_memory_stats()
+                row.update(pinned_host_gb=hs.get("allocated_bytes.current", 0) / gb,
+                           pinned_host_active_gb=hs.get("active_bytes.current", 0) / gb)
+            except Exception:  # noqa: BLE001 - a torch without host allocator statistics
+                pass
+        from _pack import load
+        host = load("engine.cache").host_memory()
+        if host is not None:
+            row["host_available_gb"] = host[0] / gb
+        runs = getattr(self.patch, "_active", [])
+        if runs:
+            infos = [e.cache.info() for e in runs[-1].engines.engines().values()]
+            row["cache"] = infos[0] if len(infos) == 1 else infos
+        return row
+
+    def _write_profile(self) -> None:
+        ka = self.prof.key_averages()
+        by = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        text = (f"step {self.profile_step}, {self.tag}\n\nby {by}:\n" + ka.table(sort_by=by, row_limit=40)
+                + "\n\nby cpu_time_total:\n" + ka.table(sort_by="cpu_time_total", row_limit=25))
+        (self.out / f"profile-{self.tag}.txt").write_text(text)
+        log.info("profile of step %d written to %s", self.profile_step, self.out / f"profile-{self.tag}.txt")
+
+
 def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     # a simulated card: the weights start in host memory and ComfyUI loads them (partially where they do not fit)
     model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device, weights=args.weights,
@@ -358,16 +432,18 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                  "%.0f %%, %d calls of %s); weights %.1f GB, %.1f GB of them on the GPU", name, t_dense, len(times),
                  100 * attn_share, 100 * a_self / t_dense, len(shapes), call_shape, model.model_size() / 2**30,
                  getattr(model.model, "model_loaded_weight_memory", 0) / 2**30)
-    n_anchor_t = max(1, args.anchors_timed)
-    n_steps = n_anchor_t + n_timed  # anchor(s) + reuse steps
-    timed_anchors = (eng.AnchorSchedule() if n_anchor_t == 1
-                     else eng.AnchorSchedule.parse(",".join(str(s) for s in range(n_anchor_t))))
+    pattern = args.pattern or "A" * max(1, args.anchors_timed) + "r" * n_timed
+    anchor_idx = [i for i, c in enumerate(pattern) if c == "A"]
+    n_steps = len(pattern)
+    timed_anchors = (eng.AnchorSchedule() if anchor_idx == [0]
+                     else eng.AnchorSchedule.parse(",".join(str(s) for s in anchor_idx)))
     if args.modes:
         modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
     else:  # density-major: a time limit cuts whole densities
         modes = [(m, float(d)) for d in args.densities.split(",") for m in args.methods.split(",")]
     for method, dens in modes:
-        need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) * n_anchor_t + n_timed - 1)
+        need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) * len(anchor_idx)
+                        + n_steps - len(anchor_idx) - 1)
         if clock.left() < need:
             log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
             continue
@@ -384,19 +460,26 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             prewarm(eng, c, call_shape, dtype, device)
             log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
         sm, sp = patch_mod.install(model, c)
-        times, peak = timed_run(sm, latent, pos, neg, cfg, n_steps, device)
-        t_anchor, t_reuse = times[0], median(times[n_anchor_t:])
-        t_later = median(times[1:n_anchor_t]) if n_anchor_t > 1 else t_anchor
+        probe = StepProbe(sp, device, args.out, f"{name}-{method}@{dens}", args.profile_step)
+        times, peak, _ = sample_timed(sm, latent, pos, neg, cfg, n_steps, [device], on_step=probe)
+        peak = peak[str(device)]
+        a_times = [times[i] for i in anchor_idx]
+        r_times = [t for t, c in zip(times, pattern) if c == "r"]
+        t_anchor, t_reuse = a_times[0], median(r_times)
+        t_later = median(a_times[1:]) if len(a_times) > 1 else t_anchor
         stats = sp.last_stats
         tot = stats.totals()
         sparse_calls = tot["anchors"] + tot["reuses"]
         d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
-        sparse_per_step = tot["reuses"] / max(1, n_steps - n_anchor_t)  # per reuse step
+        sparse_per_step = tot["reuses"] / max(1, len(r_times))  # per reuse step
         projected = warm * t_dense + min(anchors, 1) * t_anchor + max(0, anchors - 1) * t_later + rest * t_reuse
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
-                   later_anchor_s=t_later, anchor_times_s=times[:n_anchor_t],
+                   later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,
+                   step_times_s=times, step_seconds=stats.step_totals(), step_probe=probe.rows,
+                   reuse_layer_seconds={st: per for st, per in stats.step_seconds.items()
+                                        if pattern[st:st + 1] == "r"},
                    projected_s=projected, speedup=total * t_dense / projected,
                    ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
                    density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
@@ -469,6 +552,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip modes that would not finish in this time")
     ap.add_argument("--anchors-timed", type=int, default=1, help="anchor steps timed before the reuse steps (a "
                     "later anchor replaces the cache's entries: it reuses their memory)")
+    ap.add_argument("--pattern", default="", help="the timed steps as letters, A anchor and r reuse (e.g. ArAr: the "
+                    "reuse step after a later anchor, as a preset's run has them); overrides --anchors-timed")
+    ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "
+                    "torch.profiler: OUT/profile-MODEL-MODE.txt, operators by CUDA and by CPU time")
     ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
                     "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
@@ -478,6 +565,8 @@ def main():
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight dtype: bf16, or fp8 "
                     "(float8_e4m3fn computed in bf16, as ComfyUI runs fp8 checkpoints)")
     args = ap.parse_args()
+    if args.pattern and (set(args.pattern) - {"A", "r"} or not args.pattern.startswith("A") or "r" not in args.pattern):
+        ap.error("--pattern: letters A (anchor) and r (reuse), starting with A, with at least one r")
     args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")

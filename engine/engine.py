@@ -167,7 +167,7 @@ class SparseEngine:
 
     def _attend(self, q, k, v, ctx, scale, dense_fn):
         if self._step != ctx.step:
-            self._step = ctx.step
+            self._step = self.stats.step = ctx.step
             self.cache.new_step()
         n = q.shape[2]
         decision = self.decide(ctx, n) if k.shape[2] == n else DENSE

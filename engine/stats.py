@@ -37,7 +37,9 @@ class RunStats:
     def __init__(self):
         self.layers: dict[int, LayerStats] = {}
         self.steps: dict[int, dict[str, int]] = {}  # run step -> calls per kind (dense/anchor/reuse/fallback)
-        self._pending: list[tuple[int, str, object, object]] = []
+        self.step: int | None = None  # the run step timed work belongs to (set by the engine as steps change)
+        self.step_seconds: dict[int, dict[int, dict[str, float]]] = {}  # run step -> layer -> phase -> seconds
+        self._pending: list[tuple[int, int | None, str, object, object]] = []
         self.cache: dict = {}
         self.finished = False
 
@@ -67,7 +69,8 @@ class RunStats:
 
     @contextmanager
     def timed(self, layer: int, phase: str, device: torch.device):
-        """Time the enclosed work under ``phase`` for ``layer``."""
+        """Time the enclosed work under ``phase`` for ``layer`` (and for the current ``step``, when set)."""
+        step = self.step
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -75,19 +78,30 @@ class RunStats:
                 yield
             finally:
                 end.record()
-                self._pending.append((layer, phase, start, end))
+                self._pending.append((layer, step, phase, start, end))
         else:
             t0 = time.perf_counter()
             try:
                 yield
             finally:
-                self.layer(layer).seconds[phase] += time.perf_counter() - t0
+                self._add_seconds(layer, step, phase, time.perf_counter() - t0)
+
+    def _add_seconds(self, layer: int, step: int | None, phase: str, sec: float) -> None:
+        self.layer(layer).seconds[phase] += sec
+        if step is not None:
+            per = self.step_seconds.setdefault(step, {}).setdefault(layer, {})
+            per[phase] = per.get(phase, 0.0) + sec
+
+    def step_totals(self) -> dict[int, dict[str, float]]:
+        """Per run step, the seconds of each phase summed over the layers (steps the engine timed work in)."""
+        return {step: {p: sum(per.get(p, 0.0) for per in layers.values()) for p in PHASES}
+                for step, layers in sorted(self.step_seconds.items())}
 
     def finish(self, cache_info: dict | None = None) -> "RunStats":
         if self._pending:
             torch.cuda.synchronize()
-            for layer, phase, start, end in self._pending:
-                self.layer(layer).seconds[phase] += start.elapsed_time(end) / 1000.0
+            for layer, step, phase, start, end in self._pending:
+                self._add_seconds(layer, step, phase, start.elapsed_time(end) / 1000.0)
             self._pending.clear()
         if cache_info is not None:
             self.cache = dict(cache_info)
@@ -113,6 +127,11 @@ class RunStats:
                 per = out.steps.setdefault(step, {})
                 for kind, count in kinds.items():
                     per[kind] = per.get(kind, 0) + count
+            for step, layers in part.step_seconds.items():
+                for idx, phases in layers.items():
+                    per = out.step_seconds.setdefault(step, {}).setdefault(idx, {})
+                    for phase, sec in phases.items():
+                        per[phase] = per.get(phase, 0.0) + sec
             for key, value in part.cache.items():
                 if isinstance(value, list):
                     out.cache[key] = sorted(set(out.cache.get(key, [])) | set(value), key=str)
@@ -155,7 +174,8 @@ class RunStats:
 
     def as_dict(self) -> dict:
         """Structured form for a report node: totals, per-layer rows, per-step kinds, cache figures."""
-        return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), layers={
+        return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), step_seconds=self.step_totals(),
+                    layers={
             i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,
                     density=s.density, fidelity=(sum(s.fidelity) / len(s.fidelity)) if s.fidelity else None,
                     seconds=dict(s.seconds)) for i, s in sorted(self.layers.items())})

@@ -42,6 +42,37 @@ def test_e2e_times_later_anchors(tmp_path):
     assert abs(row["projected_s"] - want) < 1e-9
 
 
+def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
+    """--pattern ArAr: anchors at steps 0 and 2, reuse steps 1 and 3 (the second after a later anchor); each step's
+    engine phases and memory probe are kept, and --profile-step writes the profiled step's operator tables."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--modes", "mc_sparse@0.25", "--pattern", "ArAr",
+                           "--profile-step", "3"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    times = row["step_times_s"]
+    assert row["pattern"] == "ArAr" and len(times) == 4
+    assert row["anchor_times_s"] == [times[0], times[2]] and row["reuse_times_s"] == [times[1], times[3]]
+    assert row["later_anchor_s"] == times[2] and row["step_s"] == (times[1] + times[3]) / 2
+    sel = {int(k): v["selection"] for k, v in row["step_seconds"].items()}
+    assert sorted(sel) == [0, 1, 2, 3] and sel[0] > 0 and sel[2] > 0 and sel[1] == sel[3] == 0
+    assert sorted(row["reuse_layer_seconds"]) == ["1", "3"]
+    assert [p["step"] for p in row["step_probe"]] == [0, 1, 2, 3]
+    assert row["step_probe"][-1]["cache"]["device_bytes"] > 0  # the run's cache, read while it is alive
+    prof = (tmp_path / "profile-wan13b-mc_sparse@0.25.txt").read_text()
+    assert prof.startswith("step 3,") and "aten::" in prof
+
+
+def test_e2e_rejects_a_bad_pattern(tmp_path):
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--modes", "mc_sparse@0.25", "--pattern", "rA"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "--pattern" in proc.stderr
+
+
 def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
     """bench/plot_e2e.py --table: runs listed newest first; a (model, mode) comes from the first run holding it."""
     def run(name, rows):

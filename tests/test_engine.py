@@ -100,6 +100,23 @@ BASE = dict(density=0.15, warmup_steps=1, anchor_steps="", min_tokens=0, backend
             group_size=64)
 
 
+def test_stats_keep_each_steps_phase_seconds(problem):
+    """Timed work is booked to the run step it ran in as well as to its layer: per step, selection only at the
+    anchor, attention at every step; the steps' seconds add up to the layers'; merged statistics keep them."""
+    from comfyui_sparse_attention.engine.stats import PHASES, RunStats
+    _, stats = run_engine(SparseConfig(method="mc_sparse", **BASE), problem, 4, layers=(0, 1))
+    per_step = stats.step_totals()
+    assert sorted(per_step) == [0, 1, 2, 3] and stats.schedule_line() == "DArr"
+    assert per_step[1]["selection"] > 0 and per_step[2]["selection"] == per_step[3]["selection"] == 0
+    assert all(per_step[s]["attention"] > 0 for s in range(4))
+    for phase in PHASES:
+        assert sum(per_step[s][phase] for s in per_step) == pytest.approx(stats.totals()["seconds"][phase])
+    assert sorted(stats.step_seconds[2]) == [0, 1]  # both layers' reuse calls
+    merged = RunStats.merged([stats, stats])
+    assert merged.step_totals()[1]["selection"] == pytest.approx(2 * per_step[1]["selection"])
+    assert stats.as_dict()["step_seconds"] == per_step
+
+
 @pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
 def test_split_cond_batch_reuses_the_batched_anchor(problem, method):
     """ComfyUI may batch cond+uncond at the anchor and split them later (memory ran low): the split calls
