@@ -16,7 +16,7 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
    timed steps spelled out, A anchor, r reuse, so a reuse step after a later anchor is timed as a preset's run
    has it). After each step the row keeps the engine's phase seconds of that step, the memory held on device
    and host and the cache's placement (``step_probe``); ``--profile-step K`` profiles step K with
-   torch.profiler (OUT/profile-MODEL-MODE.txt). Kernels are compiled and
+   torch.profiler (OUT/profile-MODEL-METHOD_DENSITY.txt). Kernels are compiled and
    autotuned beforehand on one layer's worth of random q/k/v of the model's own shapes (recorded during
    step 1), so no step includes compilation.
 4. ``sol``: ComfyUI's own sparse kernel, comfy_kitchen.sol_attn, with ``topk_ratio`` = the density, on
@@ -41,6 +41,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -255,11 +256,13 @@ def sol_override(density: float, min_tokens: int, counter: dict):
 
 
 def prewarm(eng, cfg, shape, dtype, device):
-    """Compile and autotune one configuration's kernels: an anchor and a reuse call on random q/k/v."""
+    """Compile and autotune one configuration's kernels: an anchor and a reuse call on random q/k/v (its own
+    schedule: whatever the timed pattern is, step 1 reuses, so the reuse kernels are tuned before timing)."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
-    e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0))
+    e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0,
+                                     anchor_steps=eng.AnchorSchedule()))
     e.begin_run()
     for step in (0, 1):
         e.attend(q, k, v, eng.CallContext(layer=0, step=step))
@@ -327,7 +330,8 @@ class StepProbe:
     counters; optionally torch.profiler over one step (``profile_step``), written to OUT/profile-TAG.txt."""
 
     def __init__(self, patch, device, out: str, tag: str, profile_step: int = -1):
-        self.patch, self.device, self.out, self.tag, self.profile_step = patch, device, Path(out), tag, profile_step
+        self.patch, self.device, self.out, self.profile_step = patch, device, Path(out), profile_step
+        self.tag = re.sub(r"[^A-Za-z0-9._-]", "_", tag)  # a plain file name (the device returns no others)
         self.rows: list[dict] = []
         self.prof = None
 
@@ -380,6 +384,31 @@ class StepProbe:
                 + "\n\nby cpu_time_total:\n" + ka.table(sort_by="cpu_time_total", row_limit=25))
         (self.out / f"profile-{self.tag}.txt").write_text(text)
         log.info("profile of step %d written to %s", self.profile_step, self.out / f"profile-{self.tag}.txt")
+
+
+def log_triton_compiles() -> bool:
+    """Log every Triton JIT compilation (kernel, specialisation, seconds) through Triton's runtime hooks, so a step
+    that stalls on a compile says so. False when this Triton has no such hooks."""
+    try:
+        from triton import knobs
+        rt = knobs.runtime
+        if not hasattr(rt, "jit_cache_hook") or not hasattr(rt, "jit_post_compile_hook"):
+            return False
+    except Exception:  # noqa: BLE001 - an older Triton, or none
+        return False
+    started: dict = {}
+
+    def before(*_, **kw):
+        started[kw.get("repr")] = time.perf_counter()
+        return None  # never claims the kernel: Triton compiles as usual
+
+    def after(*_, **kw):
+        rep = str(kw.get("repr"))
+        sec = time.perf_counter() - started.pop(kw.get("repr"), time.perf_counter())
+        log.info("triton compile %.2f s: %s; specialization %s", sec, rep[:400],
+                 str(kw.get("specialization_data"))[-600:])
+    rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
+    return True
 
 
 def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
@@ -555,7 +584,9 @@ def main():
     ap.add_argument("--pattern", default="", help="the timed steps as letters, A anchor and r reuse (e.g. ArAr: the "
                     "reuse step after a later anchor, as a preset's run has them); overrides --anchors-timed")
     ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "
-                    "torch.profiler: OUT/profile-MODEL-MODE.txt, operators by CUDA and by CPU time")
+                    "torch.profiler: OUT/profile-MODEL-METHOD_DENSITY.txt, operators by CUDA and by CPU time")
+    ap.add_argument("--log-compiles", action="store_true", help="log each Triton compilation (kernel, specialisation, "
+                    "seconds): which step compiled what")
     ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
                     "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
@@ -578,6 +609,8 @@ def main():
             + (f", simulated card {args.vram_gb:g} GB" if args.vram_gb else "")
             + (f", host cache cap {args.host_gb:g} GB" if args.host_gb else "")
             + (f", {args.weights} weights" if args.weights != "bf16" else ""))
+    if args.log_compiles and not log_triton_compiles():
+        log.warning("--log-compiles: this Triton has no compile hooks; nothing will be logged")
     rows, emit = row_writer(Path(args.out), "e2e", meta, render)
     for name in args.models.split(","):
         bench_model(name, args, patch_mod, presets, eng, device, clock, emit)

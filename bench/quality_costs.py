@@ -43,7 +43,8 @@ class StepCosts:
     """Seconds of one dense step and, per (method, density), of one anchor step and one reuse step."""
 
     def __init__(self, model: str, dense_s: float, modes: dict, sources: list[str], meta: str = ""):
-        """modes: {method: {density: {"anchor_s": float | None, "step_s": float, "run": str}}}."""
+        """modes: {method: {density: {"anchor_s": float | None, "step_s": float, "run": str, and optionally
+        "later_anchor_s": a run's later anchor steps, which replace cached entries (bench/e2e.py --pattern)}}}."""
         if not (isinstance(dense_s, (int, float)) and dense_s > 0):
             raise ValueError(f"step costs of {model}: dense_s must be a positive number, got {dense_s!r}")
         self.model, self.dense_s, self.modes, self.sources, self.meta = model, float(dense_s), modes, sources, meta
@@ -80,8 +81,10 @@ class StepCosts:
                     continue
                 seen.add(r["mode"])
                 method, dens = r["mode"].split("@")
-                modes.setdefault(method, {})[float(dens)] = {"anchor_s": r.get("anchor_s"), "step_s": r["step_s"],
-                                                             "run": run}
+                entry = {"anchor_s": r.get("anchor_s"), "step_s": r["step_s"], "run": run}
+                if len(r.get("anchor_times_s") or []) > 1:  # a later anchor was timed, not just the first
+                    entry["later_anchor_s"] = r["later_anchor_s"]
+                modes.setdefault(method, {})[float(dens)] = entry
                 if run not in used:
                     used.append(run)
         if dense_s is None:
@@ -123,25 +126,28 @@ class StepCosts:
 
     def costs(self, method: str, density: float) -> tuple[float | None, float, str | None]:
         """(anchor_s, reuse_s, flag) of ``method`` at ``density``; flag None | "interpolated" | "nearest"."""
+        anchor_s, flag = self._value(method, density, "anchor_s")
+        return anchor_s, self._value(method, density, "step_s")[0], flag
+
+    def later_anchor_s(self, method: str, density: float) -> float | None:
+        """Seconds of an anchor step after the run's first (measured where a run timed one), else None."""
+        return self._value(method, density, "later_anchor_s")[0]
+
+    def _value(self, method: str, density: float, key: str) -> tuple[float | None, str | None]:
         table = self.modes.get(method)
         if not table:
             raise ValueError(f"step costs: no measured {method!r} rows for {self.model} (have "
                              f"{sorted(self.modes)})")
         ds = sorted(table)
         if density in table:
-            r = table[density]
-            return r["anchor_s"], r["step_s"], None
+            return table[density].get(key), None
         if density < ds[0] or density > ds[-1]:
-            r = table[ds[0] if density < ds[0] else ds[-1]]
-            return r["anchor_s"], r["step_s"], "nearest"
+            return table[ds[0] if density < ds[0] else ds[-1]].get(key), "nearest"
         hi = next(d for d in ds if d > density)
         lo = max(d for d in ds if d < density)
+        a, b = table[lo].get(key), table[hi].get(key)
         w = (density - lo) / (hi - lo)
-
-        def lerp(key):
-            a, b = table[lo][key], table[hi][key]
-            return None if a is None or b is None else a + w * (b - a)
-        return lerp("anchor_s"), lerp("step_s"), "interpolated"
+        return (None if a is None or b is None else a + w * (b - a)), "interpolated"
 
     def project(self, setting: dict) -> dict:
         """{"speedup", "n" (step counts), "flags", "seconds" (projected run), "dense_seconds"} of a setting."""
@@ -164,6 +170,10 @@ class StepCosts:
             flags.insert(0, flag)
         if n[ANCHOR] and anchor_s is None:
             raise ValueError(f"step costs: no anchor time measured for {setting['id']}")
-        seconds = n[DENSE] * self.dense_s + n[ANCHOR] * (anchor_s or 0.0) + n[REUSE] * reuse_s
+        later_s = anchor_s  # a run's later anchors, where measured (they reuse the first one's cache memory)
+        if setting["kind"] != "sol" and setting["config"].get("method") != "dense":
+            later_s = self.later_anchor_s(setting["config"]["method"], setting["config"]["density"]) or anchor_s
+        seconds = (n[DENSE] * self.dense_s + min(n[ANCHOR], 1) * (anchor_s or 0.0)
+                   + max(0, n[ANCHOR] - 1) * (later_s or 0.0) + n[REUSE] * reuse_s)
         return {"speedup": steps * self.dense_s / seconds, "n": n, "flags": flags, "seconds": seconds,
                 "dense_seconds": steps * self.dense_s}

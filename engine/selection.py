@@ -17,6 +17,8 @@ import torch
 from .. import kernels
 
 from ..kernels.compact_torch import SEGMENT  # one definition: the kernels' list format
+
+LIST_ALIGN = 16  # decoded token lists' width is a multiple of this (Triton specialises integers divisible by 16)
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
 
 
@@ -144,9 +146,16 @@ class TokenSelection:
         return low, seg_ends
 
     def kv_tokens(self) -> torch.Tensor:
-        """Decoded int32 token lists (B, H, G, max_k); entries past the count are meaningless."""
-        slot = torch.arange(self.kv_low.shape[-1], device=self.kv_low.device, dtype=torch.int32)
-        out = self.kv_low.to(torch.int32).add_(32768)
+        """Decoded int32 token lists (B, H, G, W16): W16 is the lists' width rounded up to a multiple of 16;
+        entries past the count are meaningless. The width follows the data (the longest list of the anchor);
+        rounded, the kernel's row stride is always a multiple of 16, so Triton compiles one specialisation of it
+        instead of switching as the width does mid-run (docs/benchmarks.md, "Stalls in the first reuse step")."""
+        width = self.kv_low.shape[-1]
+        padded = -(-width // LIST_ALIGN) * LIST_ALIGN
+        slot = torch.arange(padded, device=self.kv_low.device, dtype=torch.int32)
+        out = torch.zeros((*self.kv_low.shape[:-1], padded), dtype=torch.int32, device=self.kv_low.device)
+        out[..., :width] = self.kv_low
+        out[..., :width] += 32768
         for s in range(self.seg_ends.shape[-1]):  # slots at or past segment s's end belong to a later one
             out.add_((slot >= self.seg_ends[..., s:s + 1]).to(torch.int32).mul_(SEGMENT))
         return out

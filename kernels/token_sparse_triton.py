@@ -17,7 +17,7 @@ import triton.language as tl
 from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
-                             lazy_rescale, load_group, residual_launch_args, residual_mode, seq_bucket, store_rows,
+                             lazy_rescale, list_bucket, load_group, residual_launch_args, residual_mode, store_rows,
                              tune_bench)
 from .token_sparse_torch import check_token_lists
 
@@ -102,6 +102,6 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
         _token_fwd[(g, b * h)](
             q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
-            scale * LOG2E, seq_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
+            scale * LOG2E, list_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
             RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale())
     return out

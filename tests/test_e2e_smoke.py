@@ -61,7 +61,7 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
     assert sorted(row["reuse_layer_seconds"]) == ["1", "3"]
     assert [p["step"] for p in row["step_probe"]] == [0, 1, 2, 3]
     assert row["step_probe"][-1]["cache"]["device_bytes"] > 0  # the run's cache, read while it is alive
-    prof = (tmp_path / "profile-wan13b-mc_sparse@0.25.txt").read_text()
+    prof = (tmp_path / "profile-wan13b-mc_sparse_0.25.txt").read_text()
     assert prof.startswith("step 3,") and "aten::" in prof
 
 
@@ -151,3 +151,22 @@ def test_e2e_benchmark_builds_hunyuan_video(tmp_path):
     rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert [(r["model"], r["mode"]) for r in rows] == [("hyv", "dense"), ("hyv", "block_topk@0.15")]
     assert rows[1]["projected_s"] > 0
+
+
+def test_compile_log_hooks_name_the_kernel_and_time(caplog, bench_import):
+    """--log-compiles installs Triton's runtime hooks; a compile is logged with its kernel and seconds."""
+    import logging
+
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    e2e = bench_import("e2e")
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        assert e2e.log_triton_compiles()
+        with caplog.at_level(logging.INFO, logger="bench.e2e"):
+            assert knobs.runtime.jit_cache_hook(repr="_token_fwd[num_warps=8](MAX_K: i32)") is None
+            knobs.runtime.jit_post_compile_hook(repr="_token_fwd[num_warps=8](MAX_K: i32)", specialization_data="{}")
+        assert any("triton compile" in r.message and "_token_fwd" in r.message for r in caplog.records)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved

@@ -229,12 +229,14 @@ def test_token_selection_compaction_round_trips():
     sel = TokenSelection(torch.zeros(1, 2, 3, 64, dtype=torch.int32), *TokenSelection.compact(tokens, counts), counts,
                          None, 0.1)
     decoded = sel.kv_tokens()
+    assert decoded.shape[-1] == 512  # the width rounded up to a multiple of 16: one kernel specialisation
+    decoded = decoded[..., :500]
     valid = torch.arange(500) < counts.unsqueeze(-1)
     assert torch.equal(decoded[valid], tokens[valid])
     assert sel.kv_low.element_size() == 2
     one = sel.head(0, 1)  # one head alone decodes to the same lists
     assert one.kv_low.shape[:2] == (1, 1) and one.kv_low.data_ptr() == sel.kv_low[0, 1].data_ptr()
-    assert torch.equal(one.kv_tokens()[0, 0][valid[0, 1]], tokens[0, 1][valid[0, 1]])
+    assert torch.equal(one.kv_tokens()[0, 0, :, :500][valid[0, 1]], tokens[0, 1][valid[0, 1]])
 
 
 def _entry(seed, n=4096):

@@ -192,6 +192,28 @@ def test_projection_counts_steps_as_the_engine_does(costs, tmp_path):
     assert again.project(ref)["speedup"] == pytest.approx(p["speedup"])
 
 
+def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
+    """A run that timed a later anchor (bench/e2e.py --pattern ArAr) prices every anchor after the first at that
+    time; rows that timed only the first anchor price all anchors at it."""
+    from quality_costs import StepCosts
+    from quality_grid import engine_setting
+
+    later = write_e2e(tmp_path / "later" / "e2e.json", "device X, 2026-12-01 15:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=12.0, later_anchor_s=9.0,
+             anchor_times_s=[12.0, 9.0], step_s=4.0),
+        dict(model="wan14b", mode="block_topk@0.25", dense_s=10.0, anchor_s=20.0, later_anchor_s=20.0,
+             anchor_times_s=[20.0], step_s=6.0)])  # one anchor timed: its later_anchor_s is the first's
+    c = StepCosts.from_e2e([tmp_path / "old" / "e2e.json", later])
+    assert c.later_anchor_s("block_topk", 0.1) == 9.0 and c.later_anchor_s("block_topk", 0.25) is None
+    ref = engine_setting(30, "block_topk", 0.1, 128, (3, (3, 12, 21)), 1)
+    assert c.project(ref)["seconds"] == pytest.approx(3 * 10 + 12 + 2 * 9 + 24 * 4)
+    assert costs.project(ref)["seconds"] == pytest.approx(3 * 10 + 3 * 12 + 24 * 4)
+    mid = c.project(engine_setting(30, "block_topk", 0.15, 128, (3, (3, 12, 21)), 1))
+    a, r, _ = c.costs("block_topk", 0.15)
+    assert mid["seconds"] == pytest.approx(3 * 10 + 3 * a + 24 * r)  # no later time at 0.25: first-anchor price
+
+
 def test_costs_from_the_repository_runs():
     import json
 

@@ -197,3 +197,15 @@ def test_group_kv_mass_ignores_empty_rows_and_bounds_memory(monkeypatch):
     monkeypatch.setattr(_torch_softmax, "CHUNK_ELEMS", 64 * 500 * 2)  # one group per chunk
     assert torch.allclose(group_kv_mass(q, k, lse, groups), full)
     assert torch.isfinite(full).all()
+
+
+def test_token_list_bucket_caps_long_lists():
+    """The token kernel's autotune key buckets the list width by powers of two up to 4096: lists whose longest
+    row follows the data (11 340 at one anchor, 20 000 at the next) share one tuning instead of re-tuning the kernel
+    in the middle of a run; short lists keep their own buckets."""
+    pytest.importorskip("triton")
+    from comfyui_sparse_attention.kernels._triton_common import LIST_BUCKET_CAP, list_bucket
+
+    assert LIST_BUCKET_CAP == 4096
+    assert list_bucket(11_340) == list_bucket(20_000) == list_bucket(40_000) == list_bucket(4096) == 4096
+    assert [list_bucket(n) for n in (1, 90, 128, 129, 3000)] == [1, 128, 128, 256, 4096]
