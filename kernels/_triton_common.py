@@ -101,8 +101,8 @@ LIST_BUCKET_CAP = 4096  # token lists of 4096 entries and more share one tuning 
 def list_bucket(max_k: int) -> int:
     """Autotune key bucket for a token-list width: next power of two, capped at LIST_BUCKET_CAP. The width is the
     longest list of an anchor's selection, so it follows the data (the threshold of a long row is estimated from
-    a sample: one row may keep twice its budget); uncapped, a later anchor whose longest list crossed a power of
-    two re-tuned the kernel in the middle of a run — 9 s at Wan 14B (docs/benchmarks.md, "Stalls in the first
+    a sample: the longest row keeps well above its budget); uncapped, a later anchor whose longest list crossed a
+    power of two re-tuned the kernel in the middle of a run — 9 s at Wan 14B (docs/benchmarks.md, "Stalls in the first
     reuse step"). Long lists run the same tile loop, and the tunings measured at 16k and 32k chose the same
     config."""
     return min(seq_bucket(max_k), LIST_BUCKET_CAP)
