@@ -6,6 +6,7 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -275,3 +276,16 @@ def store_residual_out(RO, ROS, b, h, pid_bh, rows, row_ok, srb, srh, srn, N_Q, 
         tl.store(ROS + pid_bh.to(tl.int64) * N_Q + rows, s, mask=row_ok)
         r = tl.where(finite, fp8_grid(tl.where(finite, r, 0.0) / s[:, None]), float("nan"))
     store_rows(RO + b * srb + h * srh, rows, srn, row_ok, d, r.to(RO.dtype.element_ty), HEAD_DIM, D_PAD)
+
+
+def tune_options() -> dict:
+    """Options every autotuned kernel of the pack shares: the timing above, and its tunings kept on disk (Triton's
+    cache, keyed by the GPU's architecture, the kernel's source and the tuning key) where this Triton can, so a new
+    ComfyUI process does not time every configuration again at its first anchor and first reuse step (tens of
+    seconds at Wan 14B sizes: docs/benchmarks.md, "Stalls in the first reuse step"). SPARSE_ATTN_TUNE=fresh keeps
+    tunings in memory only."""
+    opts = dict(do_bench=tune_bench)
+    if "cache_results" in inspect.signature(triton.autotune).parameters and \
+            os.environ.get("SPARSE_ATTN_TUNE", "") != "fresh":
+        opts["cache_results"] = True
+    return opts

@@ -26,7 +26,7 @@ import triton.language as tl
 from . import _hopper
 from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows,
                              online_softmax_step, pick, residual_launch_args, residual_mode, seq_bucket,
-                             store_residual_out, store_rows, tune_bench)
+                             store_residual_out, store_rows, tune_options)
 
 MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
 
@@ -193,7 +193,7 @@ def _kernel(kind: str):
                         "persistent": PERSISTENT_CONFIGS, "warp_spec": WARP_SPEC_CONFIGS}[kind], INTERPRET_CONFIG)
         extra = {"reset_to_zero": ["COUNTER"]} if kind == "persistent" else {}
         _tuned[kind] = triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _prune},
-                                       do_bench=tune_bench, **extra)(triton.heuristics(_HEUR)(_attn_tma))
+                                       **tune_options(), **extra)(triton.heuristics(_HEUR)(_attn_tma))
     return _tuned[kind]
 
 

@@ -19,7 +19,7 @@ from ._checks import check_qkv, check_scale
 from ._residual import check_residual, contiguous_residual
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                               lazy_rescale,
-                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_bench)
+                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_options)
 from .block_sparse_torch import check_block_lists
 
 _CONFIGS = configs(
@@ -37,7 +37,7 @@ def _prune(configs_, named_args, **kwargs):
 
 
 @triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "LAZY"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
+                 prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,

@@ -13,7 +13,7 @@ import triton.language as tl
 from . import _hopper
 from ._checks import check_qkv, check_scale
 from ._triton_common import (LOG2E, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous, lazy_rescale,
-                             load_rows, seq_bucket, store_rows, tune_bench)
+                             load_rows, seq_bucket, store_rows, tune_options)
 
 _CONFIGS = configs(
     # docs/kernel_notes.md: hd128 BM128/BN64/w4/s2-3, hd64 BM128/BN128/w4/s3
@@ -23,7 +23,7 @@ _CONFIGS = configs(
     interpret_pick=dict(BLOCK_M=64, BLOCK_N=64))
 
 
-@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "LAZY"], do_bench=tune_bench)
+@triton.autotune(configs=_CONFIGS, key=["N_BUCKET", "HEAD_DIM", "LAZY"], **tune_options())
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _dense_fwd(Q, K, V, Out, LSE,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import _hopper
 from ._checks import triton_group_problem
-from ._triton_common import LOG2E, head_dim_pad, last_dim_contiguous, load_rows, pick, seq_bucket, tune_bench
+from ._triton_common import LOG2E, head_dim_pad, last_dim_contiguous, load_rows, pick, seq_bucket, tune_options
 from .selection_torch import check_mass_args
 
 
@@ -98,7 +98,7 @@ def _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT: tl.constexpr,
 
 
 @triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
+                 prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
 def _mass_fwd(Q, K, LSE, QG, OUT,

@@ -18,7 +18,7 @@ from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                              lazy_rescale, list_bucket, load_group, residual_launch_args, residual_mode, store_rows,
-                             tune_bench)
+                             tune_options)
 from .token_sparse_torch import check_token_lists
 
 # Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
@@ -40,7 +40,7 @@ def _prune(configs_, named_args, **kwargs):
 
 
 @triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=tune_bench)
+                 prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.jit
 def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,

@@ -404,3 +404,59 @@ def test_lazy_rescale_matches_eager_at_real_sizes(monkeypatch, n, d, path):
         token = K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton")
         assert not torch.isnan(token).any()
         assert rel(token, K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch")) <= 1e-2
+
+
+TUNE_CHILD = r"""
+import importlib.util, json, sys, time, torch
+spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",
+                                              submodule_search_locations=[sys.argv[1]])
+pack = importlib.util.module_from_spec(spec); sys.modules["comfyui_sparse_attention"] = pack
+spec.loader.exec_module(pack)
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels import attention_hopper, token_sparse_triton
+benched = []
+tuners = [token_sparse_triton._token_fwd, attention_hopper._kernel("sparse")]
+for t in tuners:  # count the configurations each autotuner times (Triton keeps its timing function in _do_bench)
+    inner = t._do_bench
+    t._do_bench = lambda fn, quantiles=None, _inner=inner: (benched.append(1), _inner(fn, quantiles=quantiles))[1]
+g = torch.Generator(device="cuda").manual_seed(0)
+h, n, d = 4, 32768, 128
+q, k, v = (torch.randn(1, h, n, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+groups = K.group_queries(q, 128)
+gn = groups.shape[2]
+toks = torch.sort(torch.rand(1, h, gn, n, device="cuda", generator=g).topk(2000, -1).indices, -1).values.int()
+cnt = torch.full((1, h, gn), 2000, dtype=torch.int32, device="cuda")
+nb = n // 128
+idx = torch.sort(torch.rand(1, h, nb, nb, device="cuda", generator=g).topk(40, -1).indices, -1).values.int()
+bcnt = torch.full((1, h, nb), 40, dtype=torch.int32, device="cuda")
+t0 = time.perf_counter()
+a = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="triton", validate=False)
+b = K.block_sparse_attention(q, k, v, idx, bcnt, block_q=128, block_k=128, backend="triton")
+torch.cuda.synchronize()
+print("RESULT:" + json.dumps(dict(benched=len(benched), seconds=time.perf_counter() - t0,
+                                  sums=[float(a.float().sum()), float(b.float().sum())])))
+"""
+
+
+def test_tunings_are_read_back_by_a_new_process(tmp_path):
+    """The autotuners keep their tunings on disk (kernels/_triton_common.py, tune_options): a second process with the
+    same Triton cache times no configuration and computes the same outputs."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "SPARSE_ATTN_TUNE"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", TUNE_CHILD, str(root)], env=env, capture_output=True, text=True,
+                              timeout=600)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
+        assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+        runs.append(json.loads(lines[-1][7:]))
+    first, second = runs
+    assert first["benched"] > 2 and second["benched"] == 0, runs
+    assert second["sums"] == first["sums"]
