@@ -155,6 +155,9 @@ def main():
             del lse, groups
             toks = selection.kv_tokens()
             decode_ms = timed(lambda: selection.kv_tokens(), 5)
+            # the kernel on decoded int32 lists (the reuse path before the kernel decoded the int16 lists itself)
+            phases["kernel_int32_lists_ms"] = timed(lambda: kern.token_sparse_attention(
+                q1, k1, v1, selection.q_groups, toks, selection.kv_counts, validate=False), 5)
             plain = (selection.q_groups.numel() * 4 + toks.numel() * 4 + selection.kv_counts.numel() * 4)
             compact = selection.nbytes
             out_s = selection.run(q1, k1, v1)

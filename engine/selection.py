@@ -16,9 +16,7 @@ import torch
 
 from .. import kernels
 
-from ..kernels.compact_torch import SEGMENT  # one definition: the kernels' list format
-
-LIST_ALIGN = 16  # decoded token lists' width is a multiple of this (Triton specialises integers divisible by 16)
+from ..kernels.compact_torch import SEGMENT, decode_lists  # one definition: the kernels' list format
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
 
 
@@ -146,25 +144,16 @@ class TokenSelection:
         return low, seg_ends
 
     def kv_tokens(self) -> torch.Tensor:
-        """Decoded int32 token lists (B, H, G, W16): W16 is the lists' width rounded up to a multiple of 16;
-        entries past the count are meaningless. The width follows the data (the longest list of the anchor);
-        rounded, the kernel's row stride is always a multiple of 16, so Triton compiles one specialisation of it
-        instead of switching as the width does mid-run (docs/benchmarks.md, "Stalls in the first reuse step")."""
-        width = self.kv_low.shape[-1]
-        padded = -(-width // LIST_ALIGN) * LIST_ALIGN
-        slot = torch.arange(padded, device=self.kv_low.device, dtype=torch.int32)
-        out = torch.zeros((*self.kv_low.shape[:-1], padded), dtype=torch.int32, device=self.kv_low.device)
-        out[..., :width] = self.kv_low
-        out[..., :width] += 32768
-        for s in range(self.seg_ends.shape[-1]):  # slots at or past segment s's end belong to a later one
-            out.add_((slot >= self.seg_ends[..., s:s + 1]).to(torch.int32).mul_(SEGMENT))
-        return out
+        """Decoded int32 token lists (B, H, G, W16), W16 the lists' width rounded up to a multiple of 16; entries past
+        the count are meaningless (``kernels.compact_torch.decode_lists``; the kernels decode in registers)."""
+        return decode_lists(self.kv_low, self.seg_ends, SEGMENT)
 
     def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
         """q: (B, H, N, D) -> out (B, H, N, D): grouped token-sparse rows plus ``residual`` (a Residual or None,
         added in the kernel's epilogue), dense text rows."""
-        out = kernels.token_sparse_attention(q, k, v, self.q_groups, self.kv_tokens(), self.kv_counts, scale=scale,
-                                             backend=backend, validate=False, residual=residual)
+        out = kernels.token_sparse_attention_compact(q, k, v, self.q_groups, self.kv_low, self.seg_ends,
+                                                     self.kv_counts, scale=scale, backend=backend, validate=False,
+                                                     residual=residual)
         if self.dense_rows is not None and self.dense_rows.numel():
             rows = self.dense_rows
             out[:, :, rows] = kernels.attention_dense(q[:, :, rows], k, v, scale=scale, backend=backend)

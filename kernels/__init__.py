@@ -5,11 +5,11 @@ CUDA when it imports and supports the case, else the PyTorch twin (any torch dev
 """
 
 from .api import (attention_dense, block_anchor_attention, block_sparse_attention, compact_keep, group_kv_mass,
-                  group_queries, pooled_block_scores, token_sparse_attention)
+                  group_queries, pooled_block_scores, token_sparse_attention, token_sparse_attention_compact)
 from .backend import BACKENDS, triton_available
 
 __all__ = [
     "BACKENDS", "attention_dense", "block_anchor_attention", "block_sparse_attention", "compact_keep", "group_kv_mass",
     "group_queries",
-    "pooled_block_scores", "token_sparse_attention", "triton_available",
+    "pooled_block_scores", "token_sparse_attention", "token_sparse_attention_compact", "triton_available",
 ]

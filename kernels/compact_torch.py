@@ -23,10 +23,21 @@ def check_compact_args(keep, segment) -> None:
         raise ValueError(f"segment must be a power of two in [16, {SEGMENT}], got {segment!r}")
 
 
+LIST_ALIGN = 16  # list widths are multiples of this: Triton compiles integers divisible by 16 (the lists' row
+# stride) separately, and a width that follows the data would switch between the two mid-run (docs/kernel_notes.md,
+# "v7"); aligned rows also let the kernels load their offsets in wide vectors
+
+
+def aligned_width(width: int) -> int:
+    """``width`` rounded up to a multiple of LIST_ALIGN (0 stays 0)."""
+    return -(-width // LIST_ALIGN) * LIST_ALIGN
+
+
 class CompactLists:
     """What both implementations of ``compact_keep`` start from: the checked mask as rows (R, L), the counts
-    int32 (R,), the width W (the largest count, read back once), and the outputs kv_low (filled with LOW_PAD) and
-    seg_ends (zeros), which the caller fills; ``result()`` shapes them back to the mask's leading dims."""
+    int32 (R,), the width W (the largest count, read back once, rounded up to a multiple of LIST_ALIGN), and the
+    outputs kv_low (filled with LOW_PAD) and seg_ends (zeros), which the caller fills; ``result()`` shapes them back
+    to the mask's leading dims."""
 
     def __init__(self, keep: torch.Tensor, segment: int):
         check_compact_args(keep, segment)
@@ -34,7 +45,7 @@ class CompactLists:
         self.rows = keep.reshape(-1, self.length)
         self.r = self.rows.shape[0]
         self.counts = self.rows.sum(-1, dtype=torch.int32)
-        self.width = int(self.counts.max()) if self.r else 0
+        self.width = aligned_width(int(self.counts.max())) if self.r else 0
         self.n_seg = max(1, -(-self.length // segment))
         self.low = torch.full((self.r, self.width), LOW_PAD, dtype=torch.int16, device=keep.device)
         self.seg_ends = torch.zeros((self.r, self.n_seg), dtype=torch.int32, device=keep.device)
@@ -52,8 +63,8 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
       seg_ends int32 (..., S): the number of the row's kept columns below (s + 1) * segment, S = ceil(L / segment)
         (at least 1), i.e. where segment s's entries end in the list;
       counts int32 (...): kept columns per row.
-    W is the largest count (0 when nothing is kept). Decoding: column = low + 32768 + segment * (number of
-    seg_ends at or below the slot), as ``TokenSelection.kv_tokens`` does.
+    W is the largest count rounded up to a multiple of LIST_ALIGN (0 when nothing is kept). Decoding: column = low
+    + 32768 + segment * (number of seg_ends at or below the slot), as ``decode_lists`` does.
     """
     lists = CompactLists(keep, segment)
     rows, r, length, width, n_seg = lists.rows, lists.r, lists.length, lists.width, lists.n_seg
@@ -73,3 +84,19 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
             buf.scatter_(1, slot, vals.expand(k.shape[0], length))
             low[r0:r0 + step] = buf[:, :width]
     return lists.result()
+
+
+def decode_lists(kv_low: torch.Tensor, seg_ends: torch.Tensor, segment: int = SEGMENT) -> torch.Tensor:
+    """Compact lists (kv_low int16 (..., W), seg_ends int32 (..., S), as ``compact_keep`` writes them) -> int32 token
+    lists (..., W16), W16 = W rounded up to a multiple of LIST_ALIGN; entries past a row's count are meaningless.
+    The token-sparse kernels decode in registers instead (``token_sparse_attention_compact``); this is for the
+    PyTorch twin, reports and tests."""
+    width = kv_low.shape[-1]
+    padded = aligned_width(width)
+    slot = torch.arange(padded, device=kv_low.device, dtype=torch.int32)
+    out = torch.zeros((*kv_low.shape[:-1], padded), dtype=torch.int32, device=kv_low.device)
+    out[..., :width] = kv_low
+    out[..., :width] += 32768
+    for s in range(seg_ends.shape[-1]):  # slots at or past segment s's end belong to a later one
+        out.add_((slot >= seg_ends[..., s:s + 1]).to(torch.int32).mul_(segment))
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
+from .compact_torch import SEGMENT, decode_lists
 from ._gather import Scratch, flat_rows, head_offsets
 from ._residual import add_residual_, check_residual
 from ._torch_softmax import attend, chunk_rows, plan_chunks
@@ -101,3 +102,40 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             out.index_put_((qdst.index_select(0, rows).view(-1),), o.reshape(r * c, d))
     out = out[:-1].view(b, h, nq, d)
     return out if res is None else add_residual_(out.float(), res).to(q.dtype)
+
+
+def check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate=True) -> tuple[int, int, int, int]:
+    """Validate groups and their compact KV lists (kernels/compact_torch.py's format); returns (G, C, W, S).
+    ``validate=True`` also decodes the lists and checks them as ``check_token_lists`` does."""
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    g, c = check_query_groups(q_groups, b, h, nq, q.device, validate)
+    if not isinstance(kv_low, torch.Tensor) or kv_low.dim() != 4 or kv_low.dtype != torch.int16:
+        raise ValueError("kv_low must be an int16 tensor of shape (B, H, G, W) (kernels.compact_keep's lists)")
+    if tuple(kv_low.shape[:3]) != (b, h, g) or kv_low.device != q.device:
+        raise ValueError(f"kv_low must have shape ({b}, {h}, {g}, W) on {q.device}, got {tuple(kv_low.shape)} on "
+                         f"{kv_low.device}")
+    if not isinstance(seg_ends, torch.Tensor) or seg_ends.dim() != 4 or seg_ends.dtype != torch.int32 \
+            or tuple(seg_ends.shape[:3]) != (b, h, g) or seg_ends.device != q.device:
+        raise ValueError(f"seg_ends must be an int32 tensor of shape ({b}, {h}, {g}, S) on {q.device}")
+    n_seg = seg_ends.shape[3]
+    if n_seg < max(1, -(-nk // SEGMENT)):
+        raise ValueError(f"seg_ends holds {n_seg} segment(s); {nk} keys need {-(-nk // SEGMENT)} of {SEGMENT}")
+    check_index("kv_counts", kv_counts, (b, h, g), q.device)
+    if validate:
+        check_token_lists(q, k, q_groups, decode_lists(kv_low, seg_ends, SEGMENT)[..., :kv_low.shape[3]],
+                          kv_counts, validate)
+    return g, c, kv_low.shape[3], n_seg
+
+
+def token_sparse_attention_compact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
+                                   kv_low: torch.Tensor, seg_ends: torch.Tensor, kv_counts: torch.Tensor, *,
+                                   scale: float | None = None, validate: bool = True, residual=None):
+    """``token_sparse_attention`` over compact lists, the format the engine caches (kernels.compact_keep): kv_low
+    int16 (B, H, G, W) and seg_ends int32 (B, H, G, S) decode to each group's sorted KV tokens (column = low + 32768
+    + 65536 × the number of seg_ends at or below the slot); kv_counts int32 (B, H, G). Other arguments and the output
+    as in ``token_sparse_attention``. This twin decodes the lists, then runs it; the Triton kernel decodes in
+    registers."""
+    check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
+    return token_sparse_attention(q, k, v, q_groups, decode_lists(kv_low, seg_ends, SEGMENT), kv_counts, scale=scale,
+                                  validate=False, residual=residual)

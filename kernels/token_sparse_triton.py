@@ -19,7 +19,8 @@ from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                              lazy_rescale, list_bucket, load_group, residual_launch_args, residual_mode, store_rows,
                              tune_options)
-from .token_sparse_torch import check_token_lists
+from .compact_torch import SEGMENT
+from .token_sparse_torch import check_compact_lists, check_token_lists
 
 # Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
 # sm_90 compiler report (docs/kernel_notes.md): with 128 queries and D = 128, 4 warps spill ~200 bytes
@@ -39,14 +40,29 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY"],
+@triton.jit
+def _token_ids(raw, slot, SEG, row, N_SEG: tl.constexpr, SEGMENT: tl.constexpr):
+    """Token ids of list slots ``slot`` from what was loaded there: int32 ids as they are (N_SEG 0), or compact
+    int16 offsets decoded in registers (kernels/compact_torch.py): offset + 32768 + SEGMENT x the number of the
+    row's segment ends at or below the slot."""
+    if N_SEG == 0:
+        return raw
+    tok = raw.to(tl.int32) + 32768
+    for s in tl.static_range(N_SEG):
+        end = tl.load(SEG + row * N_SEG + s)
+        tok += (slot >= end).to(tl.int32) * SEGMENT
+    return tok
+
+
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY", "N_SEG"],
                  prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.jit
-def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
+def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
-               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, N_SEG: tl.constexpr,
+               SEGMENT: tl.constexpr):
     d = tl.arange(0, D_PAD)
     q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
     k_base = K + b * skb + h * skh
@@ -59,13 +75,13 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT,
     n_full = (count // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):  # full chunks of the list: no masks
         slot = start + tl.arange(0, BLOCK_N)
-        tok = tl.load(tok_base + slot)
+        tok = _token_ids(tl.load(tok_base + slot), slot, SEG, row, N_SEG, SEGMENT)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, slot < count, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     if n_full < count:  # the list's tail
         slot = n_full + tl.arange(0, BLOCK_N)
         t_ok = slot < count
-        tok = tl.load(tok_base + slot, mask=t_ok, other=0)
+        tok = _token_ids(tl.load(tok_base + slot, mask=t_ok, other=0), slot, SEG, row, N_SEG, SEGMENT)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, t_ok, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
     out, _ = finish(acc, m_i, l_i)
@@ -84,14 +100,34 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
+    return _launch(q, k, v, q_groups, kv_tokens.to(torch.int32), None, kv_counts, g, c, max_k, scale, residual)
+
+
+def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts, *, scale=None, validate=True,
+                                   residual=None):
+    """Token-sparse attention over compact lists on the Triton kernel, which decodes them in registers (no int32
+    copy of the lists per call); arguments as in the PyTorch twin ``token_sparse_attention_compact``: kv_low int16
+    (B,H,G,W), seg_ends int32 (B,H,G,S), kv_counts int32 (B,H,G)."""
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    g, c, width, _ = check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
+    return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual)
+
+
+def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual):
+    """The kernel over int32 token lists (seg_ends None) or compact int16 lists with their segment ends."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
     why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
     res = contiguous_residual(check_residual(residual, q))
     q, k, v = last_dim_contiguous(q, k, v)
     qg = q_groups.to(torch.int32).contiguous()
-    tok = kv_tokens.to(torch.int32).contiguous()
+    tok = lists.contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
+    seg = cnt if seg_ends is None else seg_ends.to(torch.int32).contiguous()
+    n_seg = 0 if seg_ends is None else seg.shape[-1]
     # queries in no group keep this: 0, or the residual (a decode pass, as cheap as the zero fill it replaces)
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
     if res is None:
@@ -100,8 +136,8 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
         decode_into(out, res)
     if g > 0:
         _token_fwd[(g, b * h)](
-            q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, *q.stride()[:3], *k.stride()[:3],
+            q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, seg, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
             scale * LOG2E, list_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
-            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale())
+            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(), N_SEG=n_seg, SEGMENT=SEGMENT)
     return out

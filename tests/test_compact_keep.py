@@ -27,14 +27,16 @@ def test_twin_equals_the_lists_built_before(monkeypatch, rows, length, p):
     low0, ends0 = TokenSelection.compact(idx.view(1, 1, rows, -1), cnt.view(1, 1, rows), length)
     low, ends, counts = compact_keep(keep, backend="torch")
     assert low.dtype == torch.int16 and ends.dtype == torch.int32 and counts.dtype == torch.int32
-    assert torch.equal(low, low0) and torch.equal(ends, ends0) and torch.equal(counts, cnt.view(1, 1, rows))
+    w0 = low0.shape[-1]  # the old lists' width was the longest count; now it is rounded up to a multiple of 16
+    assert low.shape[-1] == -(-w0 // 16) * 16 and (low[..., w0:] == LOW_PAD).all()
+    assert torch.equal(low[..., :w0], low0) and torch.equal(ends, ends0) and torch.equal(counts, cnt.view(1, 1, rows))
 
 
 @pytest.mark.parametrize("segment", [16, 64, 1 << 16])
 def test_lists_decode_to_the_kept_columns(segment):
     keep = random_keep((2, 3, 200), 0.2, seed=segment)
     low, ends, counts = compact_keep(keep, segment=segment, backend="torch")
-    assert ends.shape == (2, 3, -(-200 // segment)) and low.shape[-1] == int(counts.max())
+    assert ends.shape == (2, 3, -(-200 // segment)) and low.shape[-1] == -(-int(counts.max()) // 16) * 16
     slot = torch.arange(low.shape[-1])
     for b in range(2):
         for r in range(3):

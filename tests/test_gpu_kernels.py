@@ -301,6 +301,28 @@ def test_token_sparse_residual_matches_twin(res_kind):
     assert torch.equal(out[0, 1, rows], decoded(res)[0, 1, rows].to(out.dtype))
 
 
+@pytest.mark.parametrize("n,res_kind", [(75600, "fp8"), (118800, None)])
+def test_compact_token_lists_decode_in_the_kernel(n, res_kind):
+    """The engine's cached int16 lists (kernels.compact_keep, two segments at these lengths) run through the token
+    kernel, which decodes them in registers: equal to the kernel and the twin on the decoded int32 lists."""
+    from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+    d, c, h = 128, 128, 2
+    q, k, v = qkv(h, n, d, seed=n)
+    groups = K.group_queries(q, c)
+    g = groups.shape[2]
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    keep = torch.rand(1, h, g, n, device=DEV, generator=gen) < 0.15
+    keep[0, 0, 5] = False  # a group with nothing to attend
+    low, ends, cnt = K.compact_keep(keep)
+    assert ends.shape[-1] == 2 and low.shape[-1] % 16 == 0
+    res = None if res_kind is None else make_residual(res_kind, q.shape, seed=3)
+    out = K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, backend="triton", residual=res)
+    toks = decode_lists(low, ends)
+    plain = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="triton", residual=res)
+    twin = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="torch", residual=res)
+    assert not torch.isnan(out).any() and rel(out, plain) <= 1e-3 and rel(out, twin) <= 1e-2
+
+
 @pytest.mark.parametrize("path", ["pointer", "tma"])
 def test_group_kv_mass_paths_match_twin(path):
     from comfyui_sparse_attention.kernels import mass_triton

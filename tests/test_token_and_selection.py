@@ -209,3 +209,43 @@ def test_token_list_bucket_caps_long_lists():
     assert LIST_BUCKET_CAP == 4096
     assert list_bucket(11_340) == list_bucket(20_000) == list_bucket(40_000) == list_bucket(4096) == 4096
     assert [list_bucket(n) for n in (1, 90, 128, 129, 3000)] == [1, 128, 128, 256, 4096]
+
+
+def _compact_case(n, d, seed, dtype=torch.float32):
+    """q/k/v of n tokens, query groups of 16 and compact lists (kernels.compact_keep) of a random keep mask with an
+    empty and a full group; with n > 65 536 the lists span two segments."""
+    from comfyui_sparse_attention.kernels import compact_keep
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g).to(dtype) for _ in range(3))
+    perm = torch.stack([torch.randperm(n, generator=g)[:64] for _ in range(2)]).view(1, 2, 4, 16).to(torch.int32)
+    perm[0, 0, 3, 10:] = -1  # a padded group
+    keep = torch.rand(1, 2, 4, n, generator=g) < 40 / n
+    keep[0, 0, 1] = False           # a group with nothing to attend
+    keep[0, 1, 2, n - 70:] = True   # the last tokens (the second segment when n > 65 536)
+    low, ends, cnt = compact_keep(keep, backend="torch")
+    return q, k, v, perm, low, ends, cnt
+
+
+@pytest.mark.parametrize("n", [3000, 70_000])
+def test_compact_token_lists_give_the_decoded_lists_result(n):
+    """token_sparse_attention_compact (the engine's cached int16 lists) equals token_sparse_attention on the decoded
+    int32 lists, with and without an fp8 residual; bad compact lists are ValueErrors naming the argument."""
+    from comfyui_sparse_attention.kernels import token_sparse_attention_compact
+    from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+    q, k, v, groups, low, ends, cnt = _compact_case(n, 64, seed=n)
+    assert low.shape[-1] % 16 == 0 and ends.shape[-1] == (2 if n > 65536 else 1)
+    toks = decode_lists(low, ends)
+    ref = token_sparse_attention(q, k, v, groups, toks, cnt)
+    out = token_sparse_attention_compact(q, k, v, groups, low, ends, cnt)
+    assert torch.equal(out, ref) and out[0, 1].abs().sum() > 0
+    res = (torch.randn(q.shape).to(torch.float8_e4m3fn), torch.rand(1, 2, n, 1))
+    assert torch.equal(token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, residual=res),
+                       token_sparse_attention(q, k, v, groups, toks, cnt, residual=res))
+    with pytest.raises(ValueError, match="kv_low"):
+        token_sparse_attention_compact(q, k, v, groups, low.int(), ends, cnt)
+    with pytest.raises(ValueError, match="seg_ends"):
+        token_sparse_attention_compact(q, k, v, groups, low, ends[..., :0], cnt)
+    bad = cnt.clone()
+    bad[0, 0, 0] = low.shape[-1] + 1
+    with pytest.raises(ValueError, match="kv_counts"):
+        token_sparse_attention_compact(q, k, v, groups, low, ends, bad)
