@@ -19,7 +19,7 @@ from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                              lazy_rescale, list_bucket, load_group, residual_launch_args, residual_mode, store_rows,
                              tune_options)
-from .compact_torch import SEGMENT, decode_lists
+from .compact_torch import SEGMENT
 from .token_sparse_torch import check_compact_lists, check_token_lists
 
 # Gathered (index-dependent) loads are pipelined only with >= 3 stages (5 for a second buffer ahead). The
@@ -40,32 +40,18 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [configs_[0]]
 
 
-MAX_SEGMENTS = 4  # compact lists of up to 4 segments (262 144 keys) are decoded in the kernel; longer ones first
-
-
 @triton.jit
-def _seg_end(SEG, row, s: tl.constexpr, N_SEG: tl.constexpr):
-    """Where segment s's entries end in the row's list (a slot count), or never for segments past N_SEG."""
-    if s < N_SEG:
-        return tl.load(SEG + row * N_SEG + s)
-    return 2147483647
-
-
-@triton.jit
-def _token_ids(raw, slot, e0, e1, e2, e3, N_SEG: tl.constexpr, SEGMENT: tl.constexpr):
+def _token_ids(raw, slot, SEG, row, N_SEG: tl.constexpr, SEGMENT: tl.constexpr):
     """Token ids of list slots ``slot`` from what was loaded there: int32 ids as they are (N_SEG 0), or compact
     int16 offsets decoded in registers (kernels/compact_torch.py): offset + 32768 + SEGMENT x the number of the
-    row's segment ends e0..e3 (loaded once per row, before the loop) at or below the slot."""
+    row's segment ends at or below the slot."""
     if N_SEG == 0:
         return raw
-    above = (slot >= e0).to(tl.int32)
-    if N_SEG > 1:
-        above += (slot >= e1).to(tl.int32)
-    if N_SEG > 2:
-        above += (slot >= e2).to(tl.int32)
-    if N_SEG > 3:
-        above += (slot >= e3).to(tl.int32)
-    return raw.to(tl.int32) + 32768 + above * SEGMENT
+    tok = raw.to(tl.int32) + 32768
+    for s in tl.static_range(N_SEG):
+        end = tl.load(SEG + row * N_SEG + s)
+        tok += (slot >= end).to(tl.int32) * SEGMENT
+    return tok
 
 
 @triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY", "N_SEG"],
@@ -86,18 +72,16 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     m_i = tl.full([GROUP], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, D_PAD], tl.float32)
-    e0, e1 = _seg_end(SEG, row, 0, N_SEG), _seg_end(SEG, row, 1, N_SEG)
-    e2, e3 = _seg_end(SEG, row, 2, N_SEG), _seg_end(SEG, row, 3, N_SEG)
     n_full = (count // BLOCK_N) * BLOCK_N
     for start in range(0, n_full, BLOCK_N):  # full chunks of the list: no masks
         slot = start + tl.arange(0, BLOCK_N)
-        tok = _token_ids(tl.load(tok_base + slot), slot, e0, e1, e2, e3, N_SEG, SEGMENT)
+        tok = _token_ids(tl.load(tok_base + slot), slot, SEG, row, N_SEG, SEGMENT)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, slot < count, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     if n_full < count:  # the list's tail
         slot = n_full + tl.arange(0, BLOCK_N)
         t_ok = slot < count
-        tok = _token_ids(tl.load(tok_base + slot, mask=t_ok, other=0), slot, e0, e1, e2, e3, N_SEG, SEGMENT)
+        tok = _token_ids(tl.load(tok_base + slot, mask=t_ok, other=0), slot, SEG, row, N_SEG, SEGMENT)
         acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, t_ok, skn, svn,
                                 qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
     out, _ = finish(acc, m_i, l_i)
@@ -126,10 +110,7 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
     (B,H,G,W), seg_ends int32 (B,H,G,S), kv_counts int32 (B,H,G)."""
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
-    g, c, width, n_seg = check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
-    if n_seg > MAX_SEGMENTS:  # beyond what the kernel decodes: decoded int32 lists
-        toks = decode_lists(kv_low, seg_ends, SEGMENT)
-        return _launch(q, k, v, q_groups, toks, None, kv_counts, g, c, toks.shape[-1], scale, residual)
+    g, c, width, _ = check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
     return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual)
 
 
