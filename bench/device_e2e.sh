@@ -10,8 +10,9 @@ out=${OUT:-/tmp/e2e/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active,memory.used \
-  --format=csv -lms 500 > "$out/smi.csv" 2>&1 &
+nvidia-smi --format=csv -lms 500 \
+  --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active,memory.used \
+  > "$out/smi.csv" 2>&1 &
 smi=$!
 trap 'kill $smi 2>/dev/null || true' EXIT
 python3 bench/e2e.py --out "$out" "$@" 2>&1 | tee "$out/e2e.log"

@@ -257,7 +257,8 @@ def sol_override(density: float, min_tokens: int, counter: dict):
 
 def prewarm(eng, cfg, shape, dtype, device):
     """Compile and autotune one configuration's kernels: an anchor and a reuse call on random q/k/v (its own
-    schedule: whatever the timed pattern is, step 1 reuses, so the reuse kernels are tuned before timing)."""
+    schedule: whatever the timed pattern is, step 1 reuses, so the reuse kernels are tuned before timing).
+    Returns the engine's statistics of the two calls."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
@@ -266,9 +267,10 @@ def prewarm(eng, cfg, shape, dtype, device):
     e.begin_run()
     for step in (0, 1):
         e.attend(q, k, v, eng.CallContext(layer=0, step=step))
-    e.end_run()
+    stats = e.end_run()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    return stats
 
 
 def sdpa_call_seconds(shape, dtype, device, reps=5):
@@ -337,9 +339,7 @@ class StepProbe:
 
     def __call__(self, i: int) -> None:
         if self.prof is not None and i == self.profile_step:
-            self.prof.stop()
-            self._write_profile()
-            self.prof = None
+            self.close()
         if i >= 0:
             self.rows.append(self.snapshot(i))
             c = self.rows[-1].get("cache") or {}
@@ -352,7 +352,16 @@ class StepProbe:
             self.prof = profile(activities=acts)
             self.prof.start()
 
+    def close(self) -> None:
+        """Stop a running profiler and write its tables (a sampling run that ended early leaves one running)."""
+        if self.prof is not None:
+            self.prof.stop()
+            self._write_profile()
+            self.prof = None
+
     def snapshot(self, i: int) -> dict:
+        """{step, device memory GB (allocated, reserved, free), allocator retries and OOMs, pinned host GB, host
+        available GB, the cache's info (engine/cache.py ``SelectionCache.info``)} after step ``i``."""
         gb = 2 ** 30
         row = dict(step=i)
         if self.device.type == "cuda":
@@ -371,9 +380,9 @@ class StepProbe:
         host = load("engine.cache").host_memory()
         if host is not None:
             row["host_available_gb"] = host[0] / gb
-        runs = getattr(self.patch, "_active", [])
-        if runs:
-            infos = [e.cache.info() for e in runs[-1].engines.engines().values()]
+        run = self.patch.run_of({}) if self.patch is not None else None
+        if run is not None and run is not self.patch.idle:  # the sampling run in progress
+            infos = [e.cache.info() for e in run.engines.engines().values()]
             row["cache"] = infos[0] if len(infos) == 1 else infos
         return row
 
@@ -405,8 +414,8 @@ def log_triton_compiles() -> bool:
     def after(*_, **kw):
         rep = str(kw.get("repr"))
         sec = time.perf_counter() - started.pop(kw.get("repr"), time.perf_counter())
-        log.info("triton compile %.2f s: %s; specialization %s", sec, rep[:400],
-                 str(kw.get("specialization_data"))[-600:])
+        log.info("triton compile %.2f s (already compiled on disk: %s): %s; key %s", sec, kw.get("already_compiled"),
+                 rep[:300], str(kw.get("key"))[:600])
     rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
     return True
 
@@ -464,6 +473,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     pattern = args.pattern or "A" * max(1, args.anchors_timed) + "r" * n_timed
     anchor_idx = [i for i, c in enumerate(pattern) if c == "A"]
     n_steps = len(pattern)
+    if args.profile_step >= n_steps:
+        log.warning("--profile-step %d: the timed steps are %s (from 0); nothing is profiled", args.profile_step,
+                    pattern)
     timed_anchors = (eng.AnchorSchedule() if anchor_idx == [0]
                      else eng.AnchorSchedule.parse(",".join(str(s) for s in anchor_idx)))
     if args.modes:
@@ -490,10 +502,17 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
         sm, sp = patch_mod.install(model, c)
         probe = StepProbe(sp, device, args.out, f"{name}-{method}@{dens}", args.profile_step)
-        times, peak, _ = sample_timed(sm, latent, pos, neg, cfg, n_steps, [device], on_step=probe)
+        try:
+            times, peak, _ = sample_timed(sm, latent, pos, neg, cfg, n_steps, [device], on_step=probe)
+        finally:
+            probe.close()
         peak = peak[str(device)]
-        a_times = [times[i] for i in anchor_idx]
-        r_times = [t for t, c in zip(times, pattern) if c == "r"]
+
+        def kind_times(letter):  # the timed steps of one kind; a profiled step only when it is the only one
+            idx = [i for i, k in enumerate(pattern) if k == letter]
+            unprofiled = [i for i in idx if i != args.profile_step]
+            return [times[i] for i in (unprofiled or idx)]
+        a_times, r_times = kind_times("A"), kind_times("r")
         t_anchor, t_reuse = a_times[0], median(r_times)
         t_later = median(a_times[1:]) if len(a_times) > 1 else t_anchor
         stats = sp.last_stats
@@ -506,6 +525,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
                    later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,
+                   profiled_step=args.profile_step if args.profile_step >= 0 else None,
                    step_times_s=times, step_seconds=stats.step_totals(), step_probe=probe.rows,
                    reuse_layer_seconds={st: per for st, per in stats.step_seconds.items()
                                         if pattern[st:st + 1] == "r"},
@@ -598,6 +618,8 @@ def main():
     args = ap.parse_args()
     if args.pattern and (set(args.pattern) - {"A", "r"} or not args.pattern.startswith("A") or "r" not in args.pattern):
         ap.error("--pattern: letters A (anchor) and r (reuse), starting with A, with at least one r")
+    if args.profile_step >= 0 and args.pattern and args.profile_step >= len(args.pattern):
+        ap.error(f"--profile-step: steps count from 0; the pattern {args.pattern} has {len(args.pattern)}")
     args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")

@@ -77,13 +77,21 @@ class StepCosts:
                         dense_s = r["dense_s"]
                         used.append(run)
                     continue
-                if r.get("mode") in seen or "@" not in str(r.get("mode")):
+                if "@" not in str(r.get("mode")):
+                    continue
+                method, dens = r["mode"].split("@")
+                later = r["later_anchor_s"] if len(r.get("anchor_times_s") or []) > 1 else None  # a later anchor timed
+                if r["mode"] in seen:  # a newer run measured this mode; an older one may still add its later anchor
+                    entry = modes[method][float(dens)]
+                    if later is not None and "later_anchor_s" not in entry:
+                        entry["later_anchor_s"], entry["later_run"] = later, run
+                        if run not in used:
+                            used.append(run)
                     continue
                 seen.add(r["mode"])
-                method, dens = r["mode"].split("@")
                 entry = {"anchor_s": r.get("anchor_s"), "step_s": r["step_s"], "run": run}
-                if len(r.get("anchor_times_s") or []) > 1:  # a later anchor was timed, not just the first
-                    entry["later_anchor_s"] = r["later_anchor_s"]
+                if later is not None:
+                    entry["later_anchor_s"] = later
                 modes.setdefault(method, {})[float(dens)] = entry
                 if run not in used:
                     used.append(run)

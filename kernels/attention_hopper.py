@@ -180,7 +180,8 @@ def _prune(configs_, named_args, **kwargs):
     return kept or [_cfg(min(64, bk), 4, 3)]
 
 
-# residual and LSE flags are not in the key: their variants reuse the tiling tuned without them
+# residual and LSE flags are not in the key, but Triton adds every tensor argument's dtype to it: a variant
+# whose residual or LSE tensors differ in dtype from the dummies is tuned once more (docs/kernel_notes.md, "v7")
 _KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY"]
 _HEUR = {"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0}
 _tuned: dict[str, object] = {}

@@ -94,7 +94,8 @@ def decode_lists(kv_low: torch.Tensor, seg_ends: torch.Tensor, segment: int = SE
     width = kv_low.shape[-1]
     padded = aligned_width(width)
     slot = torch.arange(padded, device=kv_low.device, dtype=torch.int32)
-    out = torch.zeros((*kv_low.shape[:-1], padded), dtype=torch.int32, device=kv_low.device)
+    out = torch.empty((*kv_low.shape[:-1], padded), dtype=torch.int32, device=kv_low.device)
+    out[..., width:] = 0  # the alignment slots (never read below a count: any value would do)
     out[..., :width] = kv_low
     out[..., :width] += 32768
     for s in range(seg_ends.shape[-1]):  # slots at or past segment s's end belong to a later one

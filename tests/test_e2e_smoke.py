@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT, comfyui_path
 
 pytestmark = pytest.mark.comfyui
@@ -166,7 +167,37 @@ def test_compile_log_hooks_name_the_kernel_and_time(caplog, bench_import):
         assert e2e.log_triton_compiles()
         with caplog.at_level(logging.INFO, logger="bench.e2e"):
             assert knobs.runtime.jit_cache_hook(repr="_token_fwd[num_warps=8](MAX_K: i32)") is None
-            knobs.runtime.jit_post_compile_hook(repr="_token_fwd[num_warps=8](MAX_K: i32)", specialization_data="{}")
-        assert any("triton compile" in r.message and "_token_fwd" in r.message for r in caplog.records)
+            knobs.runtime.jit_post_compile_hook(repr="_token_fwd[num_warps=8](MAX_K: i32)", key=("i32", "D16"),
+                                                already_compiled=False)
+        assert any("triton compile" in r.message and "_token_fwd" in r.message and "D16" in r.message
+                   for r in caplog.records)
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+
+
+def test_prewarm_tunes_the_reuse_path_whatever_the_timed_pattern(bench_import):
+    """The kernel warm-up runs an anchor then a reuse call even when the timed pattern's step 1 is an anchor (AAr):
+    otherwise the reuse kernels were tuned inside the first timed reuse step."""
+    e2e = bench_import("e2e")
+    from comfyui_sparse_attention import engine as eng
+    cfg = eng.SparseConfig(method="mc_sparse", density=0.25, anchor_steps="0,1", min_tokens=0, backend="torch",
+                           group_size=64, block_q=64, block_k=64)
+    stats = e2e.prewarm(eng, cfg, (1, 2, 512, 64), torch.float32, torch.device("cpu"))
+    assert stats.totals()["anchors"] == 1 and stats.totals()["reuses"] == 1
+
+
+def test_step_probe_profiles_step_zero_and_closes_a_running_profile(bench_import, tmp_path):
+    """--profile-step 0 starts the profiler before sampling (the hook's step -1); a profile still running when
+    sampling ends is stopped and written by close()."""
+    e2e = bench_import("e2e")
+    probe = e2e.StepProbe(None, torch.device("cpu"), str(tmp_path), "m-x@0.1", profile_step=0)
+    probe(-1)
+    torch.ones(8).sum()
+    probe(0)
+    assert (tmp_path / "profile-m-x_0.1.txt").read_text().startswith("step 0,")
+    assert [r["step"] for r in probe.rows] == [0] and "host_available_gb" in probe.rows[0]
+    late = e2e.StepProbe(None, torch.device("cpu"), str(tmp_path), "late", profile_step=1)
+    late(-1)
+    late(0)  # starts the profiler for step 1, which never comes
+    late.close()
+    assert (tmp_path / "profile-late.txt").exists() and late.prof is None

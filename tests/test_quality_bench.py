@@ -209,6 +209,13 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
     ref = engine_setting(30, "block_topk", 0.1, 128, (3, (3, 12, 21)), 1)
     assert c.project(ref)["seconds"] == pytest.approx(3 * 10 + 12 + 2 * 9 + 24 * 4)
     assert costs.project(ref)["seconds"] == pytest.approx(3 * 10 + 3 * 12 + 24 * 4)
+    newest = write_e2e(tmp_path / "newest" / "e2e.json", "device X, 2026-12-02 09:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=11.0, later_anchor_s=11.0,
+             anchor_times_s=[11.0], step_s=3.9)])  # one anchor timed: the older run's later anchor still counts
+    c2 = StepCosts.from_e2e([later, newest])
+    assert c2.costs("block_topk", 0.1) == (11.0, 3.9, None) and c2.later_anchor_s("block_topk", 0.1) == 9.0
+    assert c2.modes["block_topk"][0.1]["later_run"] == "later"
     mid = c.project(engine_setting(30, "block_topk", 0.15, 128, (3, (3, 12, 21)), 1))
     a, r, _ = c.costs("block_topk", 0.15)
     assert mid["seconds"] == pytest.approx(3 * 10 + 3 * a + 24 * r)  # no later time at 0.25: first-anchor price

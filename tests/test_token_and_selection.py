@@ -249,3 +249,30 @@ def test_compact_token_lists_give_the_decoded_lists_result(n):
     bad[0, 0, 0] = low.shape[-1] + 1
     with pytest.raises(ValueError, match="kv_counts"):
         token_sparse_attention_compact(q, k, v, groups, low, ends, bad)
+
+
+def test_token_kernel_launch_keys_follow_no_data(monkeypatch):
+    """The token kernel's launch (recorded, not run) gets the capped list bucket and a 16-aligned row stride for
+    lists of any longest row: compact lists of two anchors with different widths share one tuning key and one
+    integer specialisation (docs/kernel_notes.md, "v7")."""
+    pytest.importorskip("triton")
+    from comfyui_sparse_attention.kernels import compact_keep, token_sparse_triton
+    real = token_sparse_triton._token_fwd
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append({**dict(zip(real.arg_names, args)), **kw})
+    monkeypatch.setattr(token_sparse_triton, "_token_fwd", Recorder())
+    g = torch.Generator().manual_seed(0)
+    n = 70_000
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g) for _ in range(3))
+    groups = torch.randperm(n, generator=g)[:32].view(1, 1, 2, 16).to(torch.int32)
+    for longest in (5_001, 20_003):  # one anchor's longest list, then a later anchor's
+        keep = torch.zeros(1, 1, 2, n, dtype=torch.bool)
+        keep[..., :longest] = True
+        keep[0, 0, 1] = torch.rand(n, generator=g) < 0.01
+        low, ends, cnt = compact_keep(keep, backend="torch")
+        token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, validate=False)
+    assert [a["K_BUCKET"] for a in launches] == [4096, 4096]
+    assert all(a["MAX_K"] % 16 == 0 and a["N_SEG"] == 2 for a in launches)
