@@ -22,7 +22,8 @@ from comfyui_sparse_attention.kernels import (attention_hopper, block_sparse_tri
                                               token_sparse_triton)
 tuners = {"token": token_sparse_triton._token_fwd, "block": block_sparse_triton._bsa_fwd,
           "dense": dense_triton._dense_fwd, "mass": mass_triton._mass_fwd,
-          **{"hopper-" + k: attention_hopper._kernel(k) for k in ("sparse", "dense", "anchor")}}
+          **{"hopper-" + k: attention_hopper._kernel(k) for k in ("sparse", "dense", "anchor", "persistent",
+                                                                  "warp_spec")}}
 supported = "cache_results" in inspect.signature(triton.autotune).parameters
 print("RESULT:" + json.dumps(dict(supported=supported, cached={k: bool(getattr(t, "cache_results", False))
                                                               for k, t in tuners.items()})))
@@ -39,7 +40,7 @@ def _child(**env):
 
 def test_every_autotuned_kernel_keeps_its_tunings_on_disk():
     got = _child(SPARSE_ATTN_TUNE="", TRITON_INTERPRET="0")
-    assert len(got["cached"]) == 7
+    assert len(got["cached"]) == 9
     assert all(v == got["supported"] for v in got["cached"].values()), got
 
 
