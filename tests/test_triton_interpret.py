@@ -28,8 +28,9 @@ sys.path.insert(0, sys.argv[1] + "/tests")
 
 def run_child(code: str, timeout: int, **env) -> object:
     """Run ``code`` (PREAMBLE + a body printing ``RESULT:<json>``) in a child under the Triton interpreter, with
-    ``env`` added to the environment; returns the parsed result (the child's stderr on failure)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **env)
+    ``env`` added to the environment (it may override TRITON_INTERPRET too); returns the parsed result (the child's
+    stderr on failure)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", **env}
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
