@@ -31,6 +31,9 @@ FLAG_TEXT = {
     "nearest": "density outside the measured range: costs of the nearest measured density",
     "method costs": "configuration not measured end to end (group/block size, select_every_step or residual "
                     "off): the costs of its method as measured (groups / blocks of 128, residual on)",
+    "first-anchor price": "a run's later anchors measured for this method at another density only: every anchor "
+                          "priced at the first one's time (later anchors, which reuse the first one's host memory, "
+                          "cost less where measured)",
 }
 
 
@@ -180,7 +183,11 @@ class StepCosts:
             raise ValueError(f"step costs: no anchor time measured for {setting['id']}")
         later_s = anchor_s  # a run's later anchors, where measured (they reuse the first one's cache memory)
         if setting["kind"] != "sol" and setting["config"].get("method") != "dense":
-            later_s = self.later_anchor_s(setting["config"]["method"], setting["config"]["density"]) or anchor_s
+            method = setting["config"]["method"]
+            measured = self.later_anchor_s(method, setting["config"]["density"])
+            later_s = measured or anchor_s
+            if measured is None and n[ANCHOR] > 1 and any("later_anchor_s" in e for e in self.modes[method].values()):
+                flags.append("first-anchor price")
         seconds = (n[DENSE] * self.dense_s + min(n[ANCHOR], 1) * (anchor_s or 0.0)
                    + max(0, n[ANCHOR] - 1) * (later_s or 0.0) + n[REUSE] * reuse_s)
         return {"speedup": steps * self.dense_s / seconds, "n": n, "flags": flags, "seconds": seconds,

@@ -12,7 +12,7 @@ from quality_grid import ANCHOR, DENSE, REUSE, SCHEDULES, schedule_label, sol_de
 FAMILIES = ("mc_sparse", "block_topk", "block_topk+select", "sol")
 FAMILY_TEXT = {"mc_sparse": "mc_sparse", "block_topk": "block_topk",
                "block_topk+select": "block_topk, selection every step", "sol": "Sol-Attn", "dense": "dense"}
-FLAG_MARK = {"interpolated": "†", "nearest": "‡", "method costs": "§"}
+FLAG_MARK = {"interpolated": "†", "nearest": "‡", "method costs": "§", "first-anchor price": "¶"}
 THRESHOLDS = (30.0, 35.0)
 TARGET_A = (30, 30.0, 2.0)        # steps, PSNR dB, projected speed-up
 TARGET_B_RATIO = 1.5               # ours / Sol-Attn at a PSNR at least Sol's
@@ -248,8 +248,8 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
          "computes dense attention (warm-up and anchors) — and Sol-Attn, with its own selection, at every other "
          "step. Each of our schedules' dense-step sets is measured with Sol-Attn.", "",
          "**Projected speed-up** at Wan 2.1 14B 720p×81 (50-step e2e runs on an H200, `docs/benchmarks.md`, "
-         "\"End to end\"): steps × dense / (n_dense × dense + n_anchor × anchor + n_reuse × reuse), Sol-Attn: "
-         "n_dense × dense + n_sparse × Sol step, with the step costs below. Marks: "
+         "\"End to end\"): steps × dense / (n_dense × dense + first anchor + (n_anchor − 1) × later anchor "
+         "+ n_reuse × reuse), Sol-Attn: n_dense × dense + n_sparse × Sol step, with the step costs below. Marks: "
          + "; ".join(f"{FLAG_MARK[k]} {v}" for k, v in FLAG_TEXT.items())
          + ". The e2e rows keep 1 of 40 layers dense (the preset's `warmup_layers`); the testbed's "
            "`warmup_layers` does not enter the projection.", "",

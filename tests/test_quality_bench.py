@@ -219,6 +219,9 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
     mid = c.project(engine_setting(30, "block_topk", 0.15, 128, (3, (3, 12, 21)), 1))
     a, r, _ = c.costs("block_topk", 0.15)
     assert mid["seconds"] == pytest.approx(3 * 10 + 3 * a + 24 * r)  # no later time at 0.25: first-anchor price
+    assert "first-anchor price" in mid["flags"] and "first-anchor price" not in c.project(ref)["flags"]
+    one = c.project(engine_setting(8, "block_topk", 0.25, 128, (0, (0,)), 1))  # one anchor: nothing to price later
+    assert "first-anchor price" not in one["flags"]
 
 
 def test_costs_from_the_repository_runs():
