@@ -1,12 +1,15 @@
 """Projected end-to-end speed-up of a quality-bench setting at Wan 2.1 14B 720p, from the per-step costs that
 bench/e2e.py measured (docs/bench-runs/e2e-wan14b*/e2e.json).
 
-    speed-up = steps x dense / (n_dense x dense + n_anchor x anchor + n_reuse x reuse)
+    speed-up = steps x dense / (n_dense x dense + first anchor + (n_anchor - 1) x later anchor + n_reuse x reuse)
 
 with the step kinds counted as the engine decides them (bench/quality_grid.py ``step_kinds``); Sol-Attn:
-n_dense x dense + n_sparse x Sol step. Costs per (method, density): e2e rows ``anchor_s`` and ``step_s`` (one
-reuse step), ``dense_s`` from the dense row. Several e2e.json files are merged newest first (by the date in
-their ``meta``), a (model, mode) taken from the newest run holding it, as bench/plot_e2e.py does.
+n_dense x dense + n_sparse x Sol step. Costs per (method, density): e2e rows ``anchor_s`` (the run's first anchor),
+``later_anchor_s`` (where a run timed a later anchor; else every anchor costs the first one's time, flagged "first-
+anchor price" when the method's later anchors were measured at another density) and ``step_s`` (one reuse step),
+``dense_s`` from the dense row. Several e2e.json files are merged newest first (by the date in their ``meta``), a
+(model, mode) taken from the newest run holding it, as bench/plot_e2e.py does (a later anchor from the newest run
+that timed one).
 
 A density between two measured ones gets costs interpolated linearly in density (flag "interpolated"); one
 outside the measured range gets the nearest measured density's costs (flag "nearest": for a lower density

@@ -20,7 +20,7 @@ from .config import SparseConfig
 from .context import Span, TokenLayout
 from .modalities import MODALITIES
 from .policy import Policy
-from .selection import SEGMENT, TokenSelection
+from .selection import LOW_PAD, SEGMENT, TokenSelection
 
 MASS_CHUNK_BYTES = 1 << 30  # fp32 group-mass scratch per pass-2 chunk
 
@@ -42,7 +42,8 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         empty = torch.zeros((b, h, 0, cfg.group_size), dtype=torch.int32, device=dev)
         counts = torch.zeros((b, h, 0), dtype=torch.int32, device=dev)
         return TokenSelection(empty, torch.zeros((b, h, 0, 0), dtype=torch.int16, device=dev),
-                              torch.zeros((b, h, 0, 1), dtype=torch.int32, device=dev), counts, dense_rows, 1.0)
+                              torch.zeros((b, h, 0, max(1, -(-n // SEGMENT))), dtype=torch.int32, device=dev), counts,
+                              dense_rows, 1.0)
     parts_g, ranges = [], []  # groups per sparse query segment, and the group range each one takes
     for i in sparse:
         g_seg = segment_groups(q, spans[i], cfg, backend)
@@ -71,7 +72,8 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
         del keep
     width = max(p[0].shape[-1] for p in parts)
-    low = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t, _, _ in parts], dim=1)
+    low = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=LOW_PAD) for t, _, _ in parts],
+                    dim=1)
     seg_ends = torch.cat([e for _, e, _ in parts], dim=1)
     counts = torch.cat([c for _, _, c in parts], dim=1)
     del parts

@@ -16,7 +16,7 @@ import torch
 
 from .. import kernels
 
-from ..kernels.compact_torch import SEGMENT, decode_lists  # one definition: the kernels' list format
+from ..kernels.compact_torch import LOW_PAD, SEGMENT, decode_lists  # one definition: the kernels' list format
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
 
 
@@ -106,10 +106,11 @@ class BlockSelection:
 class TokenSelection:
     """Groups of C queries with their own sorted KV token lists, stored compactly.
 
-    q_groups int32 (B, H, G, C) (-1 pads); kv_low int16 (B, H, G, max_k): each token id minus
-    65536 * segment, shifted into int16; seg_ends int32 (B, H, G, S): where each 65536-token segment's
-    entries end in the (sorted) list; kv_counts int32 (B, H, G). Decoding is elementwise (no sort), half
-    the bytes of int32 ids. dense_rows int64 (R,) query rows computed densely (text), or None.
+    q_groups int32 (B, H, G, C) (-1 pads); kv_low int16 (B, H, G, W), W a multiple of 16 (kernels.compact_keep):
+    each token id minus 65536 * segment, shifted into int16, LOW_PAD past the count; seg_ends int32 (B, H, G, S):
+    where each 65536-token segment's entries end in the (sorted) list; kv_counts int32 (B, H, G). Decoding is
+    elementwise (no sort), half the bytes of int32 ids. dense_rows int64 (R,) query rows computed densely (text), or
+    None.
     """
 
     q_groups: torch.Tensor
@@ -217,7 +218,8 @@ class TokenSelection:
         width = max(p.kv_low.shape[-1] for p in parts)
         cat = lambda ts: torch.cat(ts, dim=1)  # noqa: E731
         out = [cat([p.q_groups for p in parts]),
-               cat([torch.nn.functional.pad(p.kv_low, (0, width - p.kv_low.shape[-1])) for p in parts]),
+               cat([torch.nn.functional.pad(p.kv_low, (0, width - p.kv_low.shape[-1]), value=LOW_PAD)
+                    for p in parts]),
                cat([p.seg_ends for p in parts]), cat([p.kv_counts for p in parts])]
         order = _inverse_order(parts, heads, lambda p: p.kv_counts.shape[1], out[0].device)
         if order is not None:

@@ -120,8 +120,9 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
 def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts, *, scale=None, backend="auto",
                                    validate=True, residual=None):
     """``token_sparse_attention`` over the compact lists the engine caches (kv_low int16 (B,H,G,W), seg_ends int32
-    (B,H,G,S), kv_counts int32 (B,H,G): kernels.compact_keep's format); the Triton kernel decodes them in registers,
-    the twin decodes them first (token_sparse_torch.token_sparse_attention_compact)."""
+    (B,H,G,S), kv_counts int32 (B,H,G): kernels.compact_keep's format with its default segment size); the Triton
+    kernel decodes them in registers, the twin decodes them first
+    (token_sparse_torch.token_sparse_attention_compact)."""
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)

@@ -119,23 +119,27 @@ def check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate=Tr
             or tuple(seg_ends.shape[:3]) != (b, h, g) or seg_ends.device != q.device:
         raise ValueError(f"seg_ends must be an int32 tensor of shape ({b}, {h}, {g}, S) on {q.device}")
     n_seg = seg_ends.shape[3]
-    if n_seg < max(1, -(-nk // SEGMENT)):
+    if g and kv_low.shape[3] and n_seg < -(-nk // SEGMENT):  # empty lists read no segment
         raise ValueError(f"seg_ends holds {n_seg} segment(s); {nk} keys need {-(-nk // SEGMENT)} of {SEGMENT}")
     check_index("kv_counts", kv_counts, (b, h, g), q.device)
     if validate:
-        check_token_lists(q, k, q_groups, decode_lists(kv_low, seg_ends, SEGMENT)[..., :kv_low.shape[3]],
-                          kv_counts, validate)
+        try:
+            check_counts("kv_counts", kv_counts, kv_low.shape[3])
+            check_sorted_unique_in_range("kv_tokens", decode_lists(kv_low, seg_ends, SEGMENT)[..., :kv_low.shape[3]],
+                                         kv_counts, nk)
+        except ValueError as exc:
+            raise ValueError(f"kv_low / seg_ends (decoded): {exc}") from None
     return g, c, kv_low.shape[3], n_seg
 
 
 def token_sparse_attention_compact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                                    kv_low: torch.Tensor, seg_ends: torch.Tensor, kv_counts: torch.Tensor, *,
                                    scale: float | None = None, validate: bool = True, residual=None):
-    """``token_sparse_attention`` over compact lists, the format the engine caches (kernels.compact_keep): kv_low
-    int16 (B, H, G, W) and seg_ends int32 (B, H, G, S) decode to each group's sorted KV tokens (column = low + 32768
-    + 65536 × the number of seg_ends at or below the slot); kv_counts int32 (B, H, G). Other arguments and the output
-    as in ``token_sparse_attention``. This twin decodes the lists, then runs it; the Triton kernel decodes in
-    registers."""
+    """``token_sparse_attention`` over compact lists, the format the engine caches (kernels.compact_keep with its
+    default 65 536-token segments; lists of other segment sizes decode wrongly here): kv_low int16 (B, H, G, W) and
+    seg_ends int32 (B, H, G, S) decode to each group's sorted KV tokens (column = low + 32768 + 65536 × the number of
+    seg_ends at or below the slot); kv_counts int32 (B, H, G). Other arguments and the output as in
+    ``token_sparse_attention``. This twin decodes the lists, then runs it; the Triton kernel decodes in registers."""
     check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
     return token_sparse_attention(q, k, v, q_groups, decode_lists(kv_low, seg_ends, SEGMENT), kv_counts, scale=scale,
                                   validate=False, residual=residual)

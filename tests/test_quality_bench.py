@@ -209,6 +209,7 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
     ref = engine_setting(30, "block_topk", 0.1, 128, (3, (3, 12, 21)), 1)
     assert c.project(ref)["seconds"] == pytest.approx(3 * 10 + 12 + 2 * 9 + 24 * 4)
     assert costs.project(ref)["seconds"] == pytest.approx(3 * 10 + 3 * 12 + 24 * 4)
+    assert "first-anchor price" not in costs.project(ref)["flags"]  # no later anchor measured for the method at all
     newest = write_e2e(tmp_path / "newest" / "e2e.json", "device X, 2026-12-02 09:00", [
         dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
         dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=11.0, later_anchor_s=11.0,

@@ -276,3 +276,35 @@ def test_token_kernel_launch_keys_follow_no_data(monkeypatch):
         token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, validate=False)
     assert [a["K_BUCKET"] for a in launches] == [4096, 4096]
     assert all(a["MAX_K"] % 16 == 0 and a["N_SEG"] == 2 for a in launches)
+
+
+def test_a_selection_with_nothing_sparse_runs_at_long_sequences():
+    """mc_sparse at density 1 (or a layer factor that reaches it) selects nothing sparse: its empty compact lists
+    must run at more than 65 536 tokens (a segment count check once rejected them), giving dense attention."""
+    from comfyui_sparse_attention.engine import SparseConfig, TokenLayout
+    from comfyui_sparse_attention.engine.policy_mc_sparse import build_mc_sparse
+    g = torch.Generator().manual_seed(1)
+    n = 70_000
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for _ in range(3))
+    sel = build_mc_sparse(q, k, None, TokenLayout(grid=(1, 1, n)), SparseConfig(method="mc_sparse", density=1.0),
+                          backend="torch")
+    assert sel.kv_low.shape[2] == 0 and sel.seg_ends.shape[-1] == 2
+    rows = torch.arange(0, n, 9973)
+    out = sel.run(q, k, v)[:, :, rows]
+    ref = torch.softmax((q[:, :, rows] @ k.transpose(-1, -2)) / 4.0, -1) @ v
+    assert rel_l2(out, ref) <= 1e-4
+
+
+def test_token_selection_runs_on_its_compact_lists(monkeypatch):
+    """TokenSelection.run hands the cached int16 lists to the kernels (no int32 decode on the reuse path)."""
+    from comfyui_sparse_attention import kernels
+    from comfyui_sparse_attention.engine.selection import TokenSelection
+    q, k, v, groups, low, ends, cnt = _compact_case(3000, 64, seed=5)
+    sel = TokenSelection(groups, low, ends, cnt, None, 0.1)
+    want = token_sparse_attention(q, k, v, groups, sel.kv_tokens(), cnt)
+
+    def refuse(*_, **__):
+        raise AssertionError("the reuse path decoded the lists")
+    monkeypatch.setattr(TokenSelection, "kv_tokens", refuse)
+    monkeypatch.setattr(kernels, "token_sparse_attention", refuse)
+    assert torch.equal(sel.run(q, k, v), want)

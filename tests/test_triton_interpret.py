@@ -419,10 +419,15 @@ COMPACT_TOKEN_CHILD = PREAMBLE + r"""
 from test_token_and_selection import _compact_case
 from sparse_ref import rel_l2
 from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels import token_sparse_torch
 from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+
+def no_twin(*_, **__):  # the compact calls below must run the kernel, not the twin that decodes first
+    raise AssertionError("the compact twin ran instead of the Triton kernel")
+token_sparse_torch.token_sparse_attention_compact = no_twin
 errs = {}
 for dtype in (torch.float16, torch.float32):
-    for n in (3000, 70000):
+    for n in (3000, 70000, 140000) if dtype == torch.float32 else (3000, 70000):
         q, k, v, groups, low, ends, cnt = _compact_case(n, 64, seed=n, dtype=dtype)
         toks = decode_lists(low, ends)
         twin = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="torch")
@@ -437,10 +442,10 @@ print("RESULT:" + json.dumps(errs))
 
 
 def test_compact_token_kernel_decodes_lists_in_the_interpreter():
-    """The token kernel over compact int16 lists (decoded in registers, two segments at 70 000 tokens) equals the
-    twin over the decoded int32 lists, with and without a residual."""
+    """The token kernel over compact int16 lists (decoded in registers: one, two and three segments at 3 000, 70 000
+    and 140 000 tokens) equals the twin over the decoded int32 lists, with and without a residual."""
     errs = run_child(COMPACT_TOKEN_CHILD, 600)
-    assert len(errs) == 4
+    assert len(errs) == 5
     for name, (plain, with_res, finite) in errs.items():
         tol = 1e-5 if "float32" in name else 2e-3
         assert finite and plain <= tol and with_res <= tol, (name, plain, with_res)

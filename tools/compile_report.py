@@ -83,9 +83,12 @@ def cases(kinds, head_dims):
                     ce.update(extra)
                     yield f"{kind} D{d}", jit_of(ah._attn_tma), ptr, ce, div, c
         if "token" in kinds:
-            for c in tt._CONFIGS:
-                ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0, GROUP=128, BLOCK_N=c.kwargs["BLOCK_N"])
-                yield f"token D{d}", jit_of(tt._token_fwd), ptr, ce, div, c
+            for n_seg, tok in ((0, "*i32"), (2, "*i16")):  # int32 lists; the engine's compact int16 lists
+                for c in tt._CONFIGS:
+                    ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0, GROUP=128, BLOCK_N=c.kwargs["BLOCK_N"], LAZY=False,
+                              N_SEG=n_seg, SEGMENT=65536)
+                    yield (f"token{' compact' if n_seg else ''} D{d}", jit_of(tt._token_fwd),
+                           {**ptr, "TOK": tok, "SEG": "*i32"}, ce, div + ["SEG"], c)
         if "mass" in kinds:
             for c in mt.CONFIGS:
                 ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=True, EVEN_N=False, **c.kwargs)
