@@ -291,29 +291,70 @@ class Shape:
         """Eager against lazy rescaling (SPARSE_ATTN_RESCALE, kernels/_triton_common.py): the TMA block-sparse
         kernel at each density, the TMA dense + LSE kernel, the fused block anchor (fp8 residual) and the
         token-sparse kernel at 0.15, each tuned for its mode (LAZY is in the autotune keys)."""
+        self.compare("SPARSE_ATTN_RESCALE", ("eager", "lazy"), densities, compact=False)
+
+    def loop(self, densities):
+        """Plain loops against scores one tile ahead (SPARSE_ATTN_LOOP, kernels/_triton_common.py, loop_ahead): the
+        same kernels as ``rescale`` plus the token kernel on compact lists with an fp8 residual (the engine's
+        reuse call). Each kernel is timed plain, ahead, then plain again, so a drift of the GPU's clocks during the
+        run shows as a difference between the two plain rows."""
+        self.compare("SPARSE_ATTN_LOOP", ("plain", "ahead"), densities, compact=True, again=True)
+
+    def compare(self, env, modes, densities, compact, again=False):
+        """Time each kernel under each value of the environment switch ``env`` (read at every launch, in the
+        autotune keys, so each mode is tuned for itself); with ``again`` the first mode once more at the end of
+        each kernel. Variants are labelled ``<path>-<mode>`` (``-again`` for the repeat)."""
         q, k, v, BT, AH, AT, DT = self.q, self.k, self.v, self.m["BT"], self.m["AH"], self.m["AT"], self.m["DT"]
-        saved = os.environ.get("SPARSE_ATTN_RESCALE")
+        order = [(m, m) for m in modes] + ([(modes[0], f"{modes[0]}-again")] if again else [])
+        kernels = []
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            kernels.append(lambda label, idx=idx, cnt=cnt, real=real, dens=dens: self.rec(
+                "bsa128", f"tma-{label}", lambda: BT.block_sparse_attention(
+                    q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path="tma"), real,
+                config=lambda: AH.last_config("sparse"), target=dens))
+        kernels.append(lambda label: self.rec("dense_lse", f"tma-{label}", lambda: DT.attention_dense(
+            q, k, v, return_lse=True, path="tma"), config=lambda: AH.last_config("dense")))
+        idx, cnt, _ = self.block_lists(densities[0], False)
+        kernels.append(lambda label: self.rec("anchor", f"fused_fp8-{label}", lambda: AT.block_anchor_attention(
+            q, k, v, idx, cnt, block_q=128, block_k=128, residual_precision="fp8", validate=False),
+            config=lambda: AH.last_config("anchor"), target=densities[0]))
+        kernels.append(lambda label: self.token(variant=f"pointer-{label}", reuse=False))
+        if compact:
+            kernels.append(lambda label: self.token_compact(variant=f"compact_fp8-{label}"))
+        saved = os.environ.get(env)
         try:
-            for mode in ("eager", "lazy"):
-                os.environ["SPARSE_ATTN_RESCALE"] = mode
-                for dens in densities:
-                    idx, cnt, real = self.block_lists(dens, False)
-                    self.rec("bsa128", f"tma-{mode}", lambda idx=idx, cnt=cnt: BT.block_sparse_attention(
-                        q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path="tma"), real,
-                        config=lambda: AH.last_config("sparse"), target=dens)
-                self.rec("dense_lse", f"tma-{mode}", lambda: DT.attention_dense(q, k, v, return_lse=True,
-                                                                                path="tma"),
-                         config=lambda: AH.last_config("dense"))
-                idx, cnt, _ = self.block_lists(densities[0], False)
-                self.rec("anchor", f"fused_fp8-{mode}", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(
-                    q, k, v, idx, cnt, block_q=128, block_k=128, residual_precision="fp8", validate=False),
-                    config=lambda: AH.last_config("anchor"), target=densities[0])
-                self.token(variant=f"pointer-{mode}", reuse=False)
+            for kernel in kernels:
+                for mode, label in order:
+                    os.environ[env] = mode
+                    kernel(label)
         finally:
             if saved is None:
-                os.environ.pop("SPARSE_ATTN_RESCALE", None)
+                os.environ.pop(env, None)
             else:
-                os.environ["SPARSE_ATTN_RESCALE"] = saved
+                os.environ[env] = saved
+
+    def token_compact(self, variant, dens=0.15):
+        """The token kernel on the compact int16 lists the engine caches (kernels/compact_torch.py), made from the
+        shape's int32 token lists, with an fp8 residual: what a mc_sparse reuse call runs."""
+        if getattr(self, "token_lists", None) is None:
+            self.token(variant="pointer", reuse=False)
+        grp, toks, tcnt, kk = self.token_lists
+        if getattr(self, "compact_lists", None) is None:
+            CT, Residual = self.m["CT"], self.m["Residual"]
+            seg = CT.SEGMENT
+            width = CT.aligned_width(kk)
+            low = torch.full((*toks.shape[:-1], width), CT.LOW_PAD, dtype=torch.int16, device=DEV)
+            low[..., :kk] = (toks % seg - 32768).to(torch.int16)
+            ends = torch.stack([(toks < (s + 1) * seg).sum(-1) for s in range(-(-self.n // seg))], -1)
+            res = Residual.encode(torch.randn(self.q.shape, device=DEV, dtype=self.q.dtype, generator=self.gen)
+                                  * 0.05, "fp8")
+            self.compact_lists = (low, ends.to(torch.int32).contiguous(), res)
+        low, ends, res = self.compact_lists
+        q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
+        self.rec("token128_reuse", variant, lambda: TT.token_sparse_attention_compact(
+            q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale)), kk / self.n,
+            config=lambda: TT._token_fwd.best_config, target=dens)
 
     def warp_spec(self, dens=0.25):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
@@ -376,8 +417,9 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale"), default="full",
-                    help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale)")
+    ap.add_argument("--plan", choices=("full", "rescale", "loop"), default="full",
+                    help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
+                         "plain loops against scores one tile ahead (Shape.loop)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -396,6 +438,7 @@ def main():
     mods = dict(K=load("kernels"), BT=load("kernels.block_sparse_triton"), AH=load("kernels.attention_hopper"),
                 DT=load("kernels.dense_triton"), AT=load("kernels.anchor_triton"),
                 TT=load("kernels.token_sparse_triton"), MT=load("kernels.mass_triton"),
+                CT=load("kernels.compact_torch"),
                 encode=load("kernels._residual").encode_residual,
                 Residual=load("engine.residual").Residual)
     flex = None if args.no_flex else kb.flex_runner()
@@ -426,7 +469,7 @@ def main():
         save()
 
     # per shape: the core first, FlexAttention last (reference times stand in when it is cut)
-    plan = [(name, "rescale", (0.25, 0.1, 0.5)) for name in names] if args.plan == "rescale" else []
+    plan = [(name, args.plan, (0.25, 0.1, 0.5)) for name in names] if args.plan in ("rescale", "loop") else []
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]

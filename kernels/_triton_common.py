@@ -30,6 +30,23 @@ RESCALE_MODES = ("lazy", "eager")
 DEFAULT_RESCALE = "eager"
 
 
+# Scores one tile ahead (docs/kernel_notes.md, "v8"): the KV loops compute the next tile's scores q·kᵀ before folding
+# the current tile into the softmax state, so the next tile's matmul is in flight while the current tile's
+# exponentials run (on Hopper a dot whose result only feeds the next iteration is issued asynchronously). Same tiles
+# in the same order: the same arithmetic as the plain loop. SPARSE_ATTN_LOOP chooses it at each launch.
+LOOP_MODES = ("plain", "ahead")
+DEFAULT_LOOP = "plain"
+
+
+def loop_ahead() -> bool:
+    """AHEAD constexpr of the TMA and token kernels: SPARSE_ATTN_LOOP=ahead|plain, else DEFAULT_LOOP (read at every
+    launch, so a benchmark can time both in one process)."""
+    mode = os.environ.get("SPARSE_ATTN_LOOP", "") or DEFAULT_LOOP
+    if mode not in LOOP_MODES:
+        raise ValueError(f"SPARSE_ATTN_LOOP must be one of {LOOP_MODES}, got {mode!r}")
+    return mode == "ahead"
+
+
 def lazy_rescale() -> bool:
     """LAZY constexpr of the kernels: SPARSE_ATTN_RESCALE=lazy|eager, else DEFAULT_RESCALE (read at every launch,
     so a benchmark can time both in one process)."""
@@ -187,17 +204,32 @@ def last_dim_contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 
 @triton.jit
+def row_scores(q, k_base, rows, rows_ok, skn, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr):
+    """Raw scores q·kᵀ [M, N] of the KV rows ``rows`` [N] (contiguous or gathered); with MASKED, rows outside
+    ``rows_ok`` score -inf and their loads are masked."""
+    k = load_rows(k_base, rows, skn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
+    qk = tl.dot(q, tl.trans(k))
+    if MASKED:
+        qk = tl.where(rows_ok[None, :], qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def row_fold(acc, m_i, l_i, qk, v_base, rows, rows_ok, svn, qk_scale, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+             MASKED: tl.constexpr, LAZY: tl.constexpr):
+    """Fold the scores ``qk`` of the KV rows ``rows`` into the softmax state, loading their values."""
+    v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
+    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
+
+
+@triton.jit
 def kv_tile(acc, m_i, l_i, q, k_base, v_base, rows, rows_ok, skn, svn, qk_scale, d,
             HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
     """Attend one tile of KV rows ``rows`` [N] (contiguous or gathered). With MASKED, rows outside
     ``rows_ok`` are skipped (-inf); without it every row is valid and loads carry no row mask. LAZY: see
     online_softmax_step."""
-    k = load_rows(k_base, rows, skn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
-    qk = tl.dot(q, tl.trans(k))
-    if MASKED:
-        qk = tl.where(rows_ok[None, :], qk, float("-inf"))
-    v = load_rows(v_base, rows, svn, rows_ok, d, HEAD_DIM, D_PAD, MASKED)
-    return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
+    qk = row_scores(q, k_base, rows, rows_ok, skn, d, HEAD_DIM, D_PAD, MASKED)
+    return row_fold(acc, m_i, l_i, qk, v_base, rows, rows_ok, svn, qk_scale, d, HEAD_DIM, D_PAD, MASKED, LAZY)
 
 
 @triton.jit

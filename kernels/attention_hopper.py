@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import _hopper
-from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows,
+from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
                              online_softmax_step, pick, residual_launch_args, residual_mode, seq_bucket,
                              store_residual_out, store_rows, tune_options)
 
@@ -32,23 +32,44 @@ MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
 
 
 @triton.jit
-def _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
-    """Attend KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
+def _scores(q, k_desc, start, N_KV, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Raw scores q·kᵀ of KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
     k = k_desc.load([start, 0])
     qk = tl.dot(q, k.T)
     if MASKED:
         qk = tl.where((start + tl.arange(0, BLOCK_N))[None, :] < N_KV, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY: tl.constexpr):
+    """Fold the scores ``qk`` of KV rows [start, start + BLOCK_N) into the softmax state, loading their values."""
     v = v_desc.load([start, 0])
     return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
 
 
 @triton.jit
+def _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
+    """Attend KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
+    qk = _scores(q, k_desc, start, N_KV, BLOCK_N, MASKED)
+    return _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
+
+
+@triton.jit
+def _tile_start(idx_base, it, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First KV row of tile ``it`` of a block list: BLOCK_K // BLOCK_N tiles per listed block."""
+    MULT: tl.constexpr = BLOCK_K // BLOCK_N
+    return tl.load(idx_base + it // MULT) * BLOCK_K + (it % MULT) * BLOCK_N
+
+
+@triton.jit
 def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK, qk_scale,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, WARP_SPEC: tl.constexpr,
-                 LAZY: tl.constexpr):
+                 LAZY: tl.constexpr, AHEAD: tl.constexpr):
     """Attend the sorted KV blocks idx_base[0:count]. Only the last entry can be the ragged last KV block,
-    so only its tiles are masked."""
+    so only its tiles are masked. AHEAD: each tile's scores are computed one iteration before its softmax
+    (kernels/_triton_common.py, loop_ahead)."""
     MULT: tl.constexpr = BLOCK_K // BLOCK_N
     n_iter = count * MULT
     n_full = n_iter
@@ -56,10 +77,21 @@ def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK
         if count > 0:
             if tl.load(idx_base + count - 1) == N_KBLK - 1:
                 n_full = n_iter - MULT
-    for it in tl.range(0, n_full, warp_specialize=WARP_SPEC):
-        blk = tl.load(idx_base + it // MULT)
-        acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, blk * BLOCK_K + (it % MULT) * BLOCK_N,
-                                 N_KV, qk_scale, BLOCK_N, False, LAZY)
+    if AHEAD:
+        if n_full > 0:
+            start = _tile_start(idx_base, 0, BLOCK_K, BLOCK_N)
+            qk = _scores(q, k_desc, start, N_KV, BLOCK_N, False)
+            for it in tl.range(1, n_full, warp_specialize=WARP_SPEC):
+                nxt = _tile_start(idx_base, it, BLOCK_K, BLOCK_N)
+                qk_next = _scores(q, k_desc, nxt, N_KV, BLOCK_N, False)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
+                qk = qk_next
+                start = nxt
+            acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
+    else:
+        for it in tl.range(0, n_full, warp_specialize=WARP_SPEC):
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, _tile_start(idx_base, it, BLOCK_K, BLOCK_N),
+                                     N_KV, qk_scale, BLOCK_N, False, LAZY)
     for j in tl.static_range(MULT):  # the masked tail, unrolled: a loop here would get its own pipeline buffers
         if n_full + j < n_iter:
             blk = tl.load(idx_base + (n_full + j) // MULT)
@@ -75,7 +107,7 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
          BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
          RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
-         LAZY: tl.constexpr):
+         LAZY: tl.constexpr, AHEAD: tl.constexpr):
     """One query block: row = (b * H + h) * NQB + query block."""
     pid_bh = row // NQB
     qb = row % NQB
@@ -94,21 +126,32 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if MODE == 1:  # dense: every tile, the ragged last one masked
         n_full = (N_KV // BLOCK_N) * BLOCK_N
-        for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale, BLOCK_N, False, LAZY)
+        if AHEAD:
+            if n_full > 0:
+                qk = _scores(q, k_desc, 0, N_KV, BLOCK_N, False)
+                for start in tl.range(BLOCK_N, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+                    qk_next = _scores(q, k_desc, start, N_KV, BLOCK_N, False)
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start - BLOCK_N, qk_scale, LAZY)
+                    qk = qk_next
+                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, n_full - BLOCK_N, qk_scale, LAZY)
+        else:
+            for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
+                acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale, BLOCK_N, False,
+                                         LAZY)
         if not EVEN_N:
             acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, n_full, N_KV, qk_scale, BLOCK_N, True, LAZY)
         out, lse = finish(acc, m_i, l_i)
     else:
         count = tl.load(KV_CNT + row)
         acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, KV_IDX + row.to(tl.int64) * MAX_K, count,
-                                     N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY)
+                                     N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY, AHEAD)
         out, lse = finish(acc, m_i, l_i)
         if MODE == 2:  # the selected blocks' state is the sparse output; continue over the complement
             out_s = out
             c_count = tl.load(CMP_CNT + row)
             acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, CMP_IDX + row.to(tl.int64) * MAX_C,
-                                         c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY)
+                                         c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY,
+                                         AHEAD)
             out, lse = finish(acc, m_i, l_i)
             store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, out - out_s, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
@@ -128,7 +171,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
               BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
               RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, ORDERED: tl.constexpr,
               PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr,
-              LAZY: tl.constexpr):
+              LAZY: tl.constexpr, AHEAD: tl.constexpr):
     if PERSISTENT:  # greedy: each program takes the next row (heaviest first) when it finishes one
         t = tl.atomic_add(COUNTER, 1)
         while t < N_ROWS:
@@ -138,7 +181,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
             _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                  H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY)
+                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD)
             t = tl.atomic_add(COUNTER, 1)
     else:
         row = tl.program_id(0)
@@ -147,7 +190,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
         _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY)
+             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD)
 
 
 def _cfg(bn, w, s, per_sm=1, maxnreg=None):
@@ -182,7 +225,7 @@ def _prune(configs_, named_args, **kwargs):
 
 # residual and LSE flags are not in the key, but Triton adds every tensor argument's dtype to it: a variant
 # whose residual or LSE tensors differ in dtype from the dummies is tuned once more (docs/kernel_notes.md, "v7")
-_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY"]
+_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY", "AHEAD"]
 _HEUR = {"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0}
 _tuned: dict[str, object] = {}
 
@@ -238,7 +281,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale())
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead())
     return out
 
 

@@ -17,8 +17,8 @@ import triton.language as tl
 from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
-                             lazy_rescale, list_bucket, load_group, residual_launch_args, residual_mode, store_rows,
-                             tune_options)
+                             lazy_rescale, list_bucket, load_group, loop_ahead, residual_launch_args, residual_mode,
+                             row_fold, row_scores, store_rows, tune_options)
 from .compact_torch import SEGMENT
 from .token_sparse_torch import check_compact_lists, check_token_lists
 
@@ -54,7 +54,7 @@ def _token_ids(raw, slot, SEG, row, N_SEG: tl.constexpr, SEGMENT: tl.constexpr):
     return tok
 
 
-@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY", "N_SEG"],
+@triton.autotune(configs=_CONFIGS, key=["K_BUCKET", "HEAD_DIM", "GROUP", "LAZY", "N_SEG", "AHEAD"],
                  prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.jit
 def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
@@ -62,7 +62,7 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                H, N_Q, N_KV, G, MAX_K, qk_scale, K_BUCKET,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr, N_SEG: tl.constexpr,
-               SEGMENT: tl.constexpr):
+               SEGMENT: tl.constexpr, AHEAD: tl.constexpr):
     d = tl.arange(0, D_PAD)
     q, qi, q_ok, row, b, h, pid_bh = load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM, D_PAD, GROUP)
     k_base = K + b * skb + h * skh
@@ -73,11 +73,27 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     l_i = tl.zeros([GROUP], tl.float32)
     acc = tl.zeros([GROUP, D_PAD], tl.float32)
     n_full = (count // BLOCK_N) * BLOCK_N
-    for start in range(0, n_full, BLOCK_N):  # full chunks of the list: no masks
-        slot = start + tl.arange(0, BLOCK_N)
-        tok = _token_ids(tl.load(tok_base + slot), slot, SEG, row, N_SEG, SEGMENT)
-        acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, slot < count, skn, svn,
-                                qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
+    if AHEAD:  # the next chunk's scores before this chunk's softmax (kernels/_triton_common.py, loop_ahead)
+        if n_full > 0:
+            slot = tl.arange(0, BLOCK_N)
+            tok = _token_ids(tl.load(tok_base + slot), slot, SEG, row, N_SEG, SEGMENT)
+            qk = row_scores(q, k_base, tok, slot < count, skn, d, HEAD_DIM, D_PAD, False)
+            for start in range(BLOCK_N, n_full, BLOCK_N):
+                slot_n = start + tl.arange(0, BLOCK_N)
+                tok_n = _token_ids(tl.load(tok_base + slot_n), slot_n, SEG, row, N_SEG, SEGMENT)
+                qk_n = row_scores(q, k_base, tok_n, slot_n < count, skn, d, HEAD_DIM, D_PAD, False)
+                acc, m_i, l_i = row_fold(acc, m_i, l_i, qk, v_base, tok, tok >= 0, svn, qk_scale, d, HEAD_DIM, D_PAD,
+                                         False, LAZY)  # unmasked: the row mask is not read
+                qk = qk_n
+                tok = tok_n
+            acc, m_i, l_i = row_fold(acc, m_i, l_i, qk, v_base, tok, tok >= 0, svn, qk_scale, d, HEAD_DIM, D_PAD,
+                                     False, LAZY)
+    else:
+        for start in range(0, n_full, BLOCK_N):  # full chunks of the list: no masks
+            slot = start + tl.arange(0, BLOCK_N)
+            tok = _token_ids(tl.load(tok_base + slot), slot, SEG, row, N_SEG, SEGMENT)
+            acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, tok, slot < count, skn, svn,
+                                    qk_scale, d, HEAD_DIM, D_PAD, False, LAZY)
     if n_full < count:  # the list's tail
         slot = n_full + tl.arange(0, BLOCK_N)
         t_ok = slot < count
@@ -139,5 +155,6 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
             q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, seg, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
             scale * LOG2E, list_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
-            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(), N_SEG=n_seg, SEGMENT=SEGMENT)
+            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(), N_SEG=n_seg, SEGMENT=SEGMENT,
+            AHEAD=loop_ahead())
     return out

@@ -428,6 +428,55 @@ def test_lazy_rescale_matches_eager_at_real_sizes(monkeypatch, n, d, path):
         assert rel(token, K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch")) <= 1e-2
 
 
+@needs_hopper
+@pytest.mark.parametrize("path", ["tma", "persistent"])
+@pytest.mark.parametrize("n,d", [(32760, 128), (75600, 128), (4133, 64)])
+def test_scores_ahead_matches_plain_at_real_sizes(monkeypatch, n, d, path):
+    """SPARSE_ATTN_LOOP=ahead (kernels/_triton_common.py, loop_ahead): block-sparse with an fp8 residual, dense + LSE
+    and the fused anchor on the TMA variants, and the token kernel on int32 and compact lists, agree with the plain
+    loops and with the twins on skewed lists (empty, short and full rows)."""
+    from comfyui_sparse_attention.kernels import (anchor_triton, block_sparse_torch, block_sparse_triton,
+                                                  dense_triton)
+    from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+    h, bq = 2, 128 if d == 128 else 64
+    q, k, v = qkv(h, n, d, seed=n + 13)
+    nb = math.ceil(n / bq)
+    idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=d + 1)
+    res = make_residual("fp8", q.shape, seed=4)
+    groups = K.group_queries(q, 128 if d == 128 else 64)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    keep = torch.rand(1, h, groups.shape[2], n, device=DEV, generator=gen) < 0.15
+    keep[0, 0, 1] = False  # a group with nothing to attend
+    keep[0, 1, 2, :70] = True  # a few lists of other lengths
+    low, ends, tcnt = K.compact_keep(keep)
+    toks = decode_lists(low, ends)
+    outs = {}
+    for mode in ("plain", "ahead"):
+        monkeypatch.setenv("SPARSE_ATTN_LOOP", mode)
+        outs[mode] = dict(
+            sparse=block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                              residual=res, path=path),
+            dense=dense_triton.attention_dense(q, k, v, return_lse=True, path=path),
+            anchor=anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                        residual_precision="fp8", return_lse=True, path=path),
+            token=K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", residual=res),
+            compact=K.token_sparse_attention_compact(q, k, v, groups, low, ends, tcnt, backend="triton",
+                                                     residual=res))
+    ahead, plain = outs["ahead"], outs["plain"]
+    twin = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual=res)
+    assert not torch.isnan(ahead["sparse"]).any()
+    assert rel(ahead["sparse"], twin) <= 1e-2 and rel(ahead["sparse"], plain["sparse"]) <= 1e-3
+    assert rel(ahead["dense"][0], F.scaled_dot_product_attention(q, k, v)) <= 1e-2
+    assert torch.allclose(ahead["dense"][1], plain["dense"][1], atol=1e-3)
+    assert rel(ahead["anchor"][0], plain["anchor"][0]) <= 1e-3
+    assert torch.allclose(ahead["anchor"][1], plain["anchor"][1], atol=1e-3)
+    assert rel(decoded(ahead["anchor"][2]), decoded(plain["anchor"][2])) <= 2e-2
+    token_twin = K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="torch", residual=res)
+    for kind in ("token", "compact"):
+        assert not torch.isnan(ahead[kind]).any()
+        assert rel(ahead[kind], plain[kind]) <= 1e-3 and rel(ahead[kind], token_twin) <= 1e-2
+
+
 TUNE_CHILD = r"""
 import importlib.util, json, sys, time, torch
 spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-@pytest.mark.parametrize("plan", ["full", "rescale"])
+@pytest.mark.parametrize("plan", ["full", "rescale", "loop"])
 def test_hopper_bench_dry_run(tmp_path, plan):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hopper.py"), "--dry", "--plan", plan, "--shapes",
                            "wan14b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
@@ -28,6 +28,11 @@ def test_hopper_bench_dry_run(tmp_path, plan):
             assert {("bsa128", f"tma-{mode}"), ("dense_lse", f"tma-{mode}"), ("anchor", f"fused_fp8-{mode}"),
                     ("token128", f"pointer-{mode}")} <= kinds
         assert sum(1 for r in rows if r["kind"] == "bsa128") == 6  # 3 densities x 2 modes
+    elif plan == "loop":  # plain, ahead, plain again; the token kernel on compact lists too
+        for mode in ("plain", "ahead", "plain-again"):
+            assert {("bsa128", f"tma-{mode}"), ("dense_lse", f"tma-{mode}"), ("anchor", f"fused_fp8-{mode}"),
+                    ("token128", f"pointer-{mode}"), ("token128_reuse", f"compact_fp8-{mode}")} <= kinds
+        assert sum(1 for r in rows if r["kind"] == "bsa128") == 9
     else:
         assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
                 ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds

@@ -382,6 +382,107 @@ def test_rescale_mode_is_read_at_each_launch(monkeypatch):
         lazy_rescale()
 
 
+AHEAD_CHILD = PREAMBLE + r"""
+import os
+from sparse_ref import structured_qkv, random_block_lists, rel_l2
+from test_token_and_selection import _compact_case
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels import (anchor_torch, anchor_triton, attention_hopper, block_sparse_torch,
+                                              block_sparse_triton, dense_torch, dense_triton, token_sparse_torch,
+                                              token_sparse_triton)
+from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+results, tiles = {}, {}
+# the one-tile helpers of the plain loops: under the interpreter a kernel looks them up when it calls them, so these
+# counters see every plain-loop tile; the ahead loops call them for masked tails only
+count = {"tma": 0, "token": 0}
+plain_tma, plain_token = attention_hopper._kv_tile, token_sparse_triton.kv_tile
+def tma_tile(*a, **kw):
+    count["tma"] += 1
+    return plain_tma(*a, **kw)
+def token_tile(*a, **kw):
+    count["token"] += 1
+    return plain_token(*a, **kw)
+attention_hopper._kv_tile, token_sparse_triton.kv_tile = tma_tile, token_tile
+
+def rel(name, a, b):
+    fin = torch.isfinite(b.double())
+    results[name] = dict(rel=rel_l2(torch.where(fin, a.double(), 0), torch.where(fin, b.double(), 0)),
+                         nan=bool(torch.isnan(a.float()).any()),
+                         same_inf=bool(torch.equal(torch.isneginf(a), torch.isneginf(b))))
+
+for mode in ("plain", "ahead"):
+    os.environ["SPARSE_ATTN_LOOP"] = mode
+    count["tma"] = count["token"] = 0
+    for dtype in (torch.float16, torch.float32):
+        # 200 and 192: whole 32-row tiles (192: whole 64-row blocks too); 193: a ragged last tile; 40: one whole
+        # tile (the ahead loop body never runs) and a tail; 20: the tail only
+        for (n, d) in ((200, 64), (192, 64), (193, 128), (40, 64), (20, 64)):
+            q, k, v = structured_qkv(1, 2, n, d, dtype=dtype, seed=n + d)
+            tag = f"{mode}-{dtype}-{n}-{d}"
+            out, lse = dense_triton.attention_dense(q, k, v, return_lse=True, path="tma")
+            ro, rlse = dense_torch.attention_dense(q, k, v, return_lse=True)
+            rel("dense-out-" + tag, out, ro)
+            rel("dense-lse-" + tag, lse, rlse)
+            nb = -(-n // 64)
+            idx, cnt = random_block_lists(1, 2, nb, nb, nb, seed=n, empty_rows=(1,) if nb > 1 else (),
+                                          full_rows=(0,))
+            ref = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, block_q=64, block_k=64)
+            for path in ("tma", "persistent"):
+                rel(f"bsa-{path}-" + tag, block_sparse_triton.block_sparse_attention(
+                    q, k, v, idx, cnt, block_q=64, block_k=64, path=path), ref)
+            got = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                       residual_precision="model", return_lse=True)
+            want = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                       residual_precision="model", return_lse=True)
+            for part, a, b in zip(("out", "lse", "res"), got, want):
+                rel(f"anchor-{part}-" + tag, a if part != "res" else a[0], b if part != "res" else b[0])
+            groups = K.group_queries(q, 64)
+            g = groups.shape[2]
+            toks = torch.arange(n, dtype=torch.int32).view(1, 1, 1, n).expand(1, 2, g, n).contiguous()
+            tcnt = torch.full((1, 2, g), n, dtype=torch.int32)
+            tcnt[0, 1, 0] = min(n, 70)  # whole tiles and a masked tail
+            if g > 1:
+                tcnt[0, 1, 1] = 32      # exactly one whole tile
+                tcnt[0, 0, 1] = 0       # nothing
+            rel("token-" + tag, token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, tcnt),
+                token_sparse_torch.token_sparse_attention(q, k, v, groups, toks, tcnt))
+        q, k, v, groups, low, ends, cnt = _compact_case(3000, 64, seed=7, dtype=dtype)
+        rel(f"token-compact-{mode}-{dtype}", token_sparse_triton.token_sparse_attention_compact(
+            q, k, v, groups, low, ends, cnt), token_sparse_torch.token_sparse_attention(
+            q, k, v, groups, decode_lists(low, ends), cnt))
+    tiles[mode] = dict(count)
+print("RESULT:" + json.dumps(dict(results=results, tiles=tiles)))
+"""
+
+
+def test_scores_ahead_matches_twins_in_interpreter():
+    """SPARSE_ATTN_LOOP=ahead (kernels/_triton_common.py, loop_ahead): the TMA kernel (dense + LSE, block-sparse plain
+    and persistent, fused anchor) and the token kernel (int32 and compact lists) equal their twins as the plain loops
+    do, on lists of no, one and many whole tiles with and without a masked tail; and the switch reaches the loops
+    (the ahead loops leave the one-tile helpers of the plain loops to masked tails)."""
+    got = run_child(AHEAD_CHILD, 900)
+    results, tiles = got["results"], got["tiles"]
+    assert len(results) == 2 * 2 * (5 * (2 + 2 + 3 + 1) + 1)
+    bad = {name: e for name, e in results.items()
+           if e["nan"] or not e["same_inf"] or e["rel"] > (2e-3 if "float16" in name else 1e-5)}
+    assert not bad, bad
+    for kind in ("tma", "token"):
+        assert tiles["plain"][kind] > 4 * tiles["ahead"][kind] > 0, tiles
+
+
+def test_loop_mode_is_read_at_each_launch(monkeypatch):
+    from comfyui_sparse_attention.kernels._triton_common import DEFAULT_LOOP, loop_ahead
+    monkeypatch.setenv("SPARSE_ATTN_LOOP", "ahead")
+    assert loop_ahead() is True
+    monkeypatch.setenv("SPARSE_ATTN_LOOP", "plain")
+    assert loop_ahead() is False
+    monkeypatch.delenv("SPARSE_ATTN_LOOP")
+    assert loop_ahead() is (DEFAULT_LOOP == "ahead")
+    monkeypatch.setenv("SPARSE_ATTN_LOOP", "twice")
+    with pytest.raises(ValueError, match="SPARSE_ATTN_LOOP"):
+        loop_ahead()
+
+
 COMPACT_CHILD = PREAMBLE + r"""
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.engine import SparseConfig

@@ -1,6 +1,6 @@
 """Compile the kernels' autotune candidates for sm_90 without a GPU and report their resources.
 
-    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64]
+    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64] [--loop plain,ahead]
 
 For each candidate: registers, spill bytes (ptxas -v), shared memory, and whether the loads became TMA
 copies and the dots wgmma, from Triton's own ptxas/cuobjdump. Use the device's Triton version for
@@ -61,16 +61,18 @@ def jit_of(fn):
     return fn
 
 
-def cases(kinds, head_dims):
-    """(label, jit function, types, constexprs, divisible args, config) of every candidate."""
+def cases(kinds, head_dims, loops=("plain",)):
+    """(label, jit function, types, constexprs, divisible args, config) of every candidate, for each loop mode of
+    ``loops`` (kernels/_triton_common.py, loop_ahead)."""
     ah, tt, mt = load("kernels.attention_hopper"), load("kernels.token_sparse_triton"), load("kernels.mass_triton")
     ptr = {n: "*bf16" for n in ("Q", "K", "V", "Out", "R", "RO")}
     ptr.update({n: "*i32" for n in ("KV_IDX", "KV_CNT", "CMP_IDX", "CMP_CNT", "ORDER", "COUNTER", "QG", "TOK", "CNT")})
     ptr.update({"Lse": "*fp32", "LSE": "*fp32", "RS": "*fp32", "ROS": "*fp32", "OUT": "*fp32", "qk_scale": "fp32"})
     div = ["Q", "K", "V", "Out", "R", "RO", "QG", "TOK", "CNT", "LSE", "OUT"] + [
         f"s{t}{a}" for t in "qkvor" for a in "bhn"]
-    for d in head_dims:
+    for d, loop in ((d, loop) for d in head_dims for loop in loops):
         pad = max(16, 1 << (d - 1).bit_length())
+        tag = "" if loop == "plain" else f" {loop}"
         if "hopper" in kinds:
             for kind, configs, mode, extra in (("sparse", ah.SPARSE_CONFIGS, 0, {}),
                                                ("persistent", ah.PERSISTENT_CONFIGS, 0, dict(PERSISTENT=True)),
@@ -79,17 +81,18 @@ def cases(kinds, head_dims):
                 for c in ah._prune(configs, {}, BLOCK_K=128, BLOCK_M=128):
                     ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK_M=128, BLOCK_K=128, BLOCK_N=c.kwargs["BLOCK_N"],
                               EVEN_K=False, EVEN_N=False, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=False,
-                              ORDERED=mode == 0, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1)
+                              ORDERED=mode == 0, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=False,
+                              AHEAD=loop == "ahead")
                     ce.update(extra)
-                    yield f"{kind} D{d}", jit_of(ah._attn_tma), ptr, ce, div, c
+                    yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), ptr, ce, div, c
         if "token" in kinds:
             for n_seg, tok in ((0, "*i32"), (2, "*i16")):  # int32 lists; the engine's compact int16 lists
                 for c in tt._CONFIGS:
                     ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0, GROUP=128, BLOCK_N=c.kwargs["BLOCK_N"], LAZY=False,
-                              N_SEG=n_seg, SEGMENT=65536)
-                    yield (f"token{' compact' if n_seg else ''} D{d}", jit_of(tt._token_fwd),
+                              N_SEG=n_seg, SEGMENT=65536, AHEAD=loop == "ahead")
+                    yield (f"token{' compact' if n_seg else ''} D{d}{tag}", jit_of(tt._token_fwd),
                            {**ptr, "TOK": tok, "SEG": "*i32"}, ce, div + ["SEG"], c)
-        if "mass" in kinds:
+        if "mass" in kinds and loop == "plain":  # pass 2 has one loop
             for c in mt.CONFIGS:
                 ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=True, EVEN_N=False, **c.kwargs)
                 yield f"mass D{d}", jit_of(mt._mass_fwd), ptr, ce, div, c
@@ -99,19 +102,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernels", default="hopper,token,mass")
     ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--loop", default="plain", help="loop modes to compile, comma-separated: plain, ahead")
     args = ap.parse_args()
     import triton
     print(f"Triton {triton.__version__}, target sm_90")
-    print(f"{'kernel':16s} {'config':52s} {'regs':>5s} {'spill':>6s} {'shared':>7s} tma wgmma")
-    for label, fn, types, ce, div, c in cases(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")]):
+    print(f"{'kernel':22s} {'config':52s} {'regs':>5s} {'spill':>6s} {'shared':>7s} tma wgmma")
+    for label, fn, types, ce, div, c in cases(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")],
+                                              args.loop.split(",")):
         cfg = ", ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f", w{c.num_warps} s{c.num_stages}" + (
             f" maxnreg {c.maxnreg}" if getattr(c, "maxnreg", None) else "")
         r = compile_one(fn, types, ce, div, c)
         if "error" in r:
-            print(f"{label:16s} {cfg:52s} FAILED {r['error']}")
+            print(f"{label:22s} {cfg:52s} FAILED {r['error']}")
             continue
         over = "  > shared limit" if r["shared"] > SMEM_LIMIT else ""
-        print(f"{label:16s} {cfg:52s} {r['regs']:5d} {r['spill']:6d} {r['shared']:7d} {str(r['tma'])[0]:>3s} "
+        print(f"{label:22s} {cfg:52s} {r['regs']:5d} {r['spill']:6d} {r['shared']:7d} {str(r['tma'])[0]:>3s} "
               f"{str(r['wgmma'])[0]:>5s}{over}", flush=True)
 
 
