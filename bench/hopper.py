@@ -239,6 +239,25 @@ class Shape:
                     BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False)), real,
                     target=dens)
 
+    def mass(self, densities):
+        """The residual weighted by the mass (kernels/_residual.py) against the residual as cached: the fused anchor
+        writing the mass or not, and the block-sparse reuse call (fp8 residual in the epilogue) reading it or not,
+        interleaved fixed / mass / fixed again per kernel."""
+        q, k, v, BT, AH, AT = self.q, self.k, self.v, self.m["BT"], self.m["AH"], self.m["AT"]
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            _, triple = AT.block_anchor_attention(q, k, v, idx, cnt, block_q=128, block_k=128,
+                                                  residual_precision="fp8", validate=False, return_mass=True)
+            for label, mass in (("fixed", False), ("mass", True), ("fixed-again", False)):
+                self.rec("anchor", f"fused_fp8-{label}", lambda idx=idx, cnt=cnt, mass=mass: AT.block_anchor_attention(
+                    q, k, v, idx, cnt, block_q=128, block_k=128, residual_precision="fp8", validate=False,
+                    return_mass=mass), config=lambda: AH.last_config("anchor"), target=dens)
+            for label, res in (("fixed", triple[:2]), ("mass", triple), ("fixed-again", triple[:2])):
+                self.rec("reuse", f"fused_fp8-{label}", lambda idx=idx, cnt=cnt, res=res: BT.block_sparse_attention(
+                    q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, residual=res), real,
+                    config=lambda: AH.last_config("sparse"), target=dens)
+            del triple
+
     def token(self, dens=0.15, variant="pointer", reuse=True):
         q, k, v, TT, Residual = self.q, self.k, self.v, self.m["TT"], self.m["Residual"]
         h, n = self.h, self.n
@@ -417,9 +436,10 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop"), default="full",
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass"), default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
-                         "plain loops against scores one tile ahead (Shape.loop)")
+                         "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
+                         "against the fixed one (Shape.mass)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -470,6 +490,8 @@ def main():
 
     # per shape: the core first, FlexAttention last (reference times stand in when it is cut)
     plan = [(name, args.plan, (0.25, 0.1, 0.5)) for name in names] if args.plan in ("rescale", "loop") else []
+    if args.plan == "mass":
+        plan = [(name, "mass", (0.15, 0.1)) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]

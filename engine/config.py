@@ -19,6 +19,7 @@ from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
 
 RESIDUAL_PRECISIONS = ("fp8", "model")
+RESIDUAL_WEIGHTINGS = ("mass", "fixed")
 GROUPINGS = ("pca", "cuboid")
 
 
@@ -40,6 +41,11 @@ class SparseConfig:
     residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
     residual_precision: "fp8" (default: float8 with a per-row scale, half the bytes; the model's dtype
         where fp8 is unavailable) or "model" (the model's dtype).
+    residual_weighting: "mass" (default): a block selection's reuse step weights the cached residual by the share
+        of the softmax mass the left-out blocks have now (measured from the sparse call's own LSE) against their
+        share at the anchor (docs/method.md, "The residual weighted by the mass"), except after anchors at the run's
+        first step; "fixed": the residual is added as cached. Token selections (mc_sparse) always add it as cached
+        (the weighting measured worse for them).
     select_every_step: block_topk re-selects at every step (cheap pooled scores) instead of reusing.
     mass: block_topk keeps the smallest set of KV blocks reaching this share of pooled mass instead of a
         fixed count (0 < mass <= 1), or None.
@@ -67,6 +73,7 @@ class SparseConfig:
     anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
     residual: bool = True
     residual_precision: str = "fp8"
+    residual_weighting: str = "mass"
     select_every_step: bool = False
     mass: float | None = None
     sink_blocks: int = 1
@@ -118,6 +125,7 @@ class SparseConfig:
             _check(_is_number(v) and v >= 0, name, f"must be a finite number >= 0{alt}, got {shown(v)}")
         _choice("grouping", self.grouping, GROUPINGS)
         _choice("residual_precision", self.residual_precision, RESIDUAL_PRECISIONS)
+        _choice("residual_weighting", self.residual_weighting, RESIDUAL_WEIGHTINGS)
         _choice("backend", self.backend, BACKENDS)
         for name in ("residual", "select_every_step", "offload"):
             _check(isinstance(getattr(self, name), bool), name,

@@ -190,13 +190,15 @@ class SparseEngine:
                 entry = None
         if entry is None:
             return self._anchor_with_room(q, k, v, ctx, key, scale, dense_fn)
-        selection = entry.selection
+        selection, residual = entry.selection, entry.residual
         policy = self.policy
         if policy.reselects(self.cfg):
             with self.stats.timed(ctx.layer, "selection", dev):
                 selection = self._select(policy, q, k, None, ctx, scale)
+            if residual is not None and residual.mass is not None:  # the mass belongs to the anchor's selection
+                residual = Residual(residual.data, residual.scale)
         with self.stats.timed(ctx.layer, "attention", dev):  # the residual is added in the kernel's epilogue
-            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend, residual=entry.residual)
+            out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend, residual=residual)
         self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
         return out
 
@@ -229,10 +231,11 @@ class SparseEngine:
             if isinstance(selection, BlockSelection):
                 with self.stats.timed(ctx.layer, "attention", dev):
                     precision = cfg.residual_precision if cfg.residual else "model"
-                    out_d, (r_data, r_scale) = selection.anchor(q, k, v, scale=scale, backend=cfg.backend,
-                                                                precision=residual_precision(precision, dev))
+                    out_d, res = selection.anchor(q, k, v, scale=scale, backend=cfg.backend,
+                                                  precision=residual_precision(precision, dev),
+                                                  mass=self._weighs_by_mass(ctx))
                 with self.stats.timed(ctx.layer, "store", dev):
-                    self._store_residual(key, selection, out_d, Residual(r_data, r_scale), ctx)
+                    self._store_residual(key, selection, out_d, Residual(*res), ctx)
                 return out_d
         with self.stats.timed(ctx.layer, "attention", dev):
             if policy.needs_lse:
@@ -248,6 +251,13 @@ class SparseEngine:
         if where == "none":
             log.debug("layer %s: selection not cached", ctx.layer)
         return out_d
+
+    def _weighs_by_mass(self, ctx) -> bool:
+        """Whether this anchor's residual is weighted by the mass at reuse steps (SparseConfig.residual_weighting):
+        not for anchors at the run's first step, where the input is pure noise — measured on the quality testbed,
+        the weighting gains 1.7-5.4 dB after anchors at later steps and loses up to 2.7 dB after step-0 anchors at
+        density 0.1 (docs/quality.md, "The residual weighted by the mass")."""
+        return self.cfg.residual and self.cfg.residual_weighting == "mass" and ctx.step > 0
 
     def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
         """Cache an anchor's selection with a residual the kernel already encoded."""

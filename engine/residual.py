@@ -52,10 +52,12 @@ def _head_chunks(x: torch.Tensor):
 @dataclass
 class Residual:
     """data: (B, H, N, D) in the model's dtype, or float8_e4m3fn; scale: fp32 (B, H, N, 1) per-row scale
-    when data is fp8, else None."""
+    when data is fp8, else None; mass: fp32 (B, H, N, 2) per-row (log Z_C, log beta) of the anchor when reuse
+    calls weight the residual by the selected keys' mass (kernels/_residual.py), else None."""
 
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    mass: torch.Tensor | None = None
 
     @staticmethod
     def encode(diff: torch.Tensor, precision: str = "fp8") -> "Residual":
@@ -101,7 +103,7 @@ class Residual:
         return (self.data.float() * self.scale).to(dtype)
 
     def tensors(self):
-        return (self.data,) if self.scale is None else (self.data, self.scale)
+        return tuple(t for t in (self.data, self.scale, self.mass) if t is not None)
 
     @property
     def nbytes(self) -> int:
@@ -109,8 +111,10 @@ class Residual:
 
     def map(self, fn) -> "Residual":
         """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
-        return Residual(fn(self.data), None if self.scale is None else fn(self.scale))
+        return Residual(fn(self.data), None if self.scale is None else fn(self.scale),
+                        None if self.mass is None else fn(self.mass))
 
     def batch_slice(self, start: int, stop: int) -> "Residual":
         """Batch rows [start, stop) (views)."""
-        return Residual(self.data[start:stop], None if self.scale is None else self.scale[start:stop])
+        return Residual(self.data[start:stop], None if self.scale is None else self.scale[start:stop],
+                        None if self.mass is None else self.mass[start:stop])

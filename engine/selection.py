@@ -41,12 +41,13 @@ class BlockSelection:
                                               block_k=self.block_k, scale=scale, backend=backend,
                                               validate=False, residual=residual)
 
-    def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8"):
+    def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8", mass=False):
         """The anchor step in one pass (kernels.block_anchor_attention): (out_dense (B, H, N, D), residual
-        (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or "model")."""
+        (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or "model"; with ``mass`` a (data, scale,
+        mass) triple, mass fp32 (B, H, N, 2) for mass-weighted reuse calls)."""
         return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
                                               block_k=self.block_k, scale=scale, residual_precision=precision,
-                                              backend=backend, validate=False)
+                                              backend=backend, validate=False, return_mass=mass)
 
     @property
     def nbytes(self) -> int:

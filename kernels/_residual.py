@@ -5,9 +5,18 @@ data (B, H, Nq, D) in the model's dtype with scale None, or float8_e4m3fn data w
 (B, H, Nq, 1) per-row scale. The sparse primitives return ``out + data * scale`` computed in fp32 and
 cast once, so a reuse step makes no separate pass over (B, H, N, D); rows with nothing to attend get
 exactly the residual.
+
+Block-sparse attention also takes a **mass-weighted** residual: a third item (a (data, scale, mass) triple, or a
+``mass`` attribute), fp32 (B, H, Nq, 2) per row: log Z_C, the log softmax mass of the keys the anchor left out, and
+log beta, their share of the row's mass at the anchor (natural logs). The output is then
+``out + w * data * scale`` with w = beta_now / beta, beta_now = Z_C / (Z_S(now) + Z_C) from the sparse part's mass
+Z_S measured by this very call (its LSE): the complement's share re-weighted by how much the selected keys weigh
+now (docs/method.md, "The residual weighted by the mass"). w = 1 where beta < MASS_EPS (nothing was left out).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,16 +26,22 @@ RESIDUAL_PRECISIONS = ("model", "fp8")
 CHUNK_ELEMS = 1 << 26  # fp32 elements decoded at a time by the PyTorch helpers (256 MiB of scratch)
 
 
+MASS_EPS = 1e-6  # below this share of the row's mass left out at the anchor, the residual is not re-weighted
+LOG_MASS_EPS = math.log(MASS_EPS)
+
+
 def check_residual(residual, q: torch.Tensor):
-    """Validate ``residual`` against q (B, H, Nq, D). Returns None or (data, scale-or-None)."""
+    """Validate ``residual`` against q (B, H, Nq, D). Returns None or (data, scale-or-None); a mass (third item or
+    attribute) is checked by ``residual_mass``."""
     if residual is None:
         return None
     if isinstance(residual, torch.Tensor):
         raise ValueError("residual must be a (data, scale) pair, not a bare tensor")
     if isinstance(residual, (tuple, list)):
-        if len(residual) != 2:
-            raise ValueError(f"residual must be a (data, scale) pair, got {len(residual)} items")
-        data, scale = residual
+        if len(residual) not in (2, 3):
+            raise ValueError(f"residual must be a (data, scale) pair or (data, scale, mass), got {len(residual)} "
+                             "items")
+        data, scale = residual[:2]
     elif hasattr(residual, "data") and hasattr(residual, "scale"):
         data, scale = residual.data, residual.scale
     else:
@@ -50,6 +65,38 @@ def check_residual(residual, q: torch.Tensor):
     return data, None
 
 
+def residual_mass(residual, q: torch.Tensor) -> torch.Tensor | None:
+    """The per-row mass of a mass-weighted residual (fp32 (B, H, Nq, 2), contiguous), or None."""
+    if isinstance(residual, (tuple, list)):
+        mass = residual[2] if len(residual) == 3 else None
+    else:
+        mass = getattr(residual, "mass", None)
+    if mass is None:
+        return None
+    want = (*q.shape[:3], 2)
+    if not isinstance(mass, torch.Tensor) or mass.dtype != torch.float32 or tuple(mass.shape) != want:
+        raise ValueError(f"residual mass must be an fp32 tensor of shape {want}")
+    if mass.device != q.device:
+        raise ValueError(f"residual mass must be on {q.device}, got {mass.device}")
+    return mass.contiguous()
+
+
+def mass_of(lse_dense: torch.Tensor, lse_sparse: torch.Tensor) -> torch.Tensor:
+    """Per-row mass of an anchor (fp32 (..., 2): log Z_C, log beta) from the dense and the sparse row LSE (fp32
+    (...), natural log; -inf for rows that keep nothing)."""
+    beta = (1.0 - torch.exp(lse_sparse - lse_dense)).clamp(0.0, 1.0)
+    log_beta = torch.log(beta)
+    return torch.stack([lse_dense + log_beta, log_beta], -1)
+
+
+def mass_weight(lse_sparse: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """w (fp32 (...)) of a reuse call: the complement's share now over its share at the anchor, from this call's
+    sparse row LSE (fp32 (...)) and the anchor's mass (fp32 (..., 2)); 1 where the anchor left out < MASS_EPS."""
+    log_c, log_beta = mass[..., 0], mass[..., 1]
+    share = torch.nn.functional.logsigmoid(log_c - lse_sparse)  # log(Z_C / (Z_S + Z_C)); 0 where nothing is kept
+    return torch.where(log_beta > LOG_MASS_EPS, torch.exp(share - log_beta), torch.ones_like(share))
+
+
 def contiguous_residual(res):
     """A checked pair whose data has a unit last stride (the kernels address rows by stride)."""
     if res is None or res[0].stride(-1) == 1:
@@ -63,14 +110,16 @@ def _head_slices(x: torch.Tensor):
         yield slice(h0, h0 + step)
 
 
-def add_residual_(out: torch.Tensor, res) -> torch.Tensor:
-    """out (B, H, Nq, D) fp32 += data * scale (checked pair from ``check_residual``), in place."""
+def add_residual_(out: torch.Tensor, res, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """out (B, H, Nq, D) fp32 += weight * data * scale (checked pair from ``check_residual``; weight fp32
+    (B, H, Nq) from ``mass_weight`` or None for 1), in place."""
     if res is None:
         return out
     data, scale = res
     for sl in _head_slices(out):
         r = data[:, sl].float()
-        out[:, sl] += r if scale is None else r * scale[:, sl]
+        r = r if scale is None else r * scale[:, sl]
+        out[:, sl] += r if weight is None else r * weight[:, sl].unsqueeze(-1)
     return out
 
 

@@ -7,12 +7,14 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ._residual import MASS_EPS
 from .backend import interpreting
 
 LOG2E = 1.4426950408889634
@@ -271,16 +273,53 @@ def residual_launch_args(res, out: torch.Tensor) -> tuple:
 
 @triton.jit
 def add_residual(out, R, RS, b, h, rows, row_ok, srb, srh, srn, ssb, ssh, ssn, d,
-                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, w=1.0,
+                 MASS: tl.constexpr = False):
     """out [M, D_PAD] fp32 plus the residual rows ``rows`` of head (b, h): data (RESIDUAL 1), or fp8 data
-    times its per-row scale (RESIDUAL 2), decoded in registers. Rows outside ``row_ok`` add 0."""
+    times its per-row scale (RESIDUAL 2), decoded in registers; with MASS, each row's residual times w [M] (from
+    ``mass_weight``). Rows outside ``row_ok`` add 0."""
     if RESIDUAL != 0:
         r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
         if RESIDUAL == 2:
             s = tl.load(RS + b * ssb + h * ssh + rows * ssn, mask=row_ok, other=0.0)
             r = r * s[:, None]
+        if MASS:
+            r = r * w[:, None]
         out = out + r
     return out
+
+
+LOG_MASS_EPS = tl.constexpr(math.log(MASS_EPS))
+
+
+@triton.jit
+def mass_weight(lse, MS, b, h, rows, row_ok, msb, msh, msn):
+    """w [M] of a mass-weighted residual (kernels/_residual.py, ``mass_weight``): the complement's share of the
+    mass now (from this call's sparse row LSE ``lse`` [M], natural log) over its share at the anchor, read from
+    the mass rows (log Z_C, log beta) of head (b, h); 1 where the anchor left out less than MASS_EPS."""
+    base = MS + b * msb + h * msh + rows * msn
+    log_c = tl.load(base, mask=row_ok, other=0.0)
+    log_beta = tl.load(base + 1, mask=row_ok, other=0.0)
+    x = log_c - lse  # +inf where this call kept nothing
+    share = tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))  # log sigmoid(x), stable
+    return tl.where(log_beta > LOG_MASS_EPS, tl.exp(share - log_beta), 1.0)
+
+
+@triton.jit
+def store_mass(MS, b, h, rows, row_ok, msb, msh, msn, lse_sparse, lse_dense):
+    """Write an anchor's mass rows (log Z_C, log beta) from its sparse and dense row LSE [M] (natural log)."""
+    beta = tl.minimum(tl.maximum(1.0 - tl.exp(lse_sparse - lse_dense), 0.0), 1.0)
+    log_beta = tl.log(beta)
+    base = MS + b * msb + h * msh + rows * msn
+    tl.store(base, lse_dense + log_beta, mask=row_ok)
+    tl.store(base + 1, log_beta, mask=row_ok)
+
+
+def mass_launch_args(mass, out: torch.Tensor) -> tuple:
+    """(tensor, 3 strides) of a contiguous (B, H, N, 2) mass for the kernels; ``out`` stands in when absent."""
+    if mass is None:
+        return (out, 0, 0, 0)
+    return (mass, *mass.stride()[:3])
 
 
 @triton.jit

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from . import block_sparse_torch, dense_torch
-from ._residual import encode_residual
+from ._residual import encode_residual, mass_of
 
 
 def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           residual_precision: str = "model", return_lse: bool = False, validate: bool = True):
+                           residual_precision: str = "model", return_lse: bool = False, validate: bool = True,
+                           return_mass: bool = False):
     """Dense attention plus the residual of block-sparse attention over the given block lists.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32. kv_indices int32 (B, H, ceil(Nq/block_q), max_k)
@@ -24,12 +25,19 @@ def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     (B, H, Nq, 1) per-row scale (row amax / 448, 1 for all-zero rows).
     Returns (out_dense (B, H, Nq, D) in q's dtype, (r_data, r_scale)) where R = out_dense - out_sparse is
     computed in fp32 (a row with an empty list has R = out_dense); with ``return_lse`` also the dense
-    row LSE (B, H, Nq) fp32 in the middle: (out_dense, lse, (r_data, r_scale)).
+    row LSE (B, H, Nq) fp32 in the middle: (out_dense, lse, (r_data, r_scale)). With ``return_mass`` the residual
+    is a (r_data, r_scale, mass) triple, mass fp32 (B, H, Nq, 2) (kernels/_residual.py, ``mass_of``): what a reuse
+    call needs to weight R by the selected keys' mass.
     """
     out, lse = dense_torch.attention_dense(q, k, v, scale=scale, return_lse=True)
     sparse = block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
-                                                       block_k=block_k, scale=scale, validate=validate)
+                                                       block_k=block_k, scale=scale, validate=validate,
+                                                       return_lse=return_mass)
+    if return_mass:
+        sparse, lse_sparse = sparse
     res = residual_of(out, sparse, residual_precision)
+    if return_mass:
+        res = (*res, mass_of(lse, lse_sparse))
     return (out, lse, res) if return_lse else (out, res)
 
 

@@ -25,8 +25,10 @@ def supported(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
-                           residual_precision="model", return_lse=False, validate=True, path="auto"):
-    """Fused anchor attention; arguments and results as in the PyTorch twin.
+                           residual_precision="model", return_lse=False, validate=True, path="auto",
+                           return_mass=False):
+    """Fused anchor attention; arguments and results as in the PyTorch twin (``return_mass``: the residual is a
+    (r_data, r_scale, mass) triple, mass fp32 (B,H,Nq,2) written by the same pass).
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D) with 16-byte aligned bases and strides; kv_indices int32
     (B,H,ceil(Nq/block_q),max_k) sorted; kv_counts int32 (B,H,ceil(Nq/block_q)).
@@ -56,9 +58,10 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
     r_data = torch.empty((b, h, nq, d), dtype=FP8 if fp8 else q.dtype, device=q.device)
     r_scale = torch.empty((b, h, nq, 1), dtype=torch.float32, device=q.device) if fp8 else None
+    mass = torch.empty((b, h, nq, 2), dtype=torch.float32, device=q.device) if return_mass else None
     kind = "anchor" if path in ("auto", "tma") else path
     attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
                             mode=attention_hopper.MODE_ANCHOR, lse=lse, res_out=(r_data, r_scale), res_fp8=fp8,
-                            idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt)
-    res = (r_data, r_scale)
+                            idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt, mass=mass)
+    res = (r_data, r_scale) if mass is None else (r_data, r_scale, mass)
     return (out, lse, res) if return_lse else (out, res)

@@ -16,7 +16,7 @@ import torch
 from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
                token_sparse_torch)
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
-from ._residual import check_residual
+from ._residual import check_residual, mass_of, residual_mass
 from .backend import announce, check_backend, choose
 
 
@@ -82,22 +82,27 @@ def _addressable_residual(residual, q):
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, backend="auto",
-                           validate=True, residual=None):
+                           validate=True, residual=None, return_lse=False):
     """Block-sparse attention over CSR block lists kv_indices (B,H,nqb,max_k) / kv_counts (B,H,nqb).
 
     residual: None or a (data, scale) pair added to the output in the kernel's epilogue: data (B,H,Nq,D)
     in q's dtype with scale None, or float8_e4m3fn data with an fp32 (B,H,Nq,1) per-row scale
-    (kernels/_residual.py). Rows with nothing to attend get exactly the residual.
+    (kernels/_residual.py). Rows with nothing to attend get exactly the residual. A (data, scale, mass) triple
+    (or a ``mass`` attribute) weights the residual by the selected keys' mass (kernels/_residual.py).
+    return_lse: (out, lse fp32 (B,H,Nq)), the sparse attention's row LSE (-inf where nothing is attended).
     """
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
         q, k, v = _addressable(q, k, v)
+        res = _addressable_residual(residual, q)
+        mass = residual_mass(residual, q) if res is not None else None
         return block_sparse_triton.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
                                                           block_k=block_k, scale=scale, validate=validate,
-                                                          residual=_addressable_residual(residual, q))
+                                                          residual=res if mass is None else (*res, mass),
+                                                          return_lse=return_lse)
     return block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
                                                      block_k=block_k, scale=scale, validate=validate,
-                                                     residual=residual)
+                                                     residual=residual, return_lse=return_lse)
 
 
 def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, backend="auto", validate=True,
@@ -134,14 +139,16 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
 
 
 def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
-                           residual_precision="model", return_lse=False, backend="auto", validate=True):
+                           residual_precision="model", return_lse=False, backend="auto", validate=True,
+                           return_mass=False):
     """Anchor step of a block selection: dense output plus the residual R = dense - block-sparse.
 
     Returns (out_dense (B,H,Nq,D), (r_data, r_scale)) or with ``return_lse`` (out_dense, lse (B,H,Nq) fp32,
     (r_data, r_scale)); residual_precision "model" (R in q's dtype, scale None) or "fp8" (float8_e4m3fn R,
-    fp32 (B,H,Nq,1) scale). Semantics of ``anchor_torch.block_anchor_attention``. On Hopper ``auto`` and
-    ``triton`` run the fused one-pass kernel; elsewhere the dense and block-sparse primitives are composed
-    (cuDNN dense where available).
+    fp32 (B,H,Nq,1) scale); ``return_mass``: the residual is a (r_data, r_scale, mass) triple, mass fp32
+    (B,H,Nq,2) for mass-weighted reuse (kernels/_residual.py). Semantics of ``anchor_torch.block_anchor_attention``.
+    On Hopper ``auto`` and ``triton`` run the fused one-pass kernel; elsewhere the dense and block-sparse
+    primitives are composed (cuDNN dense where available).
     """
     if choose(backend, q, _why_not(q), "block_anchor_attention") == "triton":
         from . import anchor_triton
@@ -150,17 +157,22 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
             from . import _hopper  # a compile failure: logged once, the composed path runs from now on
             done = _hopper.attempt("anchor", True, lambda: anchor_triton.block_anchor_attention(
                 q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
-                residual_precision=residual_precision, return_lse=return_lse, validate=validate))
+                residual_precision=residual_precision, return_lse=return_lse, validate=validate,
+                return_mass=return_mass))
             if done is not None:
                 return done
         out, lse = attention_dense(q, k, v, scale=scale, return_lse=True, backend=backend)
         sparse = block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
-                                        scale=scale, backend=backend, validate=validate)
+                                        scale=scale, backend=backend, validate=validate, return_lse=return_mass)
+        if return_mass:
+            sparse, lse_sparse = sparse
         res = anchor_torch.residual_of(out, sparse, residual_precision)
+        if return_mass:
+            res = (*res, mass_of(lse, lse_sparse))
         return (out, lse, res) if return_lse else (out, res)
     return anchor_torch.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
                                                scale=scale, residual_precision=residual_precision,
-                                               return_lse=return_lse, validate=validate)
+                                               return_lse=return_lse, validate=validate, return_mass=return_mass)
 
 
 def group_queries(q, group_size, *, backend="auto"):

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from . import _hopper
 from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
-                             online_softmax_step, pick, residual_launch_args, residual_mode, seq_bucket,
-                             store_residual_out, store_rows, tune_options)
+                             mass_launch_args, mass_weight, online_softmax_step, pick, residual_launch_args,
+                             residual_mode, seq_bucket, store_mass, store_residual_out, store_rows, tune_options)
 
 MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
 
@@ -101,14 +101,15 @@ def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK
 
 
 @triton.jit
-def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
-         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
+def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
+         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
          H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale,
          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
          BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
          RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
-         LAZY: tl.constexpr, AHEAD: tl.constexpr):
-    """One query block: row = (b * H + h) * NQB + query block."""
+         LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
+    """One query block: row = (b * H + h) * NQB + query block. MASS: the anchor writes the rows' mass to MS, a
+    block-sparse call weights its residual by the mass read from MS (kernels/_residual.py)."""
     pid_bh = row // NQB
     qb = row % NQB
     b = (pid_bh // H).to(tl.int64)
@@ -148,6 +149,7 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
         out, lse = finish(acc, m_i, l_i)
         if MODE == 2:  # the selected blocks' state is the sparse output; continue over the complement
             out_s = out
+            lse_s = lse
             c_count = tl.load(CMP_CNT + row)
             acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, CMP_IDX + row.to(tl.int64) * MAX_C,
                                          c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY,
@@ -155,42 +157,50 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CN
             out, lse = finish(acc, m_i, l_i)
             store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, out - out_s, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
+            if MASS:
+                store_mass(MS, b, h, offs_m, q_ok, msb, msh, msn, lse_s, lse)
     if MODE == 0:
+        w = 1.0
+        if MASS:
+            w = mass_weight(lse, MS, b, h, offs_m, q_ok, msb, msh, msn)
         out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD,
-                           RESIDUAL)
+                           RESIDUAL, w, MASS)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
     if WRITE_LSE:
         tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
 @triton.jit
-def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT, ORDER, COUNTER,
-              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
+def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT, ORDER, COUNTER,
+              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
               H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, N_ROWS, N_BUCKET,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
               RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, ORDERED: tl.constexpr,
               PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr,
-              LAZY: tl.constexpr, AHEAD: tl.constexpr):
+              LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     if PERSISTENT:  # greedy: each program takes the next row (heaviest first) when it finishes one
         t = tl.atomic_add(COUNTER, 1)
         while t < N_ROWS:
             row = t
             if ORDERED:
                 row = tl.load(ORDER + t)
-            _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
+            _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
+                 msb, msh, msn,
                  H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD)
+                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
+                 MASS)
             t = tl.atomic_add(COUNTER, 1)
     else:
         row = tl.program_id(0)
         if ORDERED:
             row = tl.load(ORDER + row)
-        _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
-             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
+        _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD)
+             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
+                 MASS)
 
 
 def _cfg(bn, w, s, per_sm=1, maxnreg=None):
@@ -248,10 +258,11 @@ def last_config(kind: str):
 
 
 def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=None, res_out=None,
-           res_fp8=False, idx=None, cnt=None, cmp_idx=None, cmp_cnt=None, order=None):
+           res_fp8=False, idx=None, cnt=None, cmp_idx=None, cmp_cnt=None, order=None, mass=None):
     """Launch the TMA kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) with TMA-aligned k/v; out like q.
     idx/cnt (and cmp_idx/cmp_cnt for the anchor): int32 contiguous lists; order: int32 row order or None.
-    res: checked residual pair to add (sparse mode); res_out: (data, scale-or-None) tensors to write (anchor)."""
+    res: checked residual pair to add (sparse mode); res_out: (data, scale-or-None) tensors to write (anchor).
+    mass: contiguous fp32 (B,H,Nq,2): read to weight ``res`` (sparse mode) or written (anchor)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     nqb = triton.cdiv(nq, block_q)
@@ -271,17 +282,18 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
     _hopper.set_allocator(q.device)
     kern[grid](
         q, k, v, out, lse if lse is not None else dummy, *residual_launch_args(res, out)[:2], ro,
-        ros if ros is not None else dummy,
+        ros if ros is not None else dummy, mass_launch_args(mass, out)[0],
         idx if idx is not None else dummy, cnt if cnt is not None else dummy,
         cmp_idx if cmp_idx is not None else dummy, cmp_cnt if cmp_cnt is not None else dummy,
         order if order is not None else dummy, counter,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:],
+        *mass_launch_args(mass, out)[1:],
         h, nq, nk, nqb, triton.cdiv(nk, block_k), idx.shape[-1] if idx is not None else 1,
         cmp_idx.shape[-1] if cmp_idx is not None else 1, scale * LOG2E, n_rows, seq_bucket(nk),
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead())
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None)
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 from ._checks import (check_block_size, check_counts, check_index, check_qkv, check_scale,
                       check_sorted_unique_in_range)
 from ._gather import Scratch, blocks_of, flat_rows
-from ._residual import add_residual_, check_residual
+from ._residual import add_residual_, check_residual, mass_weight, residual_mass
 from . import _torch_softmax
 from ._torch_softmax import attend, chunk_rows, fused_sdpa, plan_chunks, sdpa
 
@@ -38,7 +38,7 @@ def check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate=Tr
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                            kv_counts: torch.Tensor, *, block_q: int, block_k: int, scale: float | None = None,
-                           validate: bool = True, residual=None):
+                           validate: bool = True, residual=None, return_lse: bool = False):
     """Attention of every query block over its own list of KV blocks; skipped blocks count as -inf.
 
     q: (B, H, Nq, D); k, v: (B, H, Nk, D); fp16/bf16/fp32 (SDPA runs in that dtype, softmax in fp32).
@@ -48,7 +48,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     Returns out (B, H, Nq, D) in q's dtype. A query with nothing to attend gets out 0.
     ``validate=False`` skips the value checks of the lists (for lists the engine built itself).
     residual: None or a (data, scale) pair (kernels/_residual.py): out = attention + data * scale in fp32,
-    cast once; a query with nothing to attend gets exactly the residual.
+    cast once; a query with nothing to attend gets exactly the residual. A (data, scale, mass) triple weights the
+    residual by the mass (kernels/_residual.py, ``mass_weight``), from this call's row LSE.
+    return_lse: also return the row LSE of the sparse attention, fp32 (B, H, Nq), natural log, -inf for queries
+    with nothing to attend: (out, lse). The LSE takes one more fp32 score matmul per chunk.
 
     How: query blocks are sorted by key length (their count of blocks, less the padding of a ragged last
     KV block when they hold it); each chunk of equal-length rows gathers its K/V blocks (index_select) and
@@ -65,8 +68,11 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     scale = check_scale(scale, d)
     n_qblk, n_kblk, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     res = check_residual(residual, q)
+    mass = residual_mass(residual, q) if res is not None else None
+    want_lse = return_lse or mass is not None
     dev = q.device
     out = torch.zeros((b * h * nq, d), dtype=q.dtype, device=dev)
+    lse = torch.full((b * h * nq,), float("-inf"), dtype=torch.float32, device=dev) if want_lse else None
     if max_k > 0:
         idx = kv_indices.reshape(-1, max_k).long()
         cnt = kv_counts.reshape(-1).long()
@@ -88,7 +94,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
         qr = flat_rows(q)
         scratch = Scratch.get(q.dtype, dev)
         if n_full:
-            _full_rows(q, k, v, qr, qtok, out, order_cpu[:n_full], n_qblk, scale, scratch)
+            _full_rows(q, k, v, qr, qtok, out, order_cpu[:n_full], n_qblk, scale, scratch, lse)
         sorted_lens = lens_cpu[order_cpu[n_full:n_rows]].tolist()
         order = order_cpu[n_full:n_rows].to(dev)
         kb, vb = blocks_of(k, block_k), blocks_of(v, block_k)
@@ -108,16 +114,33 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
             vg = scratch.take("v", vb, blk.view(-1)).view(r, 1, nb * block_k, d)[:, :, :longest]
             o = attend(qg, kg, vg, lens.index_select(0, rows) if mixed else None, scale, scratch)
             out.index_put_((tok,), o.reshape(r * block_q, d))
+            if lse is not None:
+                lse.index_put_((tok,), _rows_lse(qg, kg, lens.index_select(0, rows) if mixed else None, scale))
     out = out.view(b, h, nq, d)
-    return out if res is None else add_residual_(out.float(), res).to(q.dtype)
+    if lse is not None:
+        lse = lse.view(b, h, nq)
+    if res is not None:
+        out = add_residual_(out.float(), res, None if mass is None else mass_weight(lse, mass)).to(q.dtype)
+    return (out, lse) if return_lse else out
 
 
-def _full_rows(q, k, v, qr, qtok, out, rows_cpu, n_qblk, scale, scratch):
+def _rows_lse(qg, kg, lengths, scale):
+    """Row LSE (fp32, flat over the chunk's queries) of qg (R, 1, M, D) over kg (R, 1, L, D), keys past
+    ``lengths`` (int64 (R,) or None) left out."""
+    s = torch.matmul(qg.float(), kg.float().transpose(-1, -2)).mul_(scale)
+    if lengths is not None:
+        s.masked_fill_(torch.arange(s.shape[-1], device=s.device).view(1, 1, 1, -1)
+                       >= lengths.view(-1, 1, 1, 1), float("-inf"))
+    return torch.logsumexp(s, -1).reshape(-1)
+
+
+def _full_rows(q, k, v, qr, qtok, out, rows_cpu, n_qblk, scale, scratch, lse=None):
     """Query blocks that list every KV block attend k/v of their head as they are (no gather): one SDPA
     per head holding such rows (capped by ``CHUNK_ELEMS`` scores on unfused devices).
 
     qr: (B*H*Nq, D) query rows; qtok: int64 (B*H*n_qblk, block_q) their ids per query block; out:
-    (B*H*Nq, D), written for the query blocks ``rows_cpu`` (int64, CPU).
+    (B*H*Nq, D), written for the query blocks ``rows_cpu`` (int64, CPU); lse: fp32 (B*H*Nq,) row LSE written
+    for them too, or None.
     """
     h, nk, d = q.shape[1], k.shape[2], q.shape[3]
     block_q = qtok.shape[1]
@@ -133,4 +156,7 @@ def _full_rows(q, k, v, qr, qtok, out, rows_cpu, n_qblk, scale, scratch):
             qg = scratch.take("q", qr, tok).view(1, 1, -1, d)
             o = sdpa(qg, k[bi:bi + 1, hi:hi + 1], v[bi:bi + 1, hi:hi + 1], None, scale)
             out.index_put_((tok,), o.reshape(-1, d))
+            if lse is not None:
+                lse.index_put_((tok,), _torch_softmax.dense_lse_fallback(qg, k[bi:bi + 1, hi:hi + 1],
+                                                                          scale).reshape(-1))
         start += count

@@ -16,10 +16,10 @@ import triton.language as tl
 
 from . import _hopper
 from ._checks import check_qkv, check_scale
-from ._residual import check_residual, contiguous_residual
+from ._residual import check_residual, contiguous_residual, residual_mass
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
-                              lazy_rescale,
-                             load_rows, residual_launch_args, residual_mode, seq_bucket, store_rows, tune_options)
+                             lazy_rescale, load_rows, mass_launch_args, mass_weight, residual_launch_args,
+                             residual_mode, seq_bucket, store_rows, tune_options)
 from .block_sparse_torch import check_block_lists
 
 _CONFIGS = configs(
@@ -40,12 +40,12 @@ def _prune(configs_, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.heuristics({"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
-             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
+def _bsa_fwd(Q, K, V, Out, R, RS, MS, Lse, KV_IDX, KV_CNT, ORDER,
+             sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, qk_scale, N_BUCKET,
              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-             LAZY: tl.constexpr):
+             LAZY: tl.constexpr, MASS: tl.constexpr, WRITE_LSE: tl.constexpr):
     row = tl.load(ORDER + tl.program_id(0))          # heaviest rows first
     pid_bh = row // NQB
     qb = row % NQB
@@ -82,9 +82,15 @@ def _bsa_fwd(Q, K, V, Out, R, RS, KV_IDX, KV_CNT, ORDER,
             offs_n = blk * BLOCK_K + j * BLOCK_N + tl.arange(0, BLOCK_N)
             acc, m_i, l_i = kv_tile(acc, m_i, l_i, q, k_base, v_base, offs_n, offs_n < N_KV, skn, svn,
                                     qk_scale, d, HEAD_DIM, D_PAD, True, LAZY)
-    out, _ = finish(acc, m_i, l_i)
-    out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL)
+    out, lse = finish(acc, m_i, l_i)
+    w = 1.0
+    if MASS:
+        w = mass_weight(lse, MS, b, h, offs_m, q_ok, msb, msh, msn)
+    out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD, RESIDUAL,
+                       w, MASS)
     store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+    if WRITE_LSE:
+        tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
 _ORDER_ATTR = "_sparse_attn_heavy_first"
@@ -112,12 +118,13 @@ PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True,
-                           residual=None, path="auto"):
+                           residual=None, path="auto", return_lse=False):
     """Block-sparse attention on the Triton kernels; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D); kv_indices int32 (B,H,ceil(Nq/block_q),max_k) sorted per row;
-    kv_counts int32 (B,H,ceil(Nq/block_q)); residual: None or (data, scale) added in the epilogue
-    (kernels/_residual.py). Returns out (B,H,Nq,D).
+    kv_counts int32 (B,H,ceil(Nq/block_q)); residual: None, (data, scale) added in the epilogue, or (data, scale,
+    mass) weighted by the mass there (kernels/_residual.py). Returns out (B,H,Nq,D), with ``return_lse`` (out, lse
+    fp32 (B,H,Nq)).
     ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
     path: "auto" (TMA kernel on Hopper when kernels/_hopper.py allows, else pointer loads), or one
     variant: "pointer", "tma", "persistent" (TMA, persistent grid), "warp_spec" (TMA, warp-specialised).
@@ -126,12 +133,14 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     scale = check_scale(scale, d)
     n_qblk, _, max_k = check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
     res = contiguous_residual(check_residual(residual, q))
+    mass = residual_mass(residual, q) if res is not None else None
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     q, k, v = last_dim_contiguous(q, k, v)
     idx = kv_indices.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
     order = heavy_first_order(cnt)
     auto = path == "auto"
     if auto:
@@ -141,13 +150,14 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
         kind = "sparse" if path == "tma" else path
         done = _hopper.attempt(kind, auto, lambda: attention_hopper.launch(
             kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k, mode=attention_hopper.MODE_BLOCKS,
-            res=res, idx=idx, cnt=cnt, order=order))
+            res=res, idx=idx, cnt=cnt, order=order, lse=lse, mass=mass))
         if done is not None:
-            return done
+            return (done, lse) if return_lse else done
     _bsa_fwd[(b * h * n_qblk,)](
-        q, k, v, out, *residual_launch_args(res, out)[:2], idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, n_qblk,
-        triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
+        q, k, v, out, *residual_launch_args(res, out)[:2], mass_launch_args(mass, out)[0],
+        lse if lse is not None else out, idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], *mass_launch_args(mass, out)[1:],
+        h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
         HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k,
-        LAZY=lazy_rescale())
-    return out
+        LAZY=lazy_rescale(), MASS=mass is not None, WRITE_LSE=return_lse)
+    return (out, lse) if return_lse else out

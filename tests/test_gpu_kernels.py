@@ -477,6 +477,39 @@ def test_scores_ahead_matches_plain_at_real_sizes(monkeypatch, n, d, path):
         assert rel(ahead[kind], plain[kind]) <= 1e-3 and rel(ahead[kind], token_twin) <= 1e-2
 
 
+@needs_hopper
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("n,d", [(32760, 128), (75600, 128), (4133, 64)])
+def test_mass_weighted_residual_at_real_sizes(n, d, path):
+    """The fused anchor's mass against the twin's (rows where the anchor left out at least 0.1 % of the mass; below
+    that the weight multiplies a residual of that size), and a reuse call weighted by one mass on the kernel against
+    the twin, on skewed lists (empty, short and full rows); the weighting moves the output."""
+    from comfyui_sparse_attention.kernels import (anchor_torch, anchor_triton, block_sparse_torch,
+                                                  block_sparse_triton)
+    h, bq = 2, 128 if d == 128 else 64
+    q, k, v = qkv(h, n, d, seed=n + 17)
+    nb = math.ceil(n / bq)
+    idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=d + 2)
+    kern = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
+                                                return_mass=True)
+    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
+                                               return_mass=True)
+    live = (twin[1][2][..., 1] > math.log(1e-3)) & (kern[1][2][..., 1] > math.log(1e-3))
+    assert live.float().mean() > 0.5 and not torch.isnan(kern[1][2]).any()
+    assert (kern[1][2] - twin[1][2])[live].abs().max() < 2e-2
+    q2 = (q.float() * 1.1).to(q.dtype)
+    got, lse = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                          residual=twin[1], path=path, return_lse=True)
+    want, want_lse = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                               residual=twin[1], return_lse=True)
+    fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                      residual=twin[1][:2])
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse - want_lse)[fin].abs().max() < 2e-2
+    assert not torch.isnan(got).any()
+    assert rel(got, want) <= 1e-2 and rel(want, fixed) > 3 * rel(got, want)
+
+
 TUNE_CHILD = r"""
 import importlib.util, json, sys, time, torch
 spec = importlib.util.spec_from_file_location("comfyui_sparse_attention", sys.argv[1] + "/__init__.py",

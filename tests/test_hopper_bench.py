@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-@pytest.mark.parametrize("plan", ["full", "rescale", "loop"])
+@pytest.mark.parametrize("plan", ["full", "rescale", "loop", "mass"])
 def test_hopper_bench_dry_run(tmp_path, plan):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hopper.py"), "--dry", "--plan", plan, "--shapes",
                            "wan14b", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
@@ -33,6 +33,10 @@ def test_hopper_bench_dry_run(tmp_path, plan):
             assert {("bsa128", f"tma-{mode}"), ("dense_lse", f"tma-{mode}"), ("anchor", f"fused_fp8-{mode}"),
                     ("token128", f"pointer-{mode}"), ("token128_reuse", f"compact_fp8-{mode}")} <= kinds
         assert sum(1 for r in rows if r["kind"] == "bsa128") == 9
+    elif plan == "mass":  # fixed, mass, fixed again for the anchor and the reuse call at two densities
+        for label in ("fixed", "mass", "fixed-again"):
+            assert {("anchor", f"fused_fp8-{label}"), ("reuse", f"fused_fp8-{label}")} <= kinds
+        assert sum(1 for r in rows if r["kind"] in ("anchor", "reuse")) == 2 * 6
     else:
         assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
                 ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds

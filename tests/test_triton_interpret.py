@@ -483,6 +483,59 @@ def test_loop_mode_is_read_at_each_launch(monkeypatch):
         loop_ahead()
 
 
+MASS_CHILD = PREAMBLE + r"""
+from sparse_ref import structured_qkv, random_block_lists, rel_l2
+from comfyui_sparse_attention.kernels import anchor_torch, anchor_triton, block_sparse_torch, block_sparse_triton
+results = {}
+for dtype in (torch.float16, torch.float32):
+    for (n, d) in ((200, 64), (193, 128)):
+        q, k, v = structured_qkv(1, 2, n, d, dtype=dtype, seed=n + 1)
+        nb = -(-n // 64)
+        idx, cnt = random_block_lists(1, 2, nb, nb, nb, seed=n, empty_rows=(1,), full_rows=(0,))
+        for prec in ("model", "fp8"):
+            tag = f"{dtype}-{n}-{d}-{prec}"
+            kern = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                        residual_precision=prec, return_mass=True)
+            twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64,
+                                                       residual_precision=prec, return_mass=True)
+            q2 = q * 1.15  # a later step: the selected keys weigh more
+            want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                             residual=twin[1])
+            fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                              residual=twin[1][:2])
+            for path in ("pointer", "tma", "persistent"):
+                got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                 residual=kern[1], path=path)
+                results[f"reuse-{path}-" + tag] = [rel_l2(got.double(), want.double()),
+                                                   rel_l2(want.double(), fixed.double())]
+            o, lse = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                path="pointer", return_lse=True)
+            o_t, lse_t = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                    path="tma", return_lse=True)
+            ro, rlse = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64,
+                                                                 return_lse=True)
+            fin = torch.isfinite(rlse)
+            same = torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(lse_t))
+            results["lse-" + tag] = [float((lse - rlse)[fin].abs().max()), float((lse_t - rlse)[fin].abs().max()),
+                                     bool(same)]
+print("RESULT:" + json.dumps(results))
+"""
+
+
+def test_mass_weighted_residual_matches_twins_in_interpreter():
+    """The fused anchor writes the rows' mass and the block-sparse kernels (pointer, TMA, persistent) weight the
+    residual by it as the twin does (kernels/_residual.py); the block-sparse kernels' row LSE equals the twin's."""
+    got = run_child(MASS_CHILD, 900)
+    assert len(got) == 2 * 2 * 2 * 4
+    for name, vals in got.items():
+        # each side reuses its own anchor's residual: fp16 inputs and fp8 residuals round differently in the two
+        tol = (5e-3 if "fp8" in name else 2e-3) if "float16" in name else 1e-5
+        if name.startswith("reuse"):
+            assert vals[0] <= tol and vals[1] > 3 * tol, (name, vals)  # matches, and the weighting did something
+        else:
+            assert vals[0] <= 1e-2 and vals[1] <= 1e-2 and vals[2], (name, vals)
+
+
 COMPACT_CHILD = PREAMBLE + r"""
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.engine import SparseConfig
