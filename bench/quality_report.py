@@ -9,8 +9,10 @@ from pathlib import Path
 from quality_costs import FLAG_TEXT, MEASURED_CONFIG, StepCosts
 from quality_grid import ANCHOR, DENSE, REUSE, SCHEDULES, schedule_label, sol_dense_steps
 
-FAMILIES = ("mc_sparse", "block_topk", "block_topk+select", "sol")
-FAMILY_TEXT = {"mc_sparse": "mc_sparse", "block_topk": "block_topk",
+FAMILIES = ("mc_sparse", "block_topk", "block_topk_mass", "block_topk_fixed", "block_topk+select", "sol")
+FAMILY_TEXT = {"mc_sparse": "mc_sparse", "block_topk": "block_topk (residual as cached)",
+               "block_topk_mass": "block_topk, residual weighted by the mass",
+               "block_topk_fixed": "block_topk, residual as cached (the mass runs' control)",
                "block_topk+select": "block_topk, selection every step", "sol": "Sol-Attn", "dense": "dense"}
 FLAG_MARK = {"interpolated": "†", "nearest": "‡", "method costs": "§", "first-anchor price": "¶"}
 THRESHOLDS = (30.0, 35.0)
@@ -235,7 +237,11 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
          "batch chunk, `TokenLayout(grid)`), `begin_run()` / `end_run()` around each sampling run. `min_tokens` 0, "
          "`backend` auto, groups / blocks of 64 unless the label says `g128` / `b128`, `wl1` = `warmup_layers` 1, "
          "`nores` = residual off. Dense calls go to the testbed's SDPA, so warm-up steps match the reference "
-         "exactly (the `engine dense` row checks the adapter: 100 dB).", "",
+         "exactly (the `engine dense` row checks the adapter: 100 dB). Rows labelled `mass` / `fixed` set "
+         "`residual_weighting` (docs/method.md, \"The residual weighted by the mass\"): `mass` weights a block "
+         "selection's cached residual by the mass its left-out blocks have at the reuse step (anchors at step 0 keep "
+         "it fixed), `fixed` adds it as cached — as every `block_topk` row without that label was measured, before "
+         "the weighting existed.", "",
          "**Schedules.** `w3 a3,12,21` = steps 0–2 dense (warm-up), anchors at steps 3, 12 and 21 (an anchor "
          "computes exact attention, selects, caches the selection and the residual R = O_dense − O_sparse, and "
          "returns the dense output), every other step a reuse step (cached selection + R). `a0` = no warm-up, "
@@ -335,8 +341,8 @@ def plot(results: dict, costs: StepCosts, out_png) -> bool:
     step_counts = sorted({r["steps"] for r in rows}, reverse=True)
     if not step_counts:
         return False
-    style = {"mc_sparse": ("#1f77b4", "o"), "block_topk": ("#2ca02c", "s"), "block_topk+select": ("#17becf", "^"),
-             "sol": ("#d62728", "x")}
+    style = {"mc_sparse": ("#1f77b4", "o"), "block_topk": ("#2ca02c", "s"), "block_topk_mass": ("#ff7f0e", "D"),
+             "block_topk_fixed": ("#8c564b", "v"), "block_topk+select": ("#17becf", "^"), "sol": ("#d62728", "x")}
     fig, axes = plt.subplots(1, len(step_counts), figsize=(5.2 * len(step_counts), 4.4), squeeze=False)
     for ax, steps in zip(axes[0], step_counts):
         for fam, (color, marker) in style.items():
