@@ -19,7 +19,7 @@ from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
 
 RESIDUAL_PRECISIONS = ("fp8", "model")
-RESIDUAL_WEIGHTINGS = ("mass", "fixed")
+RESIDUAL_WEIGHTINGS = ("auto", "mass", "fixed")
 GROUPINGS = ("pca", "cuboid")
 
 
@@ -41,11 +41,13 @@ class SparseConfig:
     residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
     residual_precision: "fp8" (default: float8 with a per-row scale, half the bytes; the model's dtype
         where fp8 is unavailable) or "model" (the model's dtype).
-    residual_weighting: "mass" (default): a block selection's reuse step weights the cached residual by the share
-        of the softmax mass the left-out blocks have now (measured from the sparse call's own LSE) against their
-        share at the anchor (docs/method.md, "The residual weighted by the mass"), except after anchors at the run's
-        first step; "fixed": the residual is added as cached. Token selections (mc_sparse) always add it as cached
-        (the weighting measured worse for them).
+    residual_weighting: "mass": a block selection's reuse step weights the cached residual by the share of the
+        softmax mass the left-out blocks have now (measured from the sparse call's own LSE) against their share at
+        the anchor (docs/method.md, "The residual weighted by the mass"), except after anchors at the run's first
+        step; "fixed": the residual is added as cached; "auto" (default): "mass" where the block-sparse call runs
+        the Triton kernels (its LSE is free there), "fixed" on the PyTorch backend (its LSE costs a second score
+        pass: 2.2-2.5x per reuse call on a CPU). Token selections (mc_sparse) always add it as cached (the
+        weighting measured worse for them).
     select_every_step: block_topk re-selects at every step (cheap pooled scores) instead of reusing.
     mass: block_topk keeps the smallest set of KV blocks reaching this share of pooled mass instead of a
         fixed count (0 < mass <= 1), or None.
@@ -73,7 +75,7 @@ class SparseConfig:
     anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
     residual: bool = True
     residual_precision: str = "fp8"
-    residual_weighting: str = "mass"
+    residual_weighting: str = "auto"
     select_every_step: bool = False
     mass: float | None = None
     sink_blocks: int = 1

@@ -4,12 +4,14 @@ Layout (B, H, N, D) throughout; see each function's docstring. ``backend="auto"`
 CUDA when it imports and supports the case, else the PyTorch twin (any torch device).
 """
 
-from .api import (attention_dense, block_anchor_attention, block_sparse_attention, compact_keep, group_kv_mass,
-                  group_queries, pooled_block_scores, token_sparse_attention, token_sparse_attention_compact)
+from .api import (attention_dense, block_anchor_attention, block_sparse_attention, block_sparse_on_triton, compact_keep,
+                  group_kv_mass, group_queries, pooled_block_scores, token_sparse_attention,
+                  token_sparse_attention_compact)
 from .backend import BACKENDS, triton_available
 
 __all__ = [
-    "BACKENDS", "attention_dense", "block_anchor_attention", "block_sparse_attention", "compact_keep", "group_kv_mass",
+    "BACKENDS", "attention_dense", "block_anchor_attention", "block_sparse_attention", "block_sparse_on_triton",
+    "compact_keep", "group_kv_mass",
     "group_queries",
     "pooled_block_scores", "token_sparse_attention", "token_sparse_attention_compact", "triton_available",
 ]

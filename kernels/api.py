@@ -17,7 +17,7 @@ from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, gro
                token_sparse_torch)
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
 from ._residual import check_residual, mass_of, residual_mass
-from .backend import announce, check_backend, choose
+from .backend import announce, check_backend, choose, triton_available, triton_device_ok
 
 
 def _why_not(q, group: int | None = None) -> str | None:
@@ -29,6 +29,21 @@ def _why_not(q, group: int | None = None) -> str | None:
     if q.shape[-1] not in TRITON_HEAD_DIMS:
         return f"head dim {q.shape[-1]} is not one of {TRITON_HEAD_DIMS}"
     return None if group is None else triton_group_problem(group)
+
+
+def block_sparse_on_triton(q, backend: str = "auto") -> bool:
+    """Whether ``block_sparse_attention`` would run its Triton kernel for q under ``backend`` (nothing logged, nothing
+    raised): the engine weights residuals by the mass only there (SparseConfig.residual_weighting "auto")."""
+    if backend == "torch" or _why_not(q) is not None:
+        return False
+    if not (q.is_cuda if backend == "auto" else triton_device_ok(q)):
+        return False
+    return triton_available()
+
+
+def _refuse_mass(residual, q) -> None:
+    if residual is not None and check_residual(residual, q) is not None and residual_mass(residual, q) is not None:
+        raise ValueError("residual: a mass-weighted residual is for block-sparse attention only")
 
 
 INT32_SPAN = 2**31
@@ -112,6 +127,7 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     residual: None or a (data, scale) pair added to the output (as in ``block_sparse_attention``);
     queries in no group, or with nothing to attend, get exactly the residual.
     """
+    _refuse_mass(residual, q)
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)
@@ -128,6 +144,7 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
     (B,H,G,S), kv_counts int32 (B,H,G): kernels.compact_keep's format with its default segment size); the Triton
     kernel decodes them in registers, the twin decodes them first
     (token_sparse_torch.token_sparse_attention_compact)."""
+    _refuse_mass(residual, q)
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)

@@ -188,6 +188,22 @@ def test_prewarm_tunes_the_reuse_path_whatever_the_timed_pattern(bench_import):
     assert stats.totals()["anchors"] == 1 and stats.totals()["reuses"] == 1
 
 
+def test_prewarm_tunes_the_mass_weighted_variants(bench_import, monkeypatch):
+    """The warm-up's anchor is not at step 0, so a block selection's anchor writes the residual's mass and the reuse
+    call reads it: the kernel variants a timed run's later anchors use are tuned before timing."""
+    e2e = bench_import("e2e")
+    from comfyui_sparse_attention import engine as eng
+    from comfyui_sparse_attention import kernels
+    seen = []
+    anchor = kernels.block_anchor_attention
+    monkeypatch.setattr(kernels, "block_anchor_attention", lambda *a, **kw: seen.append(kw["return_mass"]) or
+                        anchor(*a, **kw))
+    cfg = eng.SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch", block_q=64, block_k=64,
+                           residual_weighting="mass")
+    stats = e2e.prewarm(eng, cfg, (1, 2, 512, 64), torch.float32, torch.device("cpu"))
+    assert seen == [True] and stats.totals()["anchors"] == 1 and stats.totals()["reuses"] == 1
+
+
 def test_step_probe_profiles_step_zero_and_closes_a_running_profile(bench_import, tmp_path):
     """--profile-step 0 starts the profiler before sampling (the hook's step -1); a profile still running when
     sampling ends is stopped and written by close()."""

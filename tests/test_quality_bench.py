@@ -408,7 +408,7 @@ def test_report_tables_frontier_and_targets(tmp_path, costs):
     c = [ln for ln in lines if ln.startswith("- (c)")]
     assert "4 steps" in c[0] and "**missed**" in c[0] and "27.0 dB" in c[0]
     assert "8 steps" in c[1] and "**met**" in c[1] and "7 of 8 steps" in c[1]
-    front = next(ln for ln in lines if ln.startswith("| 30 | block_topk |"))
+    front = next(ln for ln in lines if ln.startswith("| 30 | block_topk (residual as cached) |"))
     assert "block_topk b64 d0.1, a0" in front and "block_topk b64 d0.15, w3 a3,12,21" in front
     assert "| 2.34×§ |" in front and "| 1.67×†§ |" in front  # 64-blocks: method costs; 0.15: interpolated
     assert "| 30 | Sol-Attn | sol d0.1, dense 0 | 35.5 | 1.41×‡ |" in md  # sol 0.1: nearest measured (0.15)

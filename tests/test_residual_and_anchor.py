@@ -65,7 +65,8 @@ def test_token_sparse_adds_the_residual_also_to_ungrouped_queries():
     (lambda q: (q.double(), None), "dtype"),
     (lambda q: (q, torch.ones(*q.shape[:3], 1)), "scale must be None"),
     (lambda q: (q.to(FP8), None), "fp32 tensor of shape"),
-    (lambda q: (q, None, None), "pair"),
+    (lambda q: (q, None, None, None), "pair"),
+    (lambda q: (q, None, torch.zeros(2)), "residual mass"),
 ])
 def test_bad_residuals_are_refused(bad, match):
     if FP8 is None and "fp32 tensor" in match:

@@ -31,9 +31,10 @@ def _exact(q, k, v, entry, n):
     return od, os_, ls
 
 
-def test_config_accepts_the_two_weightings_only():
-    assert SparseConfig().residual_weighting == "mass"
+def test_config_accepts_the_three_weightings_only():
+    assert SparseConfig().residual_weighting == "auto"
     assert SparseConfig(residual_weighting="fixed").residual_weighting == "fixed"
+    assert SparseConfig(residual_weighting="mass").residual_weighting == "mass"
     with pytest.raises(ValueError, match="residual_weighting"):
         SparseConfig(residual_weighting="sometimes")
 
@@ -88,9 +89,10 @@ def test_block_topk_reuse_is_the_mass_weighted_combination(problem, precision):
 
 def test_mass_weighting_is_exact_at_the_anchor_inputs(problem):
     q, k, v = problem.qkv(2)
-    eng = SparseEngine(SparseConfig(method="block_topk", **BASE))
+    eng = SparseEngine(SparseConfig(method="block_topk", residual_weighting="mass", **BASE))
     eng.begin_run()
     dense = eng.attend(q, k, v, CallContext(layer=0, step=1, layout=problem.layout))
+    assert next(iter(eng.cache.on_device.values())).residual.mass is not None
     again = eng.attend(q, k, v, CallContext(layer=0, step=2, layout=problem.layout))
     eng.end_run()
     assert rel_l2(again.float(), dense.float()) < 1e-4
@@ -101,7 +103,7 @@ def test_token_selections_and_reselection_keep_the_fixed_residual(problem):
     cached (the mass belongs to the anchor's selection)."""
     q0, k0, v0 = problem.qkv(1)
     q1, k1, v1 = problem.qkv(4)
-    eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
+    eng = SparseEngine(SparseConfig(method="mc_sparse", residual_weighting="mass", **BASE))
     eng.begin_run()
     eng.attend(q0, k0, v0, CallContext(layer=0, step=1, layout=problem.layout))
     assert next(iter(eng.cache.on_device.values())).residual.mass is None
@@ -148,7 +150,8 @@ def test_anchors_at_the_first_step_keep_the_fixed_residual(problem):
     """The weighting skips residuals anchored at step 0 (pure noise; measured worse there): no mass is stored, and
     a later anchor of the same run stores one."""
     q, k, v = problem.qkv(1)
-    eng = SparseEngine(SparseConfig(method="block_topk", **{**BASE, "warmup_steps": 0, "anchor_steps": "0,2"}))
+    eng = SparseEngine(SparseConfig(method="block_topk", residual_weighting="mass",
+                                    **{**BASE, "warmup_steps": 0, "anchor_steps": "0,2"}))
     eng.begin_run()
     masses = []
     for step in range(3):
@@ -156,3 +159,34 @@ def test_anchors_at_the_first_step_keep_the_fixed_residual(problem):
         masses.append(next(iter(eng.cache.on_device.values())).residual.mass is not None)
     eng.end_run()
     assert masses == [False, False, True]
+
+
+def test_auto_weighs_where_block_sparse_runs_on_triton(problem, monkeypatch):
+    """"auto" (the default) stores a mass only where the block-sparse kernels run on Triton (the twin's LSE costs a
+    second score pass); the query is the kernels' own dispatch test, nothing logged."""
+    q, k, v = problem.qkv(1)
+    assert not K.block_sparse_on_triton(q, "auto") and not K.block_sparse_on_triton(q, "torch")
+    stored = {}
+    for on_triton in (False, True):
+        monkeypatch.setattr(K, "block_sparse_on_triton", lambda q_, backend="auto", _v=on_triton: _v)
+        eng = SparseEngine(SparseConfig(method="block_topk", **BASE))
+        eng.begin_run()
+        eng.attend(q, k, v, CallContext(layer=0, step=1, layout=problem.layout))
+        stored[on_triton] = next(iter(eng.cache.on_device.values())).residual.mass is not None
+        eng.end_run()
+    assert stored == {False: False, True: True}
+
+
+def test_token_kernels_refuse_a_mass_on_every_backend(problem):
+    q, k, v = problem.qkv(1)
+    groups = K.group_queries(q, 64)
+    g, n = groups.shape[2], q.shape[2]
+    toks = torch.arange(n, dtype=torch.int32).view(1, 1, 1, n).expand(1, 2, g, n).contiguous()
+    cnt = torch.full((1, 2, g), n, dtype=torch.int32)
+    low, ends = K.compact_keep(torch.ones(1, 2, g, n, dtype=torch.bool))[:2]
+    res = (torch.zeros_like(q), None, torch.zeros((*q.shape[:3], 2)))
+    for backend in ("torch", "auto", "triton"):
+        with pytest.raises(ValueError, match="block-sparse attention only"):
+            K.token_sparse_attention(q, k, v, groups, toks, cnt, residual=res, backend=backend)
+        with pytest.raises(ValueError, match="block-sparse attention only"):
+            K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, residual=res, backend=backend)

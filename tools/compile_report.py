@@ -1,6 +1,6 @@
 """Compile the kernels' autotune candidates for sm_90 without a GPU and report their resources.
 
-    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64] [--loop plain,ahead]
+    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64] [--loop plain,ahead] [--mass]
 
 For each candidate: registers, spill bytes (ptxas -v), shared memory, and whether the loads became TMA
 copies and the dots wgmma, from Triton's own ptxas/cuobjdump. Use the device's Triton version for
@@ -61,18 +61,20 @@ def jit_of(fn):
     return fn
 
 
-def cases(kinds, head_dims, loops=("plain",)):
+def cases(kinds, head_dims, loops=("plain",), mass=False):
     """(label, jit function, types, constexprs, divisible args, config) of every candidate, for each loop mode of
-    ``loops`` (kernels/_triton_common.py, loop_ahead)."""
+    ``loops`` (kernels/_triton_common.py, loop_ahead); with ``mass`` the block-sparse and anchor candidates read /
+    write the residual's mass (kernels/_residual.py)."""
     ah, tt, mt = load("kernels.attention_hopper"), load("kernels.token_sparse_triton"), load("kernels.mass_triton")
     ptr = {n: "*bf16" for n in ("Q", "K", "V", "Out", "R", "RO")}
     ptr.update({n: "*i32" for n in ("KV_IDX", "KV_CNT", "CMP_IDX", "CMP_CNT", "ORDER", "COUNTER", "QG", "TOK", "CNT")})
-    ptr.update({"Lse": "*fp32", "LSE": "*fp32", "RS": "*fp32", "ROS": "*fp32", "OUT": "*fp32", "qk_scale": "fp32"})
+    ptr.update({"Lse": "*fp32", "LSE": "*fp32", "RS": "*fp32", "ROS": "*fp32", "OUT": "*fp32", "qk_scale": "fp32",
+                "MS": "*fp32"})
     div = ["Q", "K", "V", "Out", "R", "RO", "QG", "TOK", "CNT", "LSE", "OUT"] + [
         f"s{t}{a}" for t in "qkvor" for a in "bhn"]
     for d, loop in ((d, loop) for d in head_dims for loop in loops):
         pad = max(16, 1 << (d - 1).bit_length())
-        tag = "" if loop == "plain" else f" {loop}"
+        tag = ("" if loop == "plain" else f" {loop}") + (" mass" if mass else "")
         if "hopper" in kinds:
             for kind, configs, mode, extra in (("sparse", ah.SPARSE_CONFIGS, 0, {}),
                                                ("persistent", ah.PERSISTENT_CONFIGS, 0, dict(PERSISTENT=True)),
@@ -82,7 +84,7 @@ def cases(kinds, head_dims, loops=("plain",)):
                     ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK_M=128, BLOCK_K=128, BLOCK_N=c.kwargs["BLOCK_N"],
                               EVEN_K=False, EVEN_N=False, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=False,
                               ORDERED=mode == 0, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=False,
-                              AHEAD=loop == "ahead")
+                              AHEAD=loop == "ahead", MASS=mass and mode in (0, 2))
                     ce.update(extra)
                     yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), ptr, ce, div, c
         if "token" in kinds:
@@ -103,12 +105,13 @@ def main():
     ap.add_argument("--kernels", default="hopper,token,mass")
     ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--loop", default="plain", help="loop modes to compile, comma-separated: plain, ahead")
+    ap.add_argument("--mass", action="store_true", help="block-sparse and anchor candidates with the residual's mass")
     args = ap.parse_args()
     import triton
     print(f"Triton {triton.__version__}, target sm_90")
     print(f"{'kernel':22s} {'config':52s} {'regs':>5s} {'spill':>6s} {'shared':>7s} tma wgmma")
     for label, fn, types, ce, div, c in cases(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")],
-                                              args.loop.split(",")):
+                                              args.loop.split(","), args.mass):
         cfg = ", ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f", w{c.num_warps} s{c.num_stages}" + (
             f" maxnreg {c.maxnreg}" if getattr(c, "maxnreg", None) else "")
         r = compile_one(fn, types, ce, div, c)
