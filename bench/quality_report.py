@@ -240,8 +240,8 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
          "exactly (the `engine dense` row checks the adapter: 100 dB). Rows labelled `mass` / `fixed` set "
          "`residual_weighting` (docs/method.md, \"The residual weighted by the mass\"): `mass` weights a block "
          "selection's cached residual by the mass its left-out blocks have at the reuse step (anchors at step 0 keep "
-         "it fixed), `fixed` adds it as cached — as every `block_topk` row without that label was measured, before "
-         "the weighting existed.", "",
+         "it fixed), `fixed` adds it as cached — as every `block_topk` row without that label was measured (the "
+         "built-in grids keep it so).", "",
          "**Schedules.** `w3 a3,12,21` = steps 0–2 dense (warm-up), anchors at steps 3, 12 and 21 (an anchor "
          "computes exact attention, selects, caches the selection and the residual R = O_dense − O_sparse, and "
          "returns the dense output), every other step a reuse step (cached selection + R). `a0` = no warm-up, "
