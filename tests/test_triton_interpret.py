@@ -488,8 +488,8 @@ from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.kernels import anchor_torch, anchor_triton, block_sparse_torch, block_sparse_triton
 results = {}
-for dtype in (torch.float16, torch.float32):
-    for (n, d) in ((200, 64), (193, 128)):
+for dtype, n, d in ((torch.float16, 200, 64), (torch.float32, 193, 128)):  # whole and ragged tiles, D 64 and 128
+    if True:
         q, k, v = structured_qkv(2, 2, n, d, dtype=dtype, seed=n + 1)  # batch 2: a CFG pair in one call
         nb = -(-n // 64)
         idx, cnt = random_block_lists(2, 2, nb, nb, nb, seed=n, empty_rows=(1,), full_rows=(0,))
@@ -538,7 +538,7 @@ def test_mass_weighted_residual_matches_twins_in_interpreter():
     residual by it as the twin does (kernels/_residual.py), batch 2; the block-sparse kernels' row LSE equals the
     twin's; through kernels.api, the fused and the composed anchor's mass reach the Triton reuse path."""
     got = run_child(MASS_CHILD, 900)
-    assert len(got) == 2 * 2 * 2 * 6
+    assert len(got) == 2 * 2 * 6
     for name, vals in got.items():
         # each side reuses its own anchor's residual: fp16 inputs round differently in the two, and an fp8 residual
         # element whose value sits at a rounding boundary lands one fp8 step apart
