@@ -121,17 +121,6 @@ def test_token_selections_and_reselection_keep_the_fixed_residual(problem):
     assert torch.equal(outs["mass"], outs["fixed"])
 
 
-def test_token_kernels_refuse_a_mass_weighted_residual(problem):
-    q, k, v = problem.qkv(1)
-    groups = K.group_queries(q, 64)
-    g, n = groups.shape[2], q.shape[2]
-    toks = torch.arange(n, dtype=torch.int32).view(1, 1, 1, n).expand(1, 2, g, n).contiguous()
-    cnt = torch.full((1, 2, g), n, dtype=torch.int32)
-    res = Residual(torch.zeros_like(q), None, torch.zeros((*q.shape[:3], 2)))
-    with pytest.raises(ValueError, match="block-sparse attention only"):
-        K.token_sparse_attention(q, k, v, groups, toks, cnt, residual=res, backend="torch")
-
-
 def test_bad_mass_is_a_clear_error(problem):
     q, k, v = problem.qkv(1)
     nb = -(-q.shape[2] // 64)

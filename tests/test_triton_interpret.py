@@ -369,17 +369,24 @@ def test_lazy_rescale_matches_twins_in_interpreter():
     assert not bad, bad
 
 
-def test_rescale_mode_is_read_at_each_launch(monkeypatch):
-    from comfyui_sparse_attention.kernels._triton_common import DEFAULT_RESCALE, lazy_rescale
-    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "lazy")
-    assert lazy_rescale() is True
-    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "eager")
-    assert lazy_rescale() is False
-    monkeypatch.delenv("SPARSE_ATTN_RESCALE")
-    assert lazy_rescale() is (DEFAULT_RESCALE == "lazy")
-    monkeypatch.setenv("SPARSE_ATTN_RESCALE", "sometimes")
-    with pytest.raises(ValueError, match="SPARSE_ATTN_RESCALE"):
-        lazy_rescale()
+@pytest.mark.parametrize("env,getter,default,on,off", [
+    ("SPARSE_ATTN_RESCALE", "lazy_rescale", "DEFAULT_RESCALE", "lazy", "eager"),
+    ("SPARSE_ATTN_LOOP", "loop_ahead", "DEFAULT_LOOP", "ahead", "plain"),
+])
+def test_kernel_modes_are_read_at_each_launch(monkeypatch, env, getter, default, on, off):
+    """The kernels' mode switches (kernels/_triton_common.py) are read at every launch; a bad value names the
+    variable."""
+    from comfyui_sparse_attention.kernels import _triton_common
+    read = getattr(_triton_common, getter)
+    monkeypatch.setenv(env, on)
+    assert read() is True
+    monkeypatch.setenv(env, off)
+    assert read() is False
+    monkeypatch.delenv(env)
+    assert read() is (getattr(_triton_common, default) == on)
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ValueError, match=env):
+        read()
 
 
 AHEAD_CHILD = PREAMBLE + r"""
@@ -468,19 +475,6 @@ def test_scores_ahead_matches_twins_in_interpreter():
     assert not bad, bad
     for kind in ("tma", "token"):
         assert tiles["plain"][kind] > 4 * tiles["ahead"][kind] > 0, tiles
-
-
-def test_loop_mode_is_read_at_each_launch(monkeypatch):
-    from comfyui_sparse_attention.kernels._triton_common import DEFAULT_LOOP, loop_ahead
-    monkeypatch.setenv("SPARSE_ATTN_LOOP", "ahead")
-    assert loop_ahead() is True
-    monkeypatch.setenv("SPARSE_ATTN_LOOP", "plain")
-    assert loop_ahead() is False
-    monkeypatch.delenv("SPARSE_ATTN_LOOP")
-    assert loop_ahead() is (DEFAULT_LOOP == "ahead")
-    monkeypatch.setenv("SPARSE_ATTN_LOOP", "twice")
-    with pytest.raises(ValueError, match="SPARSE_ATTN_LOOP"):
-        loop_ahead()
 
 
 MASS_CHILD = PREAMBLE + r"""
