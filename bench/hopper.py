@@ -359,16 +359,13 @@ class Shape:
         if getattr(self, "token_lists", None) is None:
             self.token(variant="pointer", reuse=False)
         grp, toks, tcnt, kk = self.token_lists
-        if getattr(self, "compact_lists", None) is None:
-            CT, Residual = self.m["CT"], self.m["Residual"]
-            seg = CT.SEGMENT
-            width = CT.aligned_width(kk)
-            low = torch.full((*toks.shape[:-1], width), CT.LOW_PAD, dtype=torch.int16, device=DEV)
-            low[..., :kk] = (toks % seg - 32768).to(torch.int16)
-            ends = torch.stack([(toks < (s + 1) * seg).sum(-1) for s in range(-(-self.n // seg))], -1)
-            res = Residual.encode(torch.randn(self.q.shape, device=DEV, dtype=self.q.dtype, generator=self.gen)
-                                  * 0.05, "fp8")
-            self.compact_lists = (low, ends.to(torch.int32).contiguous(), res)
+        if getattr(self, "compact_lists", None) is None:  # the engine's own compaction, at the engine's width
+            width = self.m["CT"].aligned_width(kk)
+            padded = torch.nn.functional.pad(toks, (0, width - kk), value=-1)
+            low, ends = self.m["TokenSelection"].compact(padded, tcnt, self.n)
+            res = self.m["Residual"].encode(torch.randn(self.q.shape, device=DEV, dtype=self.q.dtype,
+                                                        generator=self.gen) * 0.05, "fp8")
+            self.compact_lists = (low, ends, res)
         low, ends, res = self.compact_lists
         q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
         self.rec("token128_reuse", variant, lambda: TT.token_sparse_attention_compact(
@@ -458,7 +455,7 @@ def main():
     mods = dict(K=load("kernels"), BT=load("kernels.block_sparse_triton"), AH=load("kernels.attention_hopper"),
                 DT=load("kernels.dense_triton"), AT=load("kernels.anchor_triton"),
                 TT=load("kernels.token_sparse_triton"), MT=load("kernels.mass_triton"),
-                CT=load("kernels.compact_torch"),
+                CT=load("kernels.compact_torch"), TokenSelection=load("engine.selection").TokenSelection,
                 encode=load("kernels._residual").encode_residual,
                 Residual=load("engine.residual").Residual)
     flex = None if args.no_flex else kb.flex_runner()

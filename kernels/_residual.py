@@ -85,6 +85,13 @@ def residual_mass(residual, q: torch.Tensor) -> torch.Tensor | None:
     return mass.contiguous()
 
 
+def refuse_mass(residual, q: torch.Tensor) -> None:
+    """ValueError when ``residual`` carries a mass: only block-sparse attention weights a residual by it (token
+    selections keep theirs fixed, docs/method.md)."""
+    if residual is not None and check_residual(residual, q) is not None and residual_mass(residual, q) is not None:
+        raise ValueError("residual: a mass-weighted residual is for block-sparse attention only")
+
+
 def mass_of(lse_dense: torch.Tensor, lse_sparse: torch.Tensor) -> torch.Tensor:
     """Per-row mass of an anchor (fp32 (..., 2): log Z_C, log beta) from the dense and the sparse row LSE (fp32
     (...), natural log; -inf for rows that keep nothing)."""

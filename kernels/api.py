@@ -16,8 +16,8 @@ import torch
 from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
                token_sparse_torch)
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
-from ._residual import check_residual, mass_of, residual_mass
-from .backend import announce, check_backend, choose, triton_available, triton_device_ok
+from ._residual import check_residual, mass_of, refuse_mass, residual_mass
+from .backend import announce, check_backend, choose, triton_problem
 
 
 def _why_not(q, group: int | None = None) -> str | None:
@@ -34,16 +34,7 @@ def _why_not(q, group: int | None = None) -> str | None:
 def block_sparse_on_triton(q, backend: str = "auto") -> bool:
     """Whether ``block_sparse_attention`` would run its Triton kernel for q under ``backend`` (nothing logged, nothing
     raised): the engine weights residuals by the mass only there (SparseConfig.residual_weighting "auto")."""
-    if backend == "torch" or _why_not(q) is not None:
-        return False
-    if not (q.is_cuda if backend == "auto" else triton_device_ok(q)):
-        return False
-    return triton_available()
-
-
-def _refuse_mass(residual, q) -> None:
-    if residual is not None and check_residual(residual, q) is not None and residual_mass(residual, q) is not None:
-        raise ValueError("residual: a mass-weighted residual is for block-sparse attention only")
+    return backend != "torch" and triton_problem(backend, q, _why_not(q)) is None
 
 
 INT32_SPAN = 2**31
@@ -88,12 +79,15 @@ def attention_dense(q, k, v, *, scale=None, return_lse=False, backend="auto"):
 
 
 def _addressable_residual(residual, q):
-    """The checked residual pair with tensors the kernels can address (see ``_addressable``)."""
+    """The checked residual with tensors the kernels can address (see ``_addressable``): a (data, scale) pair, or a
+    (data, scale, mass) triple when it carries a mass (kernels/_residual.py; contiguous, so addressable)."""
     res = check_residual(residual, q)
     if res is None:
         return None
     data, scale = res
-    return (*_addressable(data), None if scale is None else _addressable(scale)[0])
+    pair = (*_addressable(data), None if scale is None else _addressable(scale)[0])
+    mass = residual_mass(residual, q)
+    return pair if mass is None else (*pair, mass)
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, backend="auto",
@@ -109,11 +103,9 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     if choose(backend, q, _why_not(q), "block_sparse_attention") == "triton":
         from . import block_sparse_triton
         q, k, v = _addressable(q, k, v)
-        res = _addressable_residual(residual, q)
-        mass = residual_mass(residual, q) if res is not None else None
         return block_sparse_triton.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
                                                           block_k=block_k, scale=scale, validate=validate,
-                                                          residual=res if mass is None else (*res, mass),
+                                                          residual=_addressable_residual(residual, q),
                                                           return_lse=return_lse)
     return block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
                                                      block_k=block_k, scale=scale, validate=validate,
@@ -127,7 +119,7 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     residual: None or a (data, scale) pair added to the output (as in ``block_sparse_attention``);
     queries in no group, or with nothing to attend, get exactly the residual.
     """
-    _refuse_mass(residual, q)
+    refuse_mass(residual, q)  # before the backend choice: the same error on every backend
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)
@@ -144,7 +136,7 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
     (B,H,G,S), kv_counts int32 (B,H,G): kernels.compact_keep's format with its default segment size); the Triton
     kernel decodes them in registers, the twin decodes them first
     (token_sparse_torch.token_sparse_attention_compact)."""
-    _refuse_mass(residual, q)
+    refuse_mass(residual, q)  # before the backend choice: the same error on every backend
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)

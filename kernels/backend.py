@@ -56,6 +56,19 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def triton_problem(backend: str, t: torch.Tensor, why_not: str | None) -> str | None:
+    """Why the Triton kernel cannot run for ``t`` under ``backend`` ("auto" or "triton"; ``why_not`` the primitive's
+    own reason or None), or None when it can. Nothing logged, nothing raised."""
+    if why_not is not None:
+        return why_not
+    # "auto" takes Triton only on CUDA; an explicit "triton" also runs CPU tensors under TRITON_INTERPRET=1
+    if not (t.is_cuda if backend == "auto" else triton_device_ok(t)):
+        return f"tensors are on {t.device}, the Triton kernels need CUDA"
+    if not triton_available():
+        return "Triton is not installed or failed to import"
+    return None
+
+
 def choose(backend: str, t: torch.Tensor, why_not: str | None, name: str) -> str:
     """Pick ``"triton"`` or ``"torch"`` for primitive ``name`` on tensor ``t`` (logged once per device type).
 
@@ -67,12 +80,7 @@ def choose(backend: str, t: torch.Tensor, why_not: str | None, name: str) -> str
     if backend == "torch":
         announce(name, t, "torch", "backend='torch' requested")
         return "torch"
-    reason = why_not
-    # "auto" takes Triton only on CUDA; an explicit "triton" also runs CPU tensors under TRITON_INTERPRET=1
-    if reason is None and not (t.is_cuda if backend == "auto" else triton_device_ok(t)):
-        reason = f"tensors are on {t.device}, the Triton kernels need CUDA"
-    if reason is None and not triton_available():
-        reason = "Triton is not installed or failed to import"
+    reason = triton_problem(backend, t, why_not)
     if reason is None:
         # api.attention_dense tries cuDNN's fused attention before its Triton kernel under "auto"
         announce(name, t, "triton", "cuDNN's fused attention first where it takes the case"

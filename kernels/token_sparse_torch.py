@@ -7,7 +7,7 @@ import torch
 from ._checks import check_counts, check_index, check_qkv, check_scale, check_sorted_unique_in_range
 from .compact_torch import SEGMENT, decode_lists
 from ._gather import Scratch, flat_rows, head_offsets
-from ._residual import add_residual_, check_residual, residual_mass
+from ._residual import add_residual_, check_residual, refuse_mass
 from ._torch_softmax import attend, chunk_rows, plan_chunks
 
 
@@ -73,9 +73,8 @@ def token_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
+    refuse_mass(residual, q)
     res = check_residual(residual, q)
-    if res is not None and residual_mass(residual, q) is not None:
-        raise ValueError("residual: a mass-weighted residual is for block-sparse attention only")
     dev = q.device
     out = torch.zeros((b * h * nq + 1, d), dtype=q.dtype, device=dev)  # last row: sink for pads
     if max_k > 0 and g > 0 and c > 0:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._checks import check_qkv, check_scale, triton_group_problem
-from ._residual import check_residual, contiguous_residual, decode_into, residual_mass
+from ._residual import check_residual, contiguous_residual, decode_into, refuse_mass
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                              lazy_rescale, list_bucket, load_group, loop_ahead, residual_launch_args, residual_mode,
                              row_fold, row_scores, store_rows, tune_options)
@@ -137,9 +137,8 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
     why = triton_group_problem(c)
     if why:
         raise ValueError(f"q_groups: {why}")
+    refuse_mass(residual, q)
     res = contiguous_residual(check_residual(residual, q))
-    if res is not None and residual_mass(residual, q) is not None:
-        raise ValueError("residual: a mass-weighted residual is for block-sparse attention only")
     q, k, v = last_dim_contiguous(q, k, v)
     qg = q_groups.to(torch.int32).contiguous()
     tok = lists.contiguous()
