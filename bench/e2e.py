@@ -18,7 +18,8 @@ Per model (steps timed at the sampler's callback, device synchronised; "long" st
    and host and the cache's placement (``step_probe``); ``--profile-step K`` profiles step K with
    torch.profiler (OUT/profile-MODEL-METHOD_DENSITY.txt). Kernels are compiled and
    autotuned beforehand on one layer's worth of random q/k/v of the model's own shapes (recorded during
-   step 1), so no step includes compilation.
+   step 1), so no step includes compilation. ``--whole-run``: every step of the preset's run over ``total``
+   steps (its warm-up, anchors and reuse steps) is timed in one sampling run; its time replaces the projection.
 4. ``sol``: ComfyUI's own sparse kernel, comfy_kitchen.sol_attn, with ``topk_ratio`` = the density, on
    the calls ComfyUI's experimental sparse node sends to it (self-attention, head dim 128, CUDA, no mask,
    >= the preset's min_tokens), when comfy_kitchen is importable.
@@ -256,19 +257,22 @@ def sol_override(density: float, min_tokens: int, counter: dict):
 
 
 def prewarm(eng, cfg, shape, dtype, device):
-    """Compile and autotune one configuration's kernels: an anchor and a reuse call on random q/k/v (its own
-    schedule: whatever the timed pattern is, step 2 reuses, so the reuse kernels are tuned before timing). The anchor
-    is at step 1, not 0, so the variants that write and read the residual's mass (docs/method.md; anchors at step 0
-    keep it fixed) are tuned too. Returns the engine's statistics of the two calls."""
+    """Compile and autotune one configuration's kernels: two runs of an anchor and a reuse call on random q/k/v
+    (their own schedule: whatever the timed pattern is, the step after the anchor reuses, so the reuse kernels are
+    tuned before timing). The first run anchors at step 0 and the second at step 1, so both kernel variants a
+    preset's run meets are tuned: a block selection's anchors at step 0 keep the residual fixed, later ones write
+    and read the residual's mass (docs/method.md, "The residual weighted by the mass"). Returns the engine's
+    statistics of the second run's two calls."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
     e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0,
                                      anchor_steps=eng.AnchorSchedule()))
-    e.begin_run()
-    for step in (1, 2):
-        e.attend(q, k, v, eng.CallContext(layer=0, step=step))
-    stats = e.end_run()
+    for first in (0, 1):
+        e.begin_run()
+        for step in (first, first + 1):
+            e.attend(q, k, v, eng.CallContext(layer=0, step=step))
+        stats = e.end_run()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return stats
@@ -302,6 +306,14 @@ def schedule_counts(preset, total: int) -> tuple[int, int]:
     warm = min(load("engine.schedule").resolve_warmup(preset.warmup_steps, total), total)
     anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm, total))
     return warm, anchors
+
+
+def whole_run_pattern(preset, total: int) -> str:
+    """The preset's schedule over ``total`` steps as letters, resolved as the engine does: D dense warm-up step,
+    A anchor, r reuse (e.g. "ArrrrrArrrrrrrrrrArrrrrrrrrrrrr" for anchors 0, 6, 16 of 30 steps)."""
+    warm, _ = schedule_counts(preset, total)
+    return "".join("D" if s < warm else "A" if s == warm or preset.anchor_steps.is_anchor(s, warm, total) else "r"
+                   for s in range(total))
 
 
 def row_writer(out: Path, stem: str, meta: str, render):
@@ -471,7 +483,10 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                  "%.0f %%, %d calls of %s); weights %.1f GB, %.1f GB of them on the GPU", name, t_dense, len(times),
                  100 * attn_share, 100 * a_self / t_dense, len(shapes), call_shape, model.model_size() / 2**30,
                  getattr(model.model, "model_loaded_weight_memory", 0) / 2**30)
-    pattern = args.pattern or "A" * max(1, args.anchors_timed) + "r" * n_timed
+    if args.whole_run:  # every step of the preset's run, timed: no projection needed
+        pattern = whole_run_pattern(preset, total)
+    else:
+        pattern = args.pattern or "A" * max(1, args.anchors_timed) + "r" * n_timed
     anchor_idx = [i for i, c in enumerate(pattern) if c == "A"]
     n_steps = len(pattern)
     if args.profile_step >= n_steps:
@@ -493,8 +508,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
                            total, warm, sched))
             continue
-        c = preset.replace(method=method, density=dens, warmup_steps=0, anchor_steps=timed_anchors,
-                           min_tokens=min_tokens, backend="auto")
+        c = preset.replace(method=method, density=dens, min_tokens=min_tokens, backend="auto")
+        if not args.whole_run:  # the timed pattern's own schedule
+            c = c.replace(warmup_steps=0, anchor_steps=timed_anchors)
         if args.host_gb > 0:
             c = c.replace(cpu_budget_mb=args.host_gb * 1024)
         if call_shape:
@@ -516,12 +532,14 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         a_times, r_times = kind_times("A"), kind_times("r")
         t_anchor, t_reuse = a_times[0], median(r_times)
         t_later = median(a_times[1:]) if len(a_times) > 1 else t_anchor
+        t_warm = median(kind_times("D")) if "D" in pattern else t_dense
         stats = sp.last_stats
         tot = stats.totals()
         sparse_calls = tot["anchors"] + tot["reuses"]
         d_kept = ((tot["density"] * tot["calls"] - tot["dense"]) / sparse_calls) if sparse_calls else 1.0
         sparse_per_step = tot["reuses"] / max(1, len(r_times))  # per reuse step
-        projected = warm * t_dense + min(anchors, 1) * t_anchor + max(0, anchors - 1) * t_later + rest * t_reuse
+        from_steps = warm * t_warm + min(anchors, 1) * t_anchor + max(0, anchors - 1) * t_later + rest * t_reuse
+        projected = sum(times) if args.whole_run else from_steps  # a whole run: its own time
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
@@ -530,7 +548,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    step_times_s=times, step_seconds=stats.step_totals(), step_probe=probe.rows,
                    reuse_layer_seconds={st: per for st, per in stats.step_seconds.items()
                                         if pattern[st:st + 1] == "r"},
-                   projected_s=projected, speedup=total * t_dense / projected,
+                   projected_s=projected, whole_run=args.whole_run, from_steps_s=from_steps,
+                   speedup=total * t_dense / projected,
                    ceiling_speedup=total * t_dense / ceiling, steady_speedup=t_dense / t_reuse,
                    density_kept=d_kept, sparse_calls_per_step=sparse_per_step, peak_gb=peak / 2**30,
                    cache_gpu_mb=stats.cache.get("peak_device_bytes", 0) / 2**20,
@@ -542,9 +561,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    cache_info=dict(stats.cache))
         row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
         emit(row)
-        log.info("%s %s: anchor %.3f s (later anchors %.3f s), reuse %.3f s, projected %.1f s (%.2fx; ceiling %.2fx; "
+        log.info("%s %s: anchor %.3f s (later anchors %.3f s), reuse %.3f s, %s %.1f s (%.2fx; ceiling %.2fx; "
                  "steady %.2fx), cache peak %.0f MB GPU / %.0f MB CPU", name, row["mode"], t_anchor, t_later, t_reuse,
-                 projected,
+                 f"whole run of {pattern}" if args.whole_run else "projected", projected,
                  row["speedup"], row["ceiling_speedup"], row["steady_speedup"], row["cache_gpu_mb"],
                  row["cache_cpu_mb"])
     del model
@@ -604,6 +623,8 @@ def main():
                     "later anchor replaces the cache's entries: it reuses their memory)")
     ap.add_argument("--pattern", default="", help="the timed steps as letters, A anchor and r reuse (e.g. ArAr: the "
                     "reuse step after a later anchor, as a preset's run has them); overrides --anchors-timed")
+    ap.add_argument("--whole-run", action="store_true", help="time every step of the preset's run (its warm-up, "
+                    "anchors and reuse steps over --total-steps) instead of a pattern and a projection")
     ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "
                     "torch.profiler: OUT/profile-MODEL-METHOD_DENSITY.txt, operators by CUDA and by CPU time")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compilation (kernel, specialisation, "
@@ -619,6 +640,8 @@ def main():
     args = ap.parse_args()
     if args.pattern and (set(args.pattern) - {"A", "r"} or not args.pattern.startswith("A") or "r" not in args.pattern):
         ap.error("--pattern: letters A (anchor) and r (reuse), starting with A, with at least one r")
+    if args.whole_run and (args.pattern or args.anchors_timed != 1):
+        ap.error("--whole-run times the preset's own schedule: leave out --pattern and --anchors-timed")
     if args.profile_step >= 0 and args.pattern and args.profile_step >= len(args.pattern):
         ap.error(f"--profile-step: steps count from 0; the pattern {args.pattern} has {len(args.pattern)}")
     args.earlier_rows = json.loads(Path(args.reuse_dense).read_text())["rows"] if args.reuse_dense else []

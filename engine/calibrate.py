@@ -5,7 +5,8 @@ per-head density"; the recording format: engine/recording.py).
    against dense attention at a grid of densities, with the engine's own policies, selections, kernels and
    residual: the error of a fresh selection at the step it was made (no residual), and — when two or more steps
    are recorded — the error at a later step with the anchor's selection, with the anchor's residual (what a reuse
-   step returns) and without it.
+   step returns; a block selection anchored after the run's first step weights the residual by the mass as the
+   engine does, SparseConfig.residual_weighting) and without it.
 2. ``allocate``: densities per (layer, head) minimising the summed squared error at the requested average
    density: each head's cost curve (its share of the layer's output energy times its squared relative error)
    is replaced by its lower convex hull, and density goes greedily to the steepest marginal gain until the
@@ -28,7 +29,8 @@ from .config import SparseConfig
 from .layer_density import config_at, layer_densities_text
 from .policy import method_names, policy_for
 from .recording import Recording
-from .residual import Residual
+from .residual import Residual, residual_precision, weighs_by_mass
+from .selection import BlockSelection
 
 DEFAULT_GRID = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 OBJECTIVES = ("reuse", "reuse_plain", "fresh")
@@ -199,12 +201,23 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                     out_s = sel.run(q, k, v, backend=cfg.backend)
                     fresh[i] += _rel(out - out_s, out).pow(2) / len(anchors)
                     achieved[i] += sel.head_density(n) / len(anchors)
-                    residual = Residual.encode(out - out_s, cfg.residual_precision)
+                    if isinstance(sel, BlockSelection) and weighs_by_mass(cfg, a, q):
+                        # the residual as a run anchored at step a caches it: with its mass, so the reuse below
+                        # weights it as the engine's reuse step does (docs/method.md, "The residual weighted by
+                        # the mass")
+                        _, res = sel.anchor(q, k, v, backend=cfg.backend, mass=True,
+                                            precision=residual_precision(cfg.residual_precision, q.device))
+                        residual = Residual(*res)
+                    else:
+                        residual = Residual.encode(out - out_s, cfg.residual_precision)
                     for s in later[a]:
                         q2, k2, v2, out2, _ = cache[s]
                         o = sel.run(q2, k2, v2, backend=cfg.backend)
                         plain[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
-                        residual.add_to(o)
+                        if residual.mass is not None:
+                            o = sel.run(q2, k2, v2, backend=cfg.backend, residual=residual)
+                        else:
+                            residual.add_to(o)
                         reuse[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
                     del sel, out_s, residual
                 done += 1

@@ -25,7 +25,7 @@ from .config import SparseConfig
 from .context import CallContext
 from .layer_density import head_densities, select_heads
 from .policy import policy_for
-from .residual import Residual, residual_precision
+from .residual import Residual, residual_precision, weighs_by_mass
 from .selection import BlockSelection
 from .schedule import resolve_warmup
 from .stats import RunStats
@@ -233,7 +233,7 @@ class SparseEngine:
                     precision = cfg.residual_precision if cfg.residual else "model"
                     out_d, res = selection.anchor(q, k, v, scale=scale, backend=cfg.backend,
                                                   precision=residual_precision(precision, dev),
-                                                  mass=self._weighs_by_mass(ctx, q))
+                                                  mass=weighs_by_mass(cfg, ctx.step, q))
                 with self.stats.timed(ctx.layer, "store", dev):
                     self._store_residual(key, selection, out_d, Residual(*res), ctx)
                 return out_d
@@ -251,17 +251,6 @@ class SparseEngine:
         if where == "none":
             log.debug("layer %s: selection not cached", ctx.layer)
         return out_d
-
-    def _weighs_by_mass(self, ctx, q) -> bool:
-        """Whether this anchor's residual is weighted by the mass at reuse steps (SparseConfig.residual_weighting):
-        not for anchors at the run's first step, where the input is pure noise — measured on the quality testbed,
-        the weighting gains 1.7-5.4 dB after anchors at later steps and loses up to 2.7 dB after step-0 anchors at
-        density 0.1 (docs/method.md, "The residual weighted by the mass"); under "auto" only where the block-sparse
-        kernels run on Triton."""
-        cfg = self.cfg
-        if not cfg.residual or cfg.residual_weighting == "fixed" or ctx.step == 0:
-            return False
-        return cfg.residual_weighting == "mass" or kernels.block_sparse_on_triton(q, cfg.backend)
 
     def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
         """Cache an anchor's selection with a residual the kernel already encoded."""

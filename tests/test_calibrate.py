@@ -231,6 +231,41 @@ def test_calibration_gives_global_heads_more_density(calibrated):
     assert sum(flat) / len(flat) == pytest.approx(a.mean_density / 0.15, abs=2e-4)
 
 
+def _reuse_errors(recording, weighting):
+    """{anchor step: the calibration's block_topk reuse error at step 2 (layer 0, head 0, density 0.1)}, each
+    checked against the rel-L2 of the engine's own reuse step under ``weighting``."""
+    from comfyui_sparse_attention.engine import CallContext, SparseEngine
+    from comfyui_sparse_attention.kernels import attention_dense
+    rec = load_recording(recording)
+    base = SparseConfig(method="block_topk", block_q=64, block_k=64, min_tokens=0, backend="torch",
+                        residual_weighting=weighting)
+    errors = {}
+    for anchor in (0, 1):
+        (curve, *_) = cal.measure(rec, ["block_topk"], (0.1,), base, pairs=[(anchor, 2)], layers=[0])
+        q, k, v = (t.float() for t in rec.qkv(0, anchor))
+        q2, k2, v2 = (t.float() for t in rec.qkv(0, 2))
+        eng = SparseEngine(base.replace(density=0.1, anchor_steps=str(anchor)))
+        eng.begin_run()
+        eng.attend(q, k, v, CallContext(layer=0, step=anchor, total_steps=3))
+        out = eng.attend(q2, k2, v2, CallContext(layer=0, step=2, total_steps=3))
+        stats = eng.end_run().totals()
+        assert stats["anchors"] == 1 and stats["reuses"] == 1
+        ref = attention_dense(q2, k2, v2, backend="torch")
+        want = float(torch.linalg.vector_norm(out[0, 0] - ref[0, 0]) / torch.linalg.vector_norm(ref[0, 0]))
+        assert curve.head == 0 and curve.reuse[0] == pytest.approx(want, rel=1e-3)
+        errors[anchor] = curve.reuse[0]
+    return errors
+
+
+def test_reuse_error_is_the_engines_reuse_step(recording):
+    """The calibration's reuse error is what the engine's reuse step returns: a block selection anchored after the
+    run's first step weights its residual by the mass (residual_weighting "mass"; "fixed" adds it as cached), and an
+    anchor at step 0 keeps it fixed in both."""
+    mass, fixed = _reuse_errors(recording, "mass"), _reuse_errors(recording, "fixed")
+    assert mass[0] == pytest.approx(fixed[0], rel=1e-9)  # step-0 anchors keep the residual fixed
+    assert abs(mass[1] - fixed[1]) > 1e-3 * fixed[1]
+
+
 def test_preset_and_report(calibrated, tmp_path):
     rec, (curves, allocs, pairs, seconds) = calibrated
     a = allocs[0]

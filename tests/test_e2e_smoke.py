@@ -68,6 +68,24 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
     assert prof.startswith("step 3,") and "aten::" in prof
 
 
+def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
+    """--whole-run --total-steps 5: the preset's own schedule (anchors at 0, 20 %, 53 %: steps 0, 1, 3 of 5) timed
+    step by step in one sampling run; its time is the row's run time and the speed-up is taken from it."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--modes", "block_topk@0.25", "--whole-run", "--total-steps", "5"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dense, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    times = row["step_times_s"]
+    assert row["whole_run"] and row["pattern"] == "AArAr" and len(times) == 5
+    assert row["anchor_times_s"] == [times[0], times[1], times[3]] and row["reuse_times_s"] == [times[2], times[4]]
+    assert row["projected_s"] == pytest.approx(sum(times))
+    assert row["speedup"] == pytest.approx(5 * dense["dense_s"] / sum(times))
+    tot = {int(k): v for k, v in row["step_seconds"].items()}
+    assert sorted(tot) == [0, 1, 2, 3, 4] and tot[3]["selection"] > 0 and tot[2]["selection"] == 0
+
+
 def test_e2e_rejects_a_bad_pattern(tmp_path):
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
@@ -189,8 +207,9 @@ def test_prewarm_tunes_the_reuse_path_whatever_the_timed_pattern(bench_import):
 
 
 def test_prewarm_tunes_the_mass_weighted_variants(bench_import, monkeypatch):
-    """The warm-up's anchor is not at step 0, so a block selection's anchor writes the residual's mass and the reuse
-    call reads it: the kernel variants a timed run's later anchors use are tuned before timing."""
+    """The warm-up anchors once at step 0 (the residual kept fixed) and once at step 1, where a block selection's
+    anchor writes the residual's mass and the reuse call reads it: the kernel variants of a timed run's first and
+    later anchors are both tuned before timing."""
     e2e = bench_import("e2e")
     from comfyui_sparse_attention import engine as eng
     from comfyui_sparse_attention import kernels
@@ -201,7 +220,7 @@ def test_prewarm_tunes_the_mass_weighted_variants(bench_import, monkeypatch):
     cfg = eng.SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch", block_q=64, block_k=64,
                            residual_weighting="mass")
     stats = e2e.prewarm(eng, cfg, (1, 2, 512, 64), torch.float32, torch.device("cpu"))
-    assert seen == [True] and stats.totals()["anchors"] == 1 and stats.totals()["reuses"] == 1
+    assert seen == [False, True] and stats.totals()["anchors"] == 1 and stats.totals()["reuses"] == 1
 
 
 def test_step_probe_profiles_step_zero_and_closes_a_running_profile(bench_import, tmp_path):
