@@ -174,6 +174,7 @@ class SelectionCache:
         self.auto_limit: int | None = None
         self.dropped_layers: set = set()  # layers whose residual was dropped for lack of room (this run)
         self.dropped_logged = False
+        self.prefetch_off = False  # after an out-of-memory error: one entry on the device at a time (this run)
         self._stream = None
 
     # sizes
@@ -343,12 +344,17 @@ class SelectionCache:
         return entry
 
     def spill(self, share: float = 1.0) -> int:
-        """Free device memory after an out-of-memory error: move the least recently used device entries,
-        at least ``share`` of the device cache's bytes, to the CPU side (or, without room there, drop
-        them: their layers anchor again). An "auto" budget then keeps at most what stayed on the device.
-        Returns the bytes freed on the device."""
+        """Free device memory after an out-of-memory error: drop the prefetched copies of host entries and stop
+        prefetching for the rest of the run, then move the least recently used device entries, at least ``share``
+        of the device cache's bytes, to the CPU side (or, without room there, drop them: their layers anchor
+        again). An "auto" budget then keeps at most what stayed on the device. Returns the bytes freed on the
+        device."""
         target = share * self.device_bytes
-        freed = 0
+        # the prefetched copies go first: their host entries stay, and the rest of the run fetches each entry
+        # when its call comes (a prefetch holds a second layer's entry on the device beside the one in use)
+        freed = sum(entry.nbytes for entry, _ in self.prefetched.values())
+        self.prefetched.clear()
+        self.prefetch_off = True
         for key in list(self.on_device):  # least recently used first
             if freed >= target and freed:
                 break
@@ -388,7 +394,7 @@ class SelectionCache:
                     peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, dropped_residual_layers=sorted(self.dropped_layers, key=str),
                     cpu_layers=sorted({_layer_of(k) for k in self.on_cpu}, key=str),
-                    **self.counters)
+                    prefetch_off=self.prefetch_off, **self.counters)
 
     def reset(self) -> None:
         """Free every entry and zero the counters and peaks (a new run starts from nothing)."""
@@ -397,6 +403,7 @@ class SelectionCache:
         self.auto_limit = None
         self.dropped_layers = set()
         self.dropped_logged = False
+        self.prefetch_off = False
         for k in self.counters:
             self.counters[k] = 0
 
@@ -410,7 +417,7 @@ class SelectionCache:
             nxt = self.order_prev[self.order_prev.index(key) + 1]
         except (ValueError, IndexError):
             return
-        if nxt not in self.on_cpu or nxt in self.prefetched:
+        if self.prefetch_off or nxt not in self.on_cpu or nxt in self.prefetched:
             return
         dev = torch.device(device)
         if dev.type == "cuda":

@@ -49,12 +49,12 @@ class DeviceEngines:
 
     def relieve(self) -> int:
         """Move every engine's device cache off the GPU (to host memory where it fits, else dropped: those
-        layers anchor again) after the model itself ran out of memory; later entries stay within what is left.
-        Returns the device bytes freed."""
+        layers anchor again) and drop its prefetched copies (no more prefetching this run) after the model
+        itself ran out of memory; later entries stay within what is left. Returns the device bytes freed."""
         freed = 0
         for eng in self.engines().values():
             with eng.lock:
-                if eng.cache.device_bytes:
+                if eng.cache.device_bytes or eng.cache.prefetched:
                     freed += eng.cache.spill(1.0)
         return freed
 

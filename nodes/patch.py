@@ -311,8 +311,9 @@ class SparseAttentionPatch:
                 if not freed:
                     raise
                 run.count("the model ran out of GPU memory: the cache moved to host memory")
-                self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; moved %.0f MB of "
-                               "cache off the GPU and ran the step again (a lower cache_budget_mb avoids this)",
+                self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; freed %.0f MB of "
+                               "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "
+                               "ran the step again (a lower cache_budget_mb avoids this)",
                                freed / 2**20, level=logging.WARNING)
                 torch.cuda.empty_cache()
                 return self._forward(run, executor, x, t, args, kwargs, to)

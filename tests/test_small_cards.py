@@ -59,6 +59,26 @@ def test_the_memory_probe_replaces_the_drivers_view(monkeypatch):
         cache_mod.set_device_probe(None)
 
 
+def test_an_out_of_memory_error_drops_the_prefetched_copies_and_stops_prefetching(monkeypatch):
+    """A reuse step holds the entry in use and the next layer's prefetched copy on the device; when the model
+    runs out of memory with every entry already in host memory, the prefetched copy is what can be freed: spill
+    frees it, counts it, and the rest of the run fetches each entry only when its call comes."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    keys = [(layer, True, (), 4096) for layer in range(3)]
+    for i, key in enumerate(keys):
+        assert cache.put(key, entry(i, 0.1)) == "cpu"
+    cache.new_step()  # the anchor step's order predicts the reuse step's
+    assert cache.get(keys[0], "cpu") is not None and keys[1] in cache.prefetched
+    size = cache.prefetched[keys[1]][0].nbytes
+    assert size > 0 and cache.spill(1.0) == size
+    assert not cache.prefetched and cache.info()["prefetch_off"]
+    assert cache.get(keys[1], "cpu") is not None and not cache.prefetched  # fetched, nothing prefetched
+    assert cache.counters["fetched"] == 2 and cache.counters["prefetched"] == 1  # layers 0 and 1 fetched
+    cache.reset()
+    assert not cache.prefetch_off  # a new run prefetches again
+
+
 def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
     patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
                                               block_q=64, block_k=64))

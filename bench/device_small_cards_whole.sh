@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the H200 (carry: [".carry/bundle.tar.xz"], ComfyUI 0.3.75 from bench/device_bundle.sh; BUNDLE names another):
+# the presets on small cards (docs/benchmarks.md, "Small cards"): Wan 2.1 1.3B 480p whole 50-step runs
+# (bench/e2e.py --whole-run) on simulated 16 GB and 8 GB cards, then Wan 2.1 14B 720p with fp8 weights on a 24 GB
+# card timed as anchor, reuse, later anchor, reuse (--pattern ArAr; a whole run does not fit one device call); host
+# cache capped at 32 GB, the preset's density 0.1. PARTS picks some of "wan13b wan14b" (default both). Under
+# ComfyUI 0.3.75 the 24 GB card's dense run itself runs out of memory (its loader leaves too little room for
+# activations at 720p); 0.33.0 runs it: BUNDLE=.carry/bundle-033.tar.xz PARTS=wan14b.
+# Everything in $OUT/small_cards.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/device_part.sh
+new_root /tmp/small_cards
+source bench/device_comfyui.sh
+unpack_comfyui "${BUNDLE:-.carry/bundle.tar.xz}"
+record_gpu
+parts=${PARTS:-wan13b wan14b}
+for g in 16 8; do
+  [[ " $parts " == *" wan13b "* ]] || break
+  part "wan13b-card$g" 150 python3 bench/e2e.py --out "$root/wan13b-card$g" --models wan13b \
+    --modes block_topk@0.1 --vram-gb "$g" --host-gb 32 --whole-run
+done
+# DENSE: an e2e.json whose dense row to reuse (--reuse-dense), e.g. docs/bench-runs/e2e-card24-wan14b/e2e.json
+[[ " $parts " == *" wan14b "* ]] && part wan14b-fp8-card24 "${WAN14B_LIMIT:-400}" python3 bench/e2e.py \
+  --out "$root/wan14b-fp8-card24" --models wan14b --modes block_topk@0.1 --vram-gb 24 --host-gb 32 --weights fp8 \
+  --pattern ArAr --total-steps 30 ${DENSE:+--reuse-dense "$DENSE"}
+tar czf "$OUT/small_cards.tar.gz" -C /tmp small_cards
