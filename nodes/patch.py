@@ -18,6 +18,7 @@ engine decides is baked into a graph and no step recompiles (docs/reliability.md
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import sys
@@ -310,13 +311,16 @@ class SparseAttentionPatch:
                 freed = run.engines.relieve()
                 if not freed:
                     raise
-                run.count("the model ran out of GPU memory: the cache moved to host memory")
-                self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; freed %.0f MB of "
-                               "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "
-                               "ran the step again (a lower cache_budget_mb avoids this)",
-                               freed / 2**20, level=logging.WARNING)
-                torch.cuda.empty_cache()
-                return self._forward(run, executor, x, t, args, kwargs, to)
+            # the retry runs here, after the except block: inside it the exception's traceback keeps the failed
+            # attempt's frames, and with them its activations, on the GPU
+            run.count("the model ran out of GPU memory: the cache moved to host memory")
+            self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; freed %.0f MB of "
+                           "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "
+                           "ran the step again (a lower cache_budget_mb avoids this)",
+                           freed / 2**20, level=logging.WARNING)
+            gc.collect()  # frames of the failed attempt caught in reference cycles
+            torch.cuda.empty_cache()
+            return self._forward(run, executor, x, t, args, kwargs, to)
         return executor(x, t, *args, **kwargs)
 
     def _forward(self, run, executor, x, t, args, kwargs, to):

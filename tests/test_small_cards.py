@@ -2,6 +2,7 @@
 matter most when room runs out and says which were dropped, and an out-of-memory error in the model moves the
 run's cache off the device and runs the forward again instead of ending the run."""
 
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -85,12 +86,15 @@ def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
     guider, failed, outs = Guider(), [], []
 
     def model(x, t, transformer_options, step):
+        activation = torch.zeros(8)  # stands for the forward's activations on the GPU
+        if failed:  # the retry: the failed attempt's activations are gone (not kept by its traceback)
+            assert failed[0]() is None
         for layer in range(2):
             q, k, v = qkv(layer, step)
             outs.append(patch(model_attention, q, k, v, 2, transformer_options=transformer_options,
                               skip_reshape=True, skip_output_reshape=True))
         if step == 2 and not failed:  # the model runs out of memory after the attention calls of step 2
-            failed.append(True)
+            failed.append(weakref.ref(activation))
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
     def run(noise, latent, sampler, sigmas):
