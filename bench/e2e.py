@@ -602,7 +602,8 @@ def render(rows, meta) -> str:
             lines.append(f"| {r['model']} | {r['mode']} | skipped: {r['skipped']} |||||||||||")
             continue
         lines.append(f"| {r['model']} | {r['mode']} | {f(r.get('dense_s'), '.3f')} | {f(r.get('anchor_s'), '.3f')} | "
-                     f"{f(r['step_s'], '.3f')} | {f(r.get('steady_speedup'), '.2f')} | {r['projected_s']:.1f} | "
+                     f"{f(r['step_s'], '.3f')} | {f(r.get('steady_speedup'), '.2f')} | {r['projected_s']:.1f}"
+                     f"{' (timed whole run)' if r.get('whole_run') else ''} | "
                      f"{r['speedup']:.2f} | {f(r.get('ceiling_speedup'), '.2f')} | {f(r.get('of_ceiling'), '.2f')} | "
                      f"{f(r.get('density_kept'), '.3f')} | {f(r.get('attention_share'), '.2f')} | "
                      f"{r['peak_gb']:.1f} | {f(r.get('cache_gpu_mb'), '.0f')}/{f(r.get('cache_cpu_mb'), '.0f')} |")

@@ -81,6 +81,7 @@ def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
     assert row["whole_run"] and row["pattern"] == "AArAr" and len(times) == 5
     assert row["anchor_times_s"] == [times[0], times[1], times[3]] and row["reuse_times_s"] == [times[2], times[4]]
     assert row["projected_s"] == pytest.approx(sum(times))
+    assert "(timed whole run)" in (tmp_path / "e2e.md").read_text()
     assert row["speedup"] == pytest.approx(5 * dense["dense_s"] / sum(times))
     tot = {int(k): v for k, v in row["step_seconds"].items()}
     assert sorted(tot) == [0, 1, 2, 3, 4] and tot[3]["selection"] > 0 and tot[2]["selection"] == 0
