@@ -8,18 +8,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
+[ "${CALIBRATE:-0}" = 1 ] && need_quality_carry  # before any run: a missing carry must not cost the e2e results
 new_root /tmp/whole
 record_gpu
 steps=${STEPS:-30}
+runs=docs/bench-runs/e2e-dense/e2e.json
 for m in ${MODELS:-wan14b}; do
-  dense=()
-  python3 -c "import json,sys; sys.exit(not any(r['model']=='$m' for r in json.load(open('docs/bench-runs/e2e-dense/e2e.json'))['rows']))" \
-    && dense=(--reuse-dense docs/bench-runs/e2e-dense/e2e.json)
+  dense=""
+  python3 -c "import json, sys; sys.exit(not any(r['model'] == '$m' for r in json.load(open('$runs'))['rows']))" \
+    && dense="--reuse-dense $runs"
+  # shellcheck disable=SC2086  # $dense is empty or two words
   part "e2e-$m" "${E2E_LIMIT:-560}" bash bench/device_e2e.sh --models "$m" --modes "${MODES:-block_topk@0.1}" \
-    --whole-run --total-steps "$steps" "${dense[@]}"
+    --whole-run --total-steps "$steps" $dense
 done
 if [ "${CALIBRATE:-0}" = 1 ]; then
-  need_quality_carry
   part calibration "${CAL_LIMIT:-200}" python3 bench/quality_calibration.py --testbed "$b/testbed" \
     --out "$root/calibration" ${CAL_ARGS:-}
 fi

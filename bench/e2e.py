@@ -310,7 +310,7 @@ def schedule_counts(preset, total: int) -> tuple[int, int]:
 
 def whole_run_pattern(preset, total: int) -> str:
     """The preset's schedule over ``total`` steps as letters, resolved as the engine does: D dense warm-up step,
-    A anchor, r reuse (e.g. "ArrrrrArrrrrrrrrrArrrrrrrrrrrrr" for anchors 0, 6, 16 of 30 steps)."""
+    A anchor, r reuse (e.g. "ArrrrrArrrrrrrrrArrrrrrrrrrrrr" for anchors 0, 6, 16 of 30 steps)."""
     warm, _ = schedule_counts(preset, total)
     return "".join("D" if s < warm else "A" if s == warm or preset.anchor_steps.is_anchor(s, warm, total) else "r"
                    for s in range(total))
@@ -454,7 +454,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         call_shape, dtype = tuple(d["self_attn_shape"]), getattr(torch, d.get("dtype", "bfloat16"))
         n_timed = 1 if first > args.long_step_s else 3
         log.info("%s dense: %.3f s/step from %s", name, t_dense, args.reuse_dense)
-        emit(dict(d, reused_from=args.reuse_dense))
+        emit(dict(d, reused_from=args.reuse_dense, projected_s=total * t_dense, schedule=sched))
     else:
         # 1. dense, as ComfyUI runs it; the warm-up run also records the self-attention shapes
         shapes: list = []
@@ -485,6 +485,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                  getattr(model.model, "model_loaded_weight_memory", 0) / 2**30)
     if args.whole_run:  # every step of the preset's run, timed: no projection needed
         pattern = whole_run_pattern(preset, total)
+        if "A" not in pattern or "r" not in pattern:
+            raise SystemExit(f"--whole-run: the {preset_name} preset's schedule over {total} steps is {pattern}: "
+                             "no anchor and reuse step to time (raise --total-steps)")
     else:
         pattern = args.pattern or "A" * max(1, args.anchors_timed) + "r" * n_timed
     anchor_idx = [i for i, c in enumerate(pattern) if c == "A"]
@@ -499,12 +502,13 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     else:  # density-major: a time limit cuts whole densities
         modes = [(m, float(d)) for d in args.densities.split(",") for m in args.methods.split(",")]
     for method, dens in modes:
+        reuse_share = 0.5 if args.whole_run else 1.0  # a whole run's many reuse steps, at about half a dense step
         need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) * len(anchor_idx)
-                        + n_steps - len(anchor_idx) - 1)
+                        + reuse_share * (n_steps - len(anchor_idx)) - 1)
         if clock.left() < need:
             log.warning("%s %s@%s skipped: the time budget is spent", name, method, dens)
             continue
-        if method == "sol":
+        if method == "sol":  # projected from its steps, also under --whole-run
             emit(bench_sol(name, model, latent, pos, neg, cfg, dens, min_tokens, n_timed, device, t_dense,
                            total, warm, sched))
             continue

@@ -343,31 +343,30 @@ class SelectionCache:
         self._prefetch_next(key, device)
         return entry
 
-    def spill(self, share: float = 1.0) -> int:
-        """Free device memory after an out-of-memory error: drop the prefetched copies of host entries and stop
-        prefetching for the rest of the run, then move the least recently used device entries, at least ``share``
-        of the device cache's bytes, to the CPU side (or, without room there, drop them: their layers anchor
-        again). An "auto" budget then keeps at most what stayed on the device. Returns the bytes freed on the
-        device."""
+    def spill(self, share: float = 1.0, stop_prefetch: bool = False) -> int:
+        """Free device memory after an out-of-memory error: drop the prefetched copies of host entries (their host
+        entries stay), then move the least recently used device entries, at least ``share`` of the device
+        cache's bytes, to the CPU side (or, without room there, drop them: their layers anchor again). An "auto"
+        budget then keeps at most what stayed on the device. ``stop_prefetch``: the rest of the run fetches each
+        host entry when its call comes (a prefetch holds a second layer's entry on the device beside the one in
+        use); for the model's own out-of-memory errors. Returns the bytes freed on the device."""
         target = share * self.device_bytes
-        # the prefetched copies go first: their host entries stay, and the rest of the run fetches each entry
-        # when its call comes (a prefetch holds a second layer's entry on the device beside the one in use)
         freed = sum(entry.nbytes for entry, _ in self.prefetched.values())
         self.prefetched.clear()
-        self.prefetch_off = True
+        self.prefetch_off = self.prefetch_off or stop_prefetch
+        moved = 0
         for key in list(self.on_device):  # least recently used first
-            if freed >= target and freed:
+            if moved >= target and moved:
                 break
             entry = self.on_device.pop(key)
-            freed += entry.nbytes
+            moved += entry.nbytes
             if self._cpu_fits(entry.nbytes):
                 self.on_cpu[key] = entry.pinned()
                 self.counters["offloaded"] += 1
-        self.prefetched.clear()
         self.counters["spills"] += 1
         self.auto_limit = self.device_bytes
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
-        return freed
+        return freed + moved
 
     def drop(self, key: tuple) -> None:
         self.on_device.pop(key, None)

@@ -201,10 +201,11 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                     out_s = sel.run(q, k, v, backend=cfg.backend)
                     fresh[i] += _rel(out - out_s, out).pow(2) / len(anchors)
                     achieved[i] += sel.head_density(n) / len(anchors)
-                    if isinstance(sel, BlockSelection) and weighs_by_mass(cfg, a, q):
+                    if isinstance(sel, BlockSelection) and weighs_by_mass(cfg, a, q) and not policy.reselects(cfg):
                         # the residual as a run anchored at step a caches it: with its mass, so the reuse below
                         # weights it as the engine's reuse step does (docs/method.md, "The residual weighted by
-                        # the mass")
+                        # the mass"); a reselecting policy (select_every_step) keeps it fixed, as the engine does.
+                        # Under "auto" the device decides, as in the engine: a CPU calibration measures it fixed
                         _, res = sel.anchor(q, k, v, backend=cfg.backend, mass=True,
                                             precision=residual_precision(cfg.residual_precision, q.device))
                         residual = Residual(*res)

@@ -55,7 +55,7 @@ class DeviceEngines:
         for eng in self.engines().values():
             with eng.lock:
                 if eng.cache.device_bytes or eng.cache.prefetched:
-                    freed += eng.cache.spill(1.0)
+                    freed += eng.cache.spill(1.0, stop_prefetch=True)
         return freed
 
     @property

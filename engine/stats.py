@@ -137,6 +137,8 @@ class RunStats:
                     out.cache[key] = sorted(set(out.cache.get(key, [])) | set(value), key=str)
                 elif key.endswith("budget_bytes") or key == "auto_limit_bytes" or value is None:
                     out.cache.setdefault(key, value)
+                elif isinstance(value, bool):  # a flag (prefetch_off): set when any device set it
+                    out.cache[key] = bool(out.cache.get(key, False)) or value
                 else:
                     out.cache[key] = out.cache.get(key, 0) + value
         out.cache["devices"] = len(parts)

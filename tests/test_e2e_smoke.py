@@ -87,12 +87,29 @@ def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
     assert sorted(tot) == [0, 1, 2, 3, 4] and tot[3]["selection"] > 0 and tot[2]["selection"] == 0
 
 
+def test_whole_run_pattern_follows_the_engines_schedule(bench_import):
+    """Warm-up steps are D, the first sparse step and the schedule's anchors A, the rest r: as schedule_counts
+    resolves them."""
+    e2e = bench_import("e2e")
+    from comfyui_sparse_attention import engine as eng
+    cfg = eng.SparseConfig(method="block_topk", warmup_steps=2, anchor_steps="50%")
+    pattern = e2e.whole_run_pattern(cfg, 8)
+    assert pattern == "DDArArrr"
+    assert e2e.schedule_counts(cfg, 8) == (pattern.count("D"), pattern.count("A"))
+    assert e2e.whole_run_pattern(cfg.replace(warmup_steps=0, anchor_steps="20%, 53%"), 30) == (
+        "A" + "r" * 5 + "A" + "r" * 9 + "A" + "r" * 13)
+
+
 def test_e2e_rejects_a_bad_pattern(tmp_path):
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
                            "--models", "wan13b", "--modes", "mc_sparse@0.25", "--pattern", "rA"],
                           cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "--pattern" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--whole-run", "--pattern", "ArAr"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "--whole-run times the preset's own schedule" in proc.stderr
 
 
 def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):

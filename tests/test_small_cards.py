@@ -72,12 +72,41 @@ def test_an_out_of_memory_error_drops_the_prefetched_copies_and_stops_prefetchin
     cache.new_step()  # the anchor step's order predicts the reuse step's
     assert cache.get(keys[0], "cpu") is not None and keys[1] in cache.prefetched
     size = cache.prefetched[keys[1]][0].nbytes
-    assert size > 0 and cache.spill(1.0) == size
+    assert size > 0 and cache.spill(1.0, stop_prefetch=True) == size
     assert not cache.prefetched and cache.info()["prefetch_off"]
     assert cache.get(keys[1], "cpu") is not None and not cache.prefetched  # fetched, nothing prefetched
     assert cache.counters["fetched"] == 2 and cache.counters["prefetched"] == 1  # layers 0 and 1 fetched
     cache.reset()
     assert not cache.prefetch_off  # a new run prefetches again
+
+
+def test_relieve_frees_prefetched_copies_and_the_whole_device_cache(monkeypatch):
+    """The model's out-of-memory handler (DeviceEngines.relieve) frees a prefetched copy even when no entry lives
+    on the device, and empties the device cache even when the prefetched copies alone outweigh it; an anchor's
+    own spill (share 0.5, engine._anchor_with_room) leaves prefetching on."""
+    from comfyui_sparse_attention.engine.engines import DeviceEngines
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    engines = DeviceEngines(SparseConfig(method="block_topk", min_tokens=0, backend="torch"))
+    cache = engines.engine("cpu").cache
+    cache.cpu_budget, cache.offload = 1 << 30, True
+    big = entry(1, 0.1)
+    small = Entry(entry(0, 0.1).selection, None, importance=0.1)  # a selection without its residual
+    cache.on_device[(0, True, (), 1024)] = small  # a small entry on the device, a larger prefetched copy
+    cache.on_cpu[(1, True, (), 4096)] = big
+    cache.prefetched[(1, True, (), 4096)] = (big, None)
+    assert big.nbytes > small.nbytes
+    assert engines.relieve() == small.nbytes + big.nbytes
+    assert not cache.on_device and not cache.prefetched and cache.prefetch_off
+    assert (0, True, (), 1024) in cache.on_cpu  # moved, not lost
+    cache.reset()
+    cache.prefetched[(1, True, (), 4096)] = (big, None)  # only a prefetched copy: still something to free
+    assert engines.relieve() == big.nbytes
+    cache.reset()
+    cache.prefetched[(1, True, (), 4096)] = (big, None)
+    assert cache.spill(0.5) == big.nbytes and not cache.prefetch_off
+    # the flag of a two-GPU run: set when either device set it, and still a flag
+    merged = RunStats.merged([RunStats().finish({"prefetch_off": False}), RunStats().finish({"prefetch_off": True})])
+    assert merged.cache["prefetch_off"] is True
 
 
 def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
