@@ -439,6 +439,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                                                              offload=args.vram_gb > 0)
     total = args.total_steps or total
     preset = presets.load_preset(preset_name)
+    if args.warmup_layers >= 0:  # a variant of the preset: its first N layers dense (the preset's own count otherwise)
+        preset = preset.replace(warmup_layers=args.warmup_layers)
     warm, anchors = schedule_counts(preset, total)
     rest = max(0, total - warm - anchors)
     sched = f"{total} steps: {warm} dense warm-up, {anchors} anchor(s), {rest} reuse"
@@ -546,7 +548,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         projected = sum(times) if args.whole_run else from_steps  # a whole run: its own time
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
-        row = dict(model=name, mode=f"{method}@{dens}", step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
+        variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # not the preset as it ships
+        row = dict(model=name, mode=f"{method}@{dens}", variant=variant, warmup_layers=c.warmup_layers,
+                   step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
                    later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,
                    profiled_step=args.profile_step if args.profile_step >= 0 else None,
                    step_times_s=times, step_seconds=stats.step_totals(), step_probe=probe.rows,
@@ -605,7 +609,8 @@ def render(rows, meta) -> str:
         if "skipped" in r:
             lines.append(f"| {r['model']} | {r['mode']} | skipped: {r['skipped']} |||||||||||")
             continue
-        lines.append(f"| {r['model']} | {r['mode']} | {f(r.get('dense_s'), '.3f')} | {f(r.get('anchor_s'), '.3f')} | "
+        mode = r["mode"] + (f" ({r['variant']})" if r.get("variant") else "")
+        lines.append(f"| {r['model']} | {mode} | {f(r.get('dense_s'), '.3f')} | {f(r.get('anchor_s'), '.3f')} | "
                      f"{f(r['step_s'], '.3f')} | {f(r.get('steady_speedup'), '.2f')} | {r['projected_s']:.1f}"
                      f"{' (timed whole run)' if r.get('whole_run') else ''} | "
                      f"{r['speedup']:.2f} | {f(r.get('ceiling_speedup'), '.2f')} | {f(r.get('of_ceiling'), '.2f')} | "
@@ -630,6 +635,8 @@ def main():
                     "reuse step after a later anchor, as a preset's run has them); overrides --anchors-timed")
     ap.add_argument("--whole-run", action="store_true", help="time every step of the preset's run (its warm-up, "
                     "anchors and reuse steps over --total-steps) instead of a pattern and a projection")
+    ap.add_argument("--warmup-layers", type=int, default=-1, help="run the preset with its first N layers dense "
+                    "instead of its own warmup_layers (a variant to time; default: the preset's)")
     ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "
                     "torch.profiler: OUT/profile-MODEL-METHOD_DENSITY.txt, operators by CUDA and by CPU time")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compilation (kernel, specialisation, "

@@ -83,7 +83,7 @@ class StepCosts:
                         dense_s = r["dense_s"]
                         used.append(run)
                     continue
-                if "@" not in str(r.get("mode")):
+                if "@" not in str(r.get("mode")) or r.get("variant"):  # a variant is not the preset's configuration
                     continue
                 method, dens = r["mode"].split("@")
                 later = r["later_anchor_s"] if len(r.get("anchor_times_s") or []) > 1 else None  # a later anchor timed

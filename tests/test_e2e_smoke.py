@@ -70,10 +70,12 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
 
 def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
     """--whole-run --total-steps 5: the preset's own schedule (anchors at 0, 20 %, 53 %: steps 0, 1, 3 of 5) timed
-    step by step in one sampling run; its time is the row's run time and the speed-up is taken from it."""
+    step by step in one sampling run; its time is the row's run time and the speed-up is taken from it;
+    --warmup-layers 0 runs a variant with every layer sparse, labelled as one."""
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
-                           "--models", "wan13b", "--modes", "block_topk@0.25", "--whole-run", "--total-steps", "5"],
+                           "--models", "wan13b", "--modes", "block_topk@0.25", "--whole-run", "--total-steps", "5",
+                           "--warmup-layers", "0"],
                           cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     dense, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
@@ -81,7 +83,11 @@ def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
     assert row["whole_run"] and row["pattern"] == "AArAr" and len(times) == 5
     assert row["anchor_times_s"] == [times[0], times[1], times[3]] and row["reuse_times_s"] == [times[2], times[4]]
     assert row["projected_s"] == pytest.approx(sum(times))
-    assert "(timed whole run)" in (tmp_path / "e2e.md").read_text()
+    md = (tmp_path / "e2e.md").read_text()
+    assert "(timed whole run)" in md and "block_topk@0.25 (wl0)" in md
+    assert row["variant"] == "wl0" and row["warmup_layers"] == 0
+    # the preset runs layer 0 dense; this variant runs both layers of the tiny model sparse at each reuse step
+    assert row["sparse_calls_per_step"] == 2
     assert row["speedup"] == pytest.approx(5 * dense["dense_s"] / sum(times))
     tot = {int(k): v for k, v in row["step_seconds"].items()}
     assert sorted(tot) == [0, 1, 2, 3, 4] and tot[3]["selection"] > 0 and tot[2]["selection"] == 0

@@ -154,13 +154,16 @@ def costs(tmp_path):
     new = write_e2e(tmp_path / "new" / "e2e.json", "device X, 2026-11-30 08:00", [
         dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
         dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=12.0, step_s=4.0),
-        dict(model="wan14b", mode="mc_sparse@0.1", dense_s=10.0, anchor_s=30.0, step_s=4.5)])
+        dict(model="wan14b", mode="mc_sparse@0.1", dense_s=10.0, anchor_s=30.0, step_s=4.5),
+        # a variant of the preset (bench/e2e.py --warmup-layers 0) is not what the projections price
+        dict(model="wan14b", mode="block_topk@0.25", variant="wl0", dense_s=10.0, anchor_s=1.0, step_s=1.0)])
     return StepCosts.from_e2e([old, new])  # given oldest first: the dates decide
 
 
 def test_costs_merge_newest_first_and_interpolate(costs):
     assert costs.dense_s == 10.0 and costs.sources[0] == "new"
     assert costs.costs("block_topk", 0.1) == (12.0, 4.0, None)  # the newer run wins
+    assert costs.costs("block_topk", 0.25) == (14.0, 6.0, None)  # its variant row does not
     a, r, flag = costs.costs("block_topk", 0.15)                  # 1/3 of the way from 0.1 to 0.25
     assert flag == "interpolated" and a == pytest.approx(12 + (14 - 12) / 3) and r == pytest.approx(4 + 2 / 3)
     assert costs.costs("block_topk", 0.05) == (12.0, 4.0, "nearest")
