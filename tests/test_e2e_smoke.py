@@ -106,16 +106,18 @@ def test_whole_run_pattern_follows_the_engines_schedule(bench_import):
         "A" + "r" * 5 + "A" + "r" * 9 + "A" + "r" * 13)
 
 
-def test_e2e_rejects_a_bad_pattern(tmp_path):
-    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
-                           "--models", "wan13b", "--modes", "mc_sparse@0.25", "--pattern", "rA"],
-                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "--pattern" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
-                           "--models", "wan13b", "--whole-run", "--pattern", "ArAr"],
-                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "--whole-run times the preset's own schedule" in proc.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["--pattern", "rA"], "--pattern: letters A (anchor) and r (reuse), starting with A"),
+    (["--whole-run", "--pattern", "ArAr"], "--whole-run times the preset's own schedule"),
+    (["--whole-run", "--anchors-timed", "2"], "--whole-run times the preset's own schedule"),
+])
+def test_e2e_rejects_contradicting_arguments(bench_import, monkeypatch, capsys, tmp_path, argv, message):
+    """Checked before anything is built or imported from ComfyUI (in-process: no model, no subprocess)."""
+    e2e = bench_import("e2e")
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--out", str(tmp_path), "--tiny", "--models", "wan13b", *argv])
+    with pytest.raises(SystemExit) as exc:
+        e2e.main()
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
