@@ -1,7 +1,8 @@
 """Triton kernels under the CPU interpreter (TRITON_INTERPRET=1), compared with their PyTorch twins.
 
 fp16 and fp32 only: the interpreter's bf16 ``tl.dot`` is wrong (triton issue #11584). Each case runs in
-a child process because TRITON_INTERPRET is read when the kernels are defined.
+a child process because TRITON_INTERPRET is read when the kernels are defined; the children run two at a time
+(the ``children`` fixture).
 """
 
 import json
@@ -36,6 +37,26 @@ def run_child(code: str, timeout: int, **env) -> object:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")]
     assert proc.returncode == 0 and lines, proc.stderr[-6000:]
     return json.loads(lines[-1][7:])
+
+
+@pytest.fixture(scope="module")
+def children(request):
+    """The child processes of this module's selected tests (CHILDREN), started together when the first of those
+    tests runs and run two at a time, longest first (each is one single-threaded interpreter process):
+    {test name: future of ``run_child``'s result}."""
+    from concurrent.futures import ThreadPoolExecutor
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {name: pool.submit(run_child, code, timeout, **env)
+               for name, (code, timeout, env) in CHILDREN.items() if name in selected}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def child(children, request):
+    """This test's child result (a failed child fails the test with its stderr)."""
+    return children[request.node.originalname].result()
 
 
 CHILD = PREAMBLE + r"""
@@ -85,8 +106,8 @@ print("RESULT:" + json.dumps(results))
 """
 
 
-def test_triton_kernels_match_twins_in_interpreter():
-    results = run_child(CHILD, 900)
+def test_triton_kernels_match_twins_in_interpreter(child):
+    results = child
     assert len(results) == 2 * 4 * 6
     bad = {}
     for name, errs in results.items():
@@ -116,10 +137,10 @@ print("RESULT:" + json.dumps(out))
 """
 
 
-def test_block_sparse_triton_path_under_inference_mode_in_interpreter():
+def test_block_sparse_triton_path_under_inference_mode_in_interpreter(child):
     """The Triton wrapper's remembered row order works on inference tensors (ComfyUI samples under
     torch.inference_mode; they have no version counter) and is reused on the next call."""
-    r = run_child(INFERENCE_CHILD, 600)
+    r = child
     assert r["inference"] and r["same_memo"] and r["equal"] and r["rel"] <= 1e-5
     counts = r["counts"]
     assert sorted(r["order"]) == list(range(len(counts)))  # a permutation of the rows, heaviest first
@@ -238,10 +259,10 @@ print("RESULT:" + json.dumps(dict(results=results, flags=flags)))
 """
 
 
-def test_hopper_kernels_residual_anchor_and_mass_in_interpreter():
+def test_hopper_kernels_residual_anchor_and_mass_in_interpreter(child):
     """TMA kernels (block-sparse: tma, persistent, warp_spec; dense+LSE; anchor), the pointer kernel and
     token kernel with fused residuals, and both mass paths, against their twins; dispatch and fallback."""
-    got = run_child(HOPPER_CHILD, 1500)
+    got = child
     results, flags = got["results"], got["flags"]
     # 2 dtypes x 3 shapes x (3 block configs x (4 paths + 2 precisions x 2 paths x 3) + 2 dense + 2 token + 2 mass)
     assert len(results) == 2 * 3 * (3 * (4 + 12) + 6)
@@ -355,11 +376,11 @@ print("RESULT:" + json.dumps(dict(results=results, reach=reach)))
 """
 
 
-def test_lazy_rescale_matches_twins_in_interpreter():
+def test_lazy_rescale_matches_twins_in_interpreter(child):
     """SPARSE_ATTN_RESCALE=lazy: every kernel (dense pointer / TMA, block-sparse pointer / TMA / persistent, fused
     anchor, token-sparse) equals its twin on scores whose row max never moves by the slack, climbs tile after
     tile, or sits in the first tile (kernels/_triton_common.py, online_softmax_step)."""
-    got = run_child(LAZY_CHILD, 900, SPARSE_ATTN_RESCALE="lazy")
+    got = child
     results, reach = got["results"], got["reach"]
     # the switch reaches every kernel: lazy with an unbounded slack overflows, eager does not
     assert len(reach) == 16 and all(v is (k.endswith("-eager")) for k, v in reach.items()), reach
@@ -462,12 +483,12 @@ print("RESULT:" + json.dumps(dict(results=results, tiles=tiles)))
 """
 
 
-def test_scores_ahead_matches_twins_in_interpreter():
+def test_scores_ahead_matches_twins_in_interpreter(child):
     """SPARSE_ATTN_LOOP=ahead (kernels/_triton_common.py, loop_ahead): the TMA kernel (dense + LSE, block-sparse plain
     and persistent, fused anchor) and the token kernel (int32 and compact lists) equal their twins as the plain loops
     do, on lists of no, one and many whole tiles with and without a masked tail; and the switch reaches the loops
     (the ahead loops leave the one-tile helpers of the plain loops to masked tails)."""
-    got = run_child(AHEAD_CHILD, 900)
+    got = child
     results, tiles = got["results"], got["tiles"]
     assert len(results) == 2 * 2 * (5 * (2 + 2 + 3 + 1) + 1)
     bad = {name: e for name, e in results.items()
@@ -527,11 +548,11 @@ print("RESULT:" + json.dumps(results))
 """
 
 
-def test_mass_weighted_residual_matches_twins_in_interpreter():
+def test_mass_weighted_residual_matches_twins_in_interpreter(child):
     """The fused anchor writes the rows' mass and the block-sparse kernels (pointer, TMA, persistent) weight the
     residual by it as the twin does (kernels/_residual.py), batch 2; the block-sparse kernels' row LSE equals the
     twin's; through kernels.api, the fused and the composed anchor's mass reach the Triton reuse path."""
-    got = run_child(MASS_CHILD, 900)
+    got = child
     assert len(got) == 2 * 2 * 6
     for name, vals in got.items():
         # each side reuses its own anchor's residual: fp16 inputs round differently in the two, and an fp8 residual
@@ -570,9 +591,9 @@ print("RESULT:" + json.dumps(same))
 """
 
 
-def test_compact_keep_kernel_matches_twin_in_interpreter():
+def test_compact_keep_kernel_matches_twin_in_interpreter(child):
     """kernels/compact_triton.py writes the same lists as its twin, alone and inside a whole mc_sparse selection."""
-    same = run_child(COMPACT_CHILD, 300)
+    same = child
     assert len(same) == 6 and all(same.values()), same
 
 
@@ -602,11 +623,32 @@ print("RESULT:" + json.dumps(errs))
 """
 
 
-def test_compact_token_kernel_decodes_lists_in_the_interpreter():
+def test_compact_token_kernel_decodes_lists_in_the_interpreter(child):
     """The token kernel over compact int16 lists (decoded in registers: one, two and three segments at 3 000, 70 000
     and 140 000 tokens) equals the twin over the decoded int32 lists, with and without a residual."""
-    errs = run_child(COMPACT_TOKEN_CHILD, 600)
+    errs = child
     assert len(errs) == 5
     for name, (plain, with_res, finite) in errs.items():
         tol = 1e-5 if "float32" in name else 2e-3
         assert finite and plain <= tol and with_res <= tol, (name, plain, with_res)
+
+
+# test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
+CHILDREN = {
+    "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
+        (HOPPER_CHILD, 1500, {}),
+    "test_lazy_rescale_matches_twins_in_interpreter":
+        (LAZY_CHILD, 900, {"SPARSE_ATTN_RESCALE": "lazy"}),
+    "test_mass_weighted_residual_matches_twins_in_interpreter":
+        (MASS_CHILD, 900, {}),
+    "test_scores_ahead_matches_twins_in_interpreter":
+        (AHEAD_CHILD, 900, {}),
+    "test_triton_kernels_match_twins_in_interpreter":
+        (CHILD, 900, {}),
+    "test_compact_keep_kernel_matches_twin_in_interpreter":
+        (COMPACT_CHILD, 300, {}),
+    "test_compact_token_kernel_decodes_lists_in_the_interpreter":
+        (COMPACT_TOKEN_CHILD, 600, {}),
+    "test_block_sparse_triton_path_under_inference_mode_in_interpreter":
+        (INFERENCE_CHILD, 600, {}),
+}
