@@ -15,11 +15,12 @@ source bench/device_comfyui.sh
 unpack_comfyui "${BUNDLE:-.carry/bundle.tar.xz}"
 record_gpu
 parts=${PARTS:-wan13b wan14b}
-for g in 16 8; do
-  [[ " $parts " == *" wan13b "* ]] || break
-  part "wan13b-card$g" 150 python3 bench/e2e.py --out "$root/wan13b-card$g" --models wan13b \
-    --modes block_topk@0.1 --vram-gb "$g" --host-gb 32 --whole-run
-done
+if [[ " $parts " == *" wan13b "* ]]; then
+  for g in 16 8; do
+    part "wan13b-card$g" 150 python3 bench/e2e.py --out "$root/wan13b-card$g" --models wan13b \
+      --modes block_topk@0.1 --vram-gb "$g" --host-gb 32 --whole-run
+  done
+fi
 # DENSE: an e2e.json whose dense row to reuse (--reuse-dense), e.g. docs/bench-runs/e2e-card24-wan14b/e2e.json
 [[ " $parts " == *" wan14b "* ]] && part wan14b-fp8-card24 "${WAN14B_LIMIT:-400}" python3 bench/e2e.py \
   --out "$root/wan14b-fp8-card24" --models wan14b --modes block_topk@0.1 --vram-gb 24 --host-gb 32 --weights fp8 \

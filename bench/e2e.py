@@ -300,18 +300,17 @@ def sdpa_call_seconds(shape, dtype, device, reps=5):
 
 
 def schedule_counts(preset, total: int) -> tuple[int, int]:
-    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps, resolved as the engine does
-    (shares of the run against ``total``; the first sparse step is always an anchor)."""
-    from _pack import load
-    warm = min(load("engine.schedule").resolve_warmup(preset.warmup_steps, total), total)
-    anchors = sum(1 for s in range(warm, total) if s == warm or preset.anchor_steps.is_anchor(s, warm, total))
-    return warm, anchors
+    """(warm-up steps, anchor steps) of the preset's schedule over ``total`` steps (``whole_run_pattern``)."""
+    pattern = whole_run_pattern(preset, total)
+    return pattern.count("D"), pattern.count("A")
 
 
 def whole_run_pattern(preset, total: int) -> str:
-    """The preset's schedule over ``total`` steps as letters, resolved as the engine does: D dense warm-up step,
-    A anchor, r reuse (e.g. "ArrrrrArrrrrrrrrArrrrrrrrrrrrr" for anchors 0, 6, 16 of 30 steps)."""
-    warm, _ = schedule_counts(preset, total)
+    """The preset's schedule over ``total`` steps as letters, resolved as the engine does (shares of the run against
+    ``total``; the first sparse step is always an anchor): D dense warm-up step, A anchor, r reuse (e.g.
+    "ArrrrrArrrrrrrrrArrrrrrrrrrrrr" for anchors 0, 6, 16 of 30 steps)."""
+    from _pack import load
+    warm = min(load("engine.schedule").resolve_warmup(preset.warmup_steps, total), total)
     return "".join("D" if s < warm else "A" if s == warm or preset.anchor_steps.is_anchor(s, warm, total) else "r"
                    for s in range(total))
 
@@ -503,8 +502,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         modes = [(m.split("@")[0], float(m.split("@")[1])) for m in args.modes.split(",")]
     else:  # density-major: a time limit cuts whole densities
         modes = [(m, float(d)) for d in args.densities.split(",") for m in args.methods.split(",")]
+    reuse_share = 0.5 if args.whole_run else 1.0  # a whole run's many reuse steps, at about half a dense step
     for method, dens in modes:
-        reuse_share = 0.5 if args.whole_run else 1.0  # a whole run's many reuse steps, at about half a dense step
         need = first * ({"mc_sparse": 5, "block_topk": 3}.get(method, 2) * len(anchor_idx)
                         + reuse_share * (n_steps - len(anchor_idx)) - 1)
         if clock.left() < need:

@@ -16,10 +16,12 @@ PLANS = ("full", "rescale", "loop", "mass")
 
 
 @pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
-    """Every plan's dry run, two at a time (each is one single-threaded interpreter process): {plan: (process, out
-    folder)}."""
+def dry_runs(request, tmp_path_factory):
+    """The selected plans' dry runs, two at a time (each is one single-threaded interpreter process): {plan:
+    (process, out folder)}."""
     from concurrent.futures import ThreadPoolExecutor
+    selected = [item.callspec.params["plan"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
 
     def run(plan):
         out = tmp_path_factory.mktemp(f"hopper-{plan}")
@@ -27,7 +29,7 @@ def dry_runs(tmp_path_factory):
                                       "--shapes", "wan14b", "--out", str(out)], capture_output=True, text=True,
                                      timeout=900, cwd=str(ROOT)), out)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, PLANS))
+        return dict(pool.map(run, [plan for plan in PLANS if plan in selected]))
 
 
 @pytest.mark.parametrize("plan", PLANS)
