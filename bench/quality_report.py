@@ -14,7 +14,7 @@ FAMILY_TEXT = {"mc_sparse": "mc_sparse", "block_topk": "block_topk (residual as 
                "block_topk_mass": "block_topk, residual weighted by the mass",
                "block_topk_fixed": "block_topk, residual as cached (the mass runs' control)",
                "block_topk+select": "block_topk, selection every step", "sol": "Sol-Attn", "dense": "dense"}
-FLAG_MARK = {"interpolated": "†", "nearest": "‡", "method costs": "§", "first-anchor price": "¶"}
+FLAG_MARK = {"interpolated": "†", "nearest": "‡", "method costs": "§", "first-anchor price": "¶", "layers": "°"}
 THRESHOLDS = (30.0, 35.0)
 TARGET_A = (30, 30.0, 2.0)        # steps, PSNR dB, projected speed-up
 TARGET_B_RATIO = 1.5               # ours / Sol-Attn at a PSNR at least Sol's
@@ -257,7 +257,8 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
          "\"End to end\"): steps × dense / (n_dense × dense + first anchor + (n_anchor − 1) × later anchor "
          "+ n_reuse × reuse), Sol-Attn: n_dense × dense + n_sparse × Sol step, with the step costs below. Marks: "
          + "; ".join(f"{FLAG_MARK[k]} {v}" for k, v in FLAG_TEXT.items())
-         + ". The e2e rows keep 1 of 40 layers dense (the preset's `warmup_layers`); the testbed's "
+         + f". The projections price e2e rows run with the Wan 14B preset's `warmup_layers` "
+           f"({costs.warmup_layers} of 40 layers dense) where measured, other rows marked °; the testbed's "
            "`warmup_layers` does not enter the projection.", "",
          "## Runs", ""]
     L += _meta_lines(metas)

@@ -155,9 +155,10 @@ def costs(tmp_path):
         dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
         dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=12.0, step_s=4.0),
         dict(model="wan14b", mode="mc_sparse@0.1", dense_s=10.0, anchor_s=30.0, step_s=4.5),
-        # a variant of the preset (bench/e2e.py --warmup-layers 0) is not what the projections price
-        dict(model="wan14b", mode="block_topk@0.25", variant="wl0", dense_s=10.0, anchor_s=1.0, step_s=1.0)])
-    return StepCosts.from_e2e([old, new])  # given oldest first: the dates decide
+        # a variant of the preset (bench/e2e.py --warmup-layers 0) is not what these projections price (1 layer)
+        dict(model="wan14b", mode="block_topk@0.25", variant="wl0", warmup_layers=0, dense_s=10.0, anchor_s=1.0,
+             step_s=1.0)])
+    return StepCosts.from_e2e([old, new], warmup_layers=1)  # given oldest first: the dates decide
 
 
 def test_costs_merge_newest_first_and_interpolate(costs):
@@ -170,6 +171,40 @@ def test_costs_merge_newest_first_and_interpolate(costs):
     assert costs.costs("block_topk", 0.5) == (14.0, 6.0, "nearest")
     with pytest.raises(ValueError, match="hybrid"):
         costs.costs("hybrid", 0.1)
+
+
+def test_costs_prefer_the_presets_dense_layer_count_and_flag_others(tmp_path):
+    """Rows run with the preset's number of dense layers win over newer rows with another; a projection priced
+    from rows with another count is flagged "layers"; variants of another kind are never priced."""
+    from quality_costs import StepCosts, preset_warmup_layers
+    from quality_grid import engine_setting
+
+    older = write_e2e(tmp_path / "older" / "e2e.json", "device X, 2026-12-01 10:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.08", variant="wl0", warmup_layers=0, dense_s=10.0, anchor_s=11.0,
+             later_anchor_s=10.5, anchor_times_s=[11.0, 10.5], step_s=3.0),
+        dict(model="wan14b", mode="block_topk@0.2", dense_s=10.0, anchor_s=13.0, step_s=5.0)])  # legacy: 1 layer
+    newer = write_e2e(tmp_path / "newer" / "e2e.json", "device X, 2026-12-02 10:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.08", warmup_layers=1, dense_s=10.0, anchor_s=12.0,
+             later_anchor_s=11.5, anchor_times_s=[12.0, 11.5], step_s=3.5),
+        dict(model="wan14b", mode="block_topk@0.2", variant="fp8", dense_s=10.0, anchor_s=1.0, step_s=1.0)])
+    c0 = StepCosts.from_e2e([older, newer], warmup_layers=0)
+    assert c0.costs("block_topk", 0.08) == (11.0, 3.0, None) and c0.later_anchor_s("block_topk", 0.08) == 10.5
+    assert c0.costs("block_topk", 0.2) == (13.0, 5.0, None)  # the "fp8" variant is not priced
+    at = lambda d: engine_setting(30, "block_topk", d, 128, (0, (0, 6, 16)), 1)  # noqa: E731
+    assert c0.project(at(0.08))["flags"] == [] and "layers" in c0.project(at(0.2))["flags"]
+    assert c0.project(at(0.1))["flags"][:2] == ["interpolated", "layers"]  # one of its two neighbours ran 1 layer
+    c1 = StepCosts.from_e2e([older, newer], warmup_layers=1)
+    assert c1.costs("block_topk", 0.08) == (12.0, 3.5, None) and c1.project(at(0.08))["flags"] == []
+    c1.to_json(tmp_path / "c1.json")
+    assert "layers" not in StepCosts.load([tmp_path / "c1.json"]).project(at(0.2))["flags"]
+    assert StepCosts.load([tmp_path / "c1.json"]).warmup_layers == 1
+    assert preset_warmup_layers() >= 0  # the shipped Wan 14B preset names its count (0 when absent)
+    bad = tmp_path / "p.yaml"
+    bad.write_text("sparse: [1, 2]\n")
+    with pytest.raises(ValueError, match="p.yaml"):
+        preset_warmup_layers(bad)
 
 
 def test_projection_counts_steps_as_the_engine_does(costs, tmp_path):
@@ -207,7 +242,7 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
              anchor_times_s=[12.0, 9.0], step_s=4.0),
         dict(model="wan14b", mode="block_topk@0.25", dense_s=10.0, anchor_s=20.0, later_anchor_s=20.0,
              anchor_times_s=[20.0], step_s=6.0)])  # one anchor timed: its later_anchor_s is the first's
-    c = StepCosts.from_e2e([tmp_path / "old" / "e2e.json", later])
+    c = StepCosts.from_e2e([tmp_path / "old" / "e2e.json", later], warmup_layers=1)
     assert c.later_anchor_s("block_topk", 0.1) == 9.0 and c.later_anchor_s("block_topk", 0.25) is None
     ref = engine_setting(30, "block_topk", 0.1, 128, (3, (3, 12, 21)), 1)
     assert c.project(ref)["seconds"] == pytest.approx(3 * 10 + 12 + 2 * 9 + 24 * 4)
@@ -217,7 +252,7 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
         dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
         dict(model="wan14b", mode="block_topk@0.1", dense_s=10.0, anchor_s=11.0, later_anchor_s=11.0,
              anchor_times_s=[11.0], step_s=3.9)])  # one anchor timed: the older run's later anchor still counts
-    c2 = StepCosts.from_e2e([later, newest])
+    c2 = StepCosts.from_e2e([later, newest], warmup_layers=1)
     assert c2.costs("block_topk", 0.1) == (11.0, 3.9, None) and c2.later_anchor_s("block_topk", 0.1) == 9.0
     assert c2.modes["block_topk"][0.1]["later_run"] == "later"
     mid = c.project(engine_setting(30, "block_topk", 0.15, 128, (3, (3, 12, 21)), 1))
@@ -231,21 +266,24 @@ def test_projection_takes_later_anchors_where_a_run_timed_them(costs, tmp_path):
 def test_costs_from_the_repository_runs():
     import json
 
-    from quality_costs import StepCosts, _run_date
+    from quality_costs import StepCosts, _layers_of, _run_date, preset_warmup_layers
 
     c = StepCosts.load()
     assert c.model == "wan14b" and c.dense_s == pytest.approx(22.99, abs=0.01)
     assert {"mc_sparse", "block_topk", "sol"} <= set(c.modes)
-    # every (mode, density) comes from the newest run (by its date) that measured it
+    assert c.warmup_layers == preset_warmup_layers()
+    # every (mode, density) comes from the newest run (by its date) that measured it with the preset's dense-layer
+    # count, else from the newest with another count
     runs = []
     for path in sorted((ROOT / "docs" / "bench-runs").glob("e2e-wan14b*/e2e.json")):
         doc = json.loads(path.read_text())
         runs.append((_run_date(doc.get("meta")), path.parent.name, doc["rows"]))
     for method, by_density in c.modes.items():
         for density, cost in by_density.items():
-            have = [(d, name) for d, name, rows in runs
-                    if any(r.get("model") == "wan14b" and r.get("mode") == f"{method}@{density}" for r in rows)]
-            assert have and cost["run"] == max(have)[1], (method, density, cost["run"], have)
+            have = [(_layers_of(r) == c.warmup_layers, d, name) for d, name, rows in runs for r in rows
+                    if r.get("model") == "wan14b" and r.get("mode") == f"{method}@{density}"
+                    and _layers_of(r) is not None and "skipped" not in r]
+            assert have and cost["run"] == max(have)[2], (method, density, cost["run"], have)
 
 
 # ---- the engine adapter -------------------------------------------------------------------------------------
