@@ -1,5 +1,6 @@
 """The Sparse Attention node's inputs, declared once: name, kind, tooltip, range and the configuration fields
-each one sets. Defaults come from SparseConfig's own defaults, so the node and the engine cannot disagree.
+each one sets. Defaults are the "balanced" preset's configuration (the measured speed setting; fields it does not
+set keep SparseConfig's defaults), read from the preset file so the node and the preset cannot disagree.
 
 nodes/ turns each Widget into a ComfyUI input and ``config_from_widgets`` back into a SparseConfig. Widget
 names and their order are permanent: saved workflows store widget values by position (new widgets are only
@@ -14,9 +15,13 @@ from typing import Any, Callable
 from .config import SparseConfig, parse_layers
 from .layer_density import layer_densities_text, parse_layer_densities
 from .policy import method_names
+from .presets import load_preset
 from .schedule import warmup_text
 
-DEFAULTS = SparseConfig()
+# A user who drags the full node in gets the setting the presets ship, chosen by measurement (docs/decisions.md,
+# "Presets at density 0.08 with every layer sparse"), not the library's defaults (mc_sparse 0.15, one anchor).
+DEFAULT_PRESET = "balanced"
+DEFAULTS = load_preset(DEFAULT_PRESET)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,20 @@ from comfyui_sparse_attention.nodes.families import BY_NAME, FAMILIES, UNKNOWN, 
 from comfyui_sparse_attention.nodes.forward import Forward
 
 
-def test_widget_defaults_are_the_configuration_defaults():
+def test_widget_defaults_are_the_balanced_presets_configuration():
+    from comfyui_sparse_attention.engine.presets import load_preset
+
     cfg = config_from_widgets({})
     fields = {f for w in WIDGETS for f in w.fields}
     assert fields <= {f.name for f in dataclasses.fields(SparseConfig)}
+    balanced = load_preset("balanced")
     for name in fields:
-        assert getattr(cfg, name) == getattr(SparseConfig(), name), name
+        assert getattr(cfg, name) == getattr(balanced, name), name
+    # the measured speed setting, not the library's defaults (which differ in method, density and schedule)
+    library = SparseConfig()
+    for name in ("method", "density"):
+        assert getattr(cfg, name) == getattr(balanced, name) != getattr(library, name), name
+    assert cfg.anchor_steps.text() == balanced.anchor_steps.text() != library.anchor_steps.text()
     names = [w.name for w in WIDGETS]  # permanent order: saved workflows store widget values by position
     assert names == ["method", "density", "block_size", "query_group_size", "warmup_steps", "warmup_layers",
                      "dense_layers", "anchor_steps", "residual_caching", "cache_offload", "min_tokens", "backend",

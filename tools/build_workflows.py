@@ -39,13 +39,14 @@ WORKFLOWS = {
                             "At 1024² (4 608 tokens) attention is a small part of the step and min_tokens keeps it "
                             "dense; raise the resolution (2 MP and up) to see a speed-up."),
     "image_qwen_image_t2i": ("image_qwen_image", "Qwen-Image text-to-image", {"": "qwen_image"},
-                             "Block top-k at density 0.1, three anchors and the residual weighted by the mass (the "
-                             "fastest setting at >= 30 dB on the pack's quality testbed); gains grow with resolution."),
+                             "Block top-k at density 0.08, three anchors and the residual weighted by the mass (the "
+                             "lowest density that keeps >= 30 dB at 20-50 steps on the pack's quality testbed); gains "
+                             "grow with resolution."),
     "video_wan2_1_t2v_1.3b": ("text_to_video_wan", "Wan 2.1 T2V 1.3B 480p", {"": "wan21_t2v_1.3b"},
-                              "Block top-k at density 0.1 with the residual weighted by the mass, no dense step, "
-                              "anchors at 0, 20 % and 53 % of the run: 32.5 dB at 30 steps on the pack's quality "
-                              "testbed; attention at reuse steps runs ~4-5x faster than dense (docs/quality.md, "
-                              "docs/benchmarks.md)."),
+                              "Block top-k at density 0.08 on every layer with the residual weighted by the mass, no "
+                              "dense step, anchors at 0, 20 % and 53 % of the run: 31.4 dB at 30 steps on the pack's "
+                              "quality testbed; attention at reuse steps runs ~4-5x faster than dense "
+                              "(docs/quality.md, docs/benchmarks.md)."),
     "video_wan2_2_14b_t2v": ("video_wan2_2_14B_t2v", "Wan 2.2 14B T2V (high- and low-noise models)",
                              {"high_noise": "wan22_14b_high_noise", "low_noise": "wan22_14b_low_noise"},
                              "Each expert model is patched with its preset; both samplers count steps in the whole "
@@ -53,9 +54,9 @@ WORKFLOWS = {
                              "dense 0-1, anchors 2 and 10). At 720p attention dominates the step."),
     "video_hunyuan_video_1.5_720p_t2v": ("video_hunyuan_video_1.5_720p_t2v", "HunyuanVideo 1.5 720p T2V",
                                          {"": "hunyuan_video_1.5"},
-                                         "Block top-k at density 0.1 on both the 720p and the super-resolution "
-                                         "model (the fastest setting at >= 30 dB on the pack's quality testbed); "
-                                         "EasyCache stays in the chain."),
+                                         "Block top-k at density 0.08 on both the 720p and the super-resolution "
+                                         "model (the lowest density that keeps >= 30 dB at 20-50 steps on the pack's "
+                                         "quality testbed); EasyCache stays in the chain."),
     "3d_hunyuan3d_2_image_to_model": ("3d_hunyuan3d_image_to_model", "Hunyuan3D 2.0 image-to-model",
                                       {"": "hunyuan3d_2"},
                                       "One anchor at step 1 (the 3-D setting of the MC-Sparse paper)."),
