@@ -33,7 +33,9 @@ from quality_grid import ANCHOR, DENSE, REUSE, count_kinds, step_kinds
 
 DEFAULT_RUNS = "docs/bench-runs/e2e-wan14b*/e2e.json"
 PRESET = Path(__file__).resolve().parents[1] / "presets" / "wan21_t2v_14b.yaml"  # the configuration the runs price
-LEGACY_WARMUP_LAYERS = 1  # e2e rows without a "warmup_layers" key ran the Wan 14B preset of their day: 1 of 40 dense
+# e2e rows without a "warmup_layers" key ran the Wan 14B preset of their day: 1 of 40 layers dense (Wan 14B's count:
+# the projections price wan14b rows only)
+LEGACY_WARMUP_LAYERS = 1
 MEASURED_CONFIG = {"group_size": 128, "block_q": 128, "block_k": 128, "residual": True, "select_every_step": False}
 FLAG_TEXT = {
     "interpolated": "density not measured: costs interpolated linearly between the nearest measured densities",
@@ -60,11 +62,15 @@ def preset_warmup_layers(path: Path = PRESET) -> int:
 
 
 def _layers_of(row: dict) -> int | None:
-    """The dense-layer count an e2e row ran with, or None for a variant of another kind (not priced)."""
+    """The dense-layer count an e2e row ran with (its "warmup_layers", else its "wlN" variant's N, else the legacy
+    count), or None for a variant of another kind (not priced)."""
     variant = row.get("variant")
-    if variant and not re.fullmatch(r"wl\d+", str(variant)):
+    m = re.fullmatch(r"wl(\d+)", str(variant)) if variant else None
+    if variant and not m:
         return None
-    return int(row.get("warmup_layers", LEGACY_WARMUP_LAYERS))
+    if "warmup_layers" in row:
+        return int(row["warmup_layers"])
+    return int(m.group(1)) if m else LEGACY_WARMUP_LAYERS
 
 
 def _run_date(meta) -> str:
@@ -212,7 +218,7 @@ class StepCosts:
         """Whether the entries that price ``density`` ran with another dense-layer count than projected."""
         if self.warmup_layers is None:
             return False
-        return any(e.get("warmup_layers", self.warmup_layers) != self.warmup_layers
+        return any(e.get("warmup_layers", LEGACY_WARMUP_LAYERS) != self.warmup_layers
                    for e, _ in self._entries(method, density)[0])
 
     def project(self, setting: dict) -> dict:

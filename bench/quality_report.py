@@ -217,6 +217,13 @@ def _testbed_text(metas) -> str:
             f"(shift {m.get('shift')}), bf16 autocast on the GPU.")
 
 
+def _layers_text(costs: StepCosts) -> str:
+    if costs.warmup_layers is None:  # a step-cost file written before the runs' dense-layer counts were compared
+        return "The e2e rows' dense-layer counts were not compared with the preset's (no ° marks)."
+    return (f"The projections price e2e rows run with the Wan 14B preset's `warmup_layers` ({costs.warmup_layers} of "
+            "40 layers dense) where measured, other rows marked °.")
+
+
 def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_cmd: str = "") -> str:
     rows = project_rows(results["rows"], costs)
     metas = results["metas"]
@@ -257,9 +264,7 @@ def render(results: dict, costs: StepCosts, plot_rel: str | None = None, report_
          "\"End to end\"): steps × dense / (n_dense × dense + first anchor + (n_anchor − 1) × later anchor "
          "+ n_reuse × reuse), Sol-Attn: n_dense × dense + n_sparse × Sol step, with the step costs below. Marks: "
          + "; ".join(f"{FLAG_MARK[k]} {v}" for k, v in FLAG_TEXT.items())
-         + f". The projections price e2e rows run with the Wan 14B preset's `warmup_layers` "
-           f"({costs.warmup_layers} of 40 layers dense) where measured, other rows marked °; the testbed's "
-           "`warmup_layers` does not enter the projection.", "",
+         + ". " + _layers_text(costs) + " The testbed's `warmup_layers` does not enter the projection.", "",
          "## Runs", ""]
     L += _meta_lines(metas)
     if results["skipped"]:

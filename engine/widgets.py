@@ -9,19 +9,36 @@ ever appended).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from .config import SparseConfig, parse_layers
 from .layer_density import layer_densities_text, parse_layer_densities
 from .policy import method_names
-from .presets import load_preset
+from .presets import PRESET_DIR, load_preset
 from .schedule import warmup_text
+
+log = logging.getLogger(__name__)
 
 # A user who drags the full node in gets the setting the presets ship, chosen by measurement (docs/decisions.md,
 # "Presets at density 0.08 with every layer sparse"), not the library's defaults (mc_sparse 0.15, one anchor).
 DEFAULT_PRESET = "balanced"
-DEFAULTS = load_preset(DEFAULT_PRESET)
+
+
+def node_defaults(name: str = DEFAULT_PRESET, directory: Path = PRESET_DIR) -> SparseConfig:
+    """The node's default configuration: preset ``name``, or SparseConfig's defaults (logged) when that file is
+    missing or invalid, so an edited preset never takes the pack's nodes down at import."""
+    try:
+        return load_preset(name, directory=directory)
+    except ValueError as exc:
+        log.warning("sparse attention: the Sparse Attention node's defaults are the engine's, not the %s preset: %s",
+                    name, exc)
+        return SparseConfig()
+
+
+DEFAULTS = node_defaults()
 
 
 @dataclass(frozen=True)
@@ -61,7 +78,7 @@ WIDGETS: tuple[Widget, ...] = (
                    "local windows. dense: no sparsity."),
     Widget("density", "float", ("density",), minimum=0.01, maximum=1.0, step=0.01,
            tooltip="Fraction of image/video keys each query attends (text stays dense). Lower is faster; "
-                   "0.1-0.25 is typical."),
+                   "0.08-0.25 is typical."),
     Widget("block_size", "combo", ("block_q", "block_k"), options=lambda: ("128", "64"), to_config=_int,
            default=lambda c: str(c.block_k), tooltip="Block size of the block methods (query and key blocks)."),
     Widget("query_group_size", "combo", ("group_size",), options=lambda: ("128", "64"), to_config=_int,

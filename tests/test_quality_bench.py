@@ -200,7 +200,19 @@ def test_costs_prefer_the_presets_dense_layer_count_and_flag_others(tmp_path):
     c1.to_json(tmp_path / "c1.json")
     assert "layers" not in StepCosts.load([tmp_path / "c1.json"]).project(at(0.2))["flags"]
     assert StepCosts.load([tmp_path / "c1.json"]).warmup_layers == 1
-    assert preset_warmup_layers() >= 0  # the shipped Wan 14B preset names its count (0 when absent)
+    # a later anchor is filled in only from a row run with the entry's own count
+    no_later = write_e2e(tmp_path / "nolater" / "e2e.json", "device X, 2026-12-03 10:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.08", variant="wl0", dense_s=10.0, anchor_s=11.5, step_s=3.1)])
+    c2 = StepCosts.from_e2e([newer, no_later], warmup_layers=0)  # "wl0" without a key: 0 layers, from the variant
+    assert c2.costs("block_topk", 0.08) == (11.5, 3.1, None) and c2.later_anchor_s("block_topk", 0.08) is None
+    assert c2.modes["block_topk"][0.08]["warmup_layers"] == 0
+    # a step-cost file from before the comparison: no count, no marks
+    legacy = {k: v for k, v in c1.to_dict().items() if k != "warmup_layers"}
+    old = StepCosts.from_dict(legacy)
+    assert old.warmup_layers is None and "layers" not in old.project(at(0.08))["flags"]
+    from comfyui_sparse_attention.engine.presets import load_preset
+    assert preset_warmup_layers() == load_preset("wan21_t2v_14b").warmup_layers
     bad = tmp_path / "p.yaml"
     bad.write_text("sparse: [1, 2]\n")
     with pytest.raises(ValueError, match="p.yaml"):

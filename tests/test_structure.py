@@ -30,6 +30,18 @@ def test_widget_defaults_are_the_balanced_presets_configuration():
     for name in ("method", "density"):
         assert getattr(cfg, name) == getattr(balanced, name) != getattr(library, name), name
     assert cfg.anchor_steps.text() == balanced.anchor_steps.text() != library.anchor_steps.text()
+
+
+def test_node_defaults_fall_back_to_the_engines_when_the_preset_is_broken(tmp_path, caplog):
+    from comfyui_sparse_attention.engine.widgets import node_defaults
+
+    assert node_defaults("nope", tmp_path) == SparseConfig()  # missing file
+    (tmp_path / "bad.yaml").write_text("sparse:\n  density: 7\n")
+    with caplog.at_level("WARNING"):
+        assert node_defaults("bad", tmp_path) == SparseConfig()
+    assert "bad.yaml" in caplog.text and "density" in caplog.text
+    (tmp_path / "good.yaml").write_text("sparse:\n  method: block_topk\n  density: 0.2\n")
+    assert (node_defaults("good", tmp_path).method, node_defaults("good", tmp_path).density) == ("block_topk", 0.2)
     names = [w.name for w in WIDGETS]  # permanent order: saved workflows store widget values by position
     assert names == ["method", "density", "block_size", "query_group_size", "warmup_steps", "warmup_layers",
                      "dense_layers", "anchor_steps", "residual_caching", "cache_offload", "min_tokens", "backend",
