@@ -547,7 +547,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         projected = sum(times) if args.whole_run else from_steps  # a whole run: its own time
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
-        variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # not the preset as it ships
+        variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # --warmup-layers given
         row = dict(model=name, mode=f"{method}@{dens}", variant=variant, warmup_layers=c.warmup_layers,
                    step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
                    later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,

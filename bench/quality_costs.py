@@ -51,14 +51,12 @@ FLAG_TEXT = {
 
 
 def preset_warmup_layers(path: Path = PRESET) -> int:
-    """The number of leading layers the Wan 14B preset computes densely (its ``warmup_layers``, 0 if absent)."""
-    import yaml
+    """The number of leading layers the Wan 14B preset computes densely (its ``warmup_layers``, 0 if absent), read
+    by the pack's own preset loader (ValueError naming the file when it is missing or invalid)."""
+    from _pack import load
 
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-        return int((doc.get("sparse") or {}).get("warmup_layers", 0))
-    except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the preset's warmup_layers ({exc})") from None
+    path = Path(path)
+    return load("engine.presets").load_preset(path.stem, directory=path.parent).warmup_layers
 
 
 def _layers_of(row: dict) -> int | None:

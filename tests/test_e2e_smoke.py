@@ -86,7 +86,7 @@ def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
     md = (tmp_path / "e2e.md").read_text()
     assert "(timed whole run)" in md and "block_topk@0.25 (wl0)" in md
     assert row["variant"] == "wl0" and row["warmup_layers"] == 0
-    # the preset runs layer 0 dense; this variant runs both layers of the tiny model sparse at each reuse step
+    # this variant runs both layers of the tiny model sparse at each reuse step
     assert row["sparse_calls_per_step"] == 2
     assert row["speedup"] == pytest.approx(5 * dense["dense_s"] / sum(times))
     tot = {int(k): v for k, v in row["step_seconds"].items()}
