@@ -223,6 +223,25 @@ class Shape:
             q, k, v, *self.block_lists(densities[0], False)[:2], block_q=128, block_k=128, residual_precision="fp8",
             validate=False, path="persistent"), config=lambda: AH.last_config("persistent"), target=densities[0])
 
+    def anchor_paths(self, densities):
+        """The block anchor as the engine calls it (fp8 residual with its mass) per density: the fused one-pass kernel,
+        one cuDNN dense call plus the block-sparse kernel forming R in its epilogue, and what kernels/api.py chooses
+        (FUSED_ANCHOR_ABOVE)."""
+        q, k, v, K, AT, AH = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"]
+        kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            self.rec("anchor", "fused_fp8", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     config=lambda: AH.last_config("anchor"), target=dens, kept=real)
+
+            def epilogue(idx=idx, cnt=cnt):
+                out, lse = K.attention_dense(q, k, v, return_lse=True)
+                return out, AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
+            self.rec("anchor", "cudnn+epilogue", epilogue, config=lambda: AH.last_config("sparse"), target=dens,
+                     kept=real)
+            self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     target=dens, kept=real)
+
     def residual(self, densities):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
         Residual = self.m["Residual"]
@@ -417,7 +436,8 @@ def table(meta, rows, tests, budget):
             continue
         vf = f"{r['vs_flex']:.2f}" if "vs_flex" in r else (f"{r['vs_flex_ref']:.2f}*" if "vs_flex_ref" in r else "")
         cfg = r.get("config", "").replace("num_ctas: 1, ", "").replace(", maxnreg: None", "")
-        lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {r['density']:.3f} | {r['ms']:.3f} | "
+        dens = r["target"] if r["kind"] == "anchor" and "target" in r else r["density"]  # an anchor's list density
+        lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {dens:.3f} | {r['ms']:.3f} | "
                      f"{r['eff_tflops']:.0f} | {r.get('x_cudnn', 0):.2f} | {r.get('x_d', 0):.2f} | {vf} | "
                      f"{r.get('note', '')} | {cfg[:90]} |")
     if budget.skipped:
@@ -433,10 +453,11 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass"), default="full",
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor"), default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
-                         "against the fixed one (Shape.mass)")
+                         "against the fixed one (Shape.mass); anchor: the fused anchor against the dense call plus "
+                         "the residual epilogue, per density (Shape.anchor_paths)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -489,6 +510,8 @@ def main():
     plan = [(name, args.plan, (0.25, 0.1, 0.5)) for name in names] if args.plan in ("rescale", "loop") else []
     if args.plan == "mass":
         plan = [(name, "mass", (0.15, 0.1)) for name in names]
+    if args.plan == "anchor":
+        plan = [(name, "anchor_paths", (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25)) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]
@@ -512,7 +535,8 @@ def main():
     except Exception as exc:  # Triton's cache layout differs between versions: report, do not fail
         res = [dict(error=f"{type(exc).__name__}: {exc}")]
     (out_dir / "resources.json").write_text(json.dumps(res, indent=1))
-    say(f"compiled kernels: {len(res)} (registers / spill bytes / shared bytes, warps, stages)")
+    say(f"compiled kernels: {len(res)} (registers / local memory in 4-byte words (Triton's n_spills) / shared bytes, "
+        "warps, stages)")
     for r in res:
         if "n_regs" in r:
             print(f"    {r['kernel']:13s} regs {r['n_regs']:3d} spills {r['n_spills']:4d} shared {r['shared']:6d} "

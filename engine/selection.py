@@ -42,12 +42,13 @@ class BlockSelection:
                                               validate=False, residual=residual)
 
     def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8", mass=False):
-        """The anchor step in one pass (kernels.block_anchor_attention): (out_dense (B, H, N, D), residual
-        (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or "model"; with ``mass`` a (data, scale,
-        mass) triple, mass fp32 (B, H, N, 2) for mass-weighted reuse calls)."""
+        """The anchor step (kernels.block_anchor_attention: one fused pass, or at low density one dense call plus the
+        sparse kernel forming R; the selection's density chooses): (out_dense (B, H, N, D), residual (data, scale)
+        pair of R = dense - sparse in ``precision``: "fp8" or "model"; with ``mass`` a (data, scale, mass) triple,
+        mass fp32 (B, H, N, 2) for mass-weighted reuse calls)."""
         return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
                                               block_k=self.block_k, scale=scale, residual_precision=precision,
-                                              backend=backend, validate=False, return_mass=mass)
+                                              backend=backend, validate=False, return_mass=mass, density=self.density)
 
     @property
     def nbytes(self) -> int:

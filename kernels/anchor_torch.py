@@ -41,6 +41,27 @@ def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     return (out, lse, res) if return_lse else (out, res)
 
 
+def block_residual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
+                   kv_counts: torch.Tensor, dense: torch.Tensor, lse: torch.Tensor, *, block_q: int, block_k: int,
+                   scale: float | None = None, residual_precision: str = "model", validate: bool = True,
+                   return_mass: bool = False):
+    """The residual of block-sparse attention against a dense output computed before (the anchor composed of one
+    dense call and one sparse call; the Triton twin forms R in the sparse kernel's epilogue).
+
+    q, k, v, kv_indices, kv_counts, block_q, block_k, scale, residual_precision as in ``block_anchor_attention``;
+    dense: (B, H, Nq, D) the dense attention output of the same q, k, v in q's dtype; lse: fp32 (B, H, Nq) its row
+    LSE (natural log; read only with ``return_mass``). Returns (r_data, r_scale) of R = dense - sparse, or with
+    ``return_mass`` (r_data, r_scale, mass fp32 (B, H, Nq, 2)).
+    """
+    sparse = block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
+                                                       block_k=block_k, scale=scale, validate=validate,
+                                                       return_lse=return_mass)
+    if return_mass:
+        sparse, lse_sparse = sparse
+    res = residual_of(dense, sparse, residual_precision)
+    return (*res, mass_of(lse, lse_sparse)) if return_mass else res
+
+
 def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str):
     """Residual pair of dense - sparse ((B, H, N, D) each), encoded as ``precision``, in dense's dtype."""
     return encode_residual(dense.float() - sparse.float(), precision, dense.dtype)

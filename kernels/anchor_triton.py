@@ -5,6 +5,11 @@ Each query block walks its selected KV blocks first: that online-softmax state i
 The residual R = dense - sparse is formed in fp32 registers and stored in the model's dtype or as fp8
 with a per-row scale. So an anchor costs one dense pass instead of dense + sparse + a residual pass.
 Twin of ``anchor_torch.block_anchor_attention``.
+
+At low densities one cuDNN dense call plus the block-sparse kernel is cheaper than this pass, which runs at the
+sparse kernel's rate over every block: ``block_residual`` is that path's second half, the residual formed in
+the sparse kernel's epilogue from the dense output (twin ``anchor_torch.block_residual``; kernels/api.py
+chooses; docs/kernel_notes.md, "Anchor: fused pass or dense call plus residual epilogue").
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from . import _hopper
 from ._checks import check_qkv, check_scale
 from ._residual import FP8, RESIDUAL_PRECISIONS
+from ._triton_common import last_dim_contiguous
 from .block_sparse_torch import check_block_lists
 
 PATHS = ("auto", "tma", "persistent", "warp_spec")
@@ -65,3 +71,47 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
                             idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt, mass=mass)
     res = (r_data, r_scale) if mass is None else (r_data, r_scale, mass)
     return (out, lse, res) if return_lse else (out, res)
+
+
+def block_residual(q, k, v, kv_indices, kv_counts, dense, lse, *, block_q, block_k, scale=None,
+                   residual_precision="model", validate=True, return_mass=False):
+    """R = dense - block-sparse formed in the TMA block-sparse kernel's epilogue; arguments and results as in the
+    PyTorch twin (``anchor_torch.block_residual``).
+
+    q: (B,H,Nq,D); k, v: (B,H,Nk,D) with 16-byte aligned bases and strides; kv_indices int32
+    (B,H,ceil(Nq/block_q),max_k) sorted; kv_counts int32 (B,H,ceil(Nq/block_q)); dense (B,H,Nq,D) in q's dtype,
+    any strides; lse fp32 (B,H,Nq) natural log (read only with return_mass). Returns (r_data, r_scale) or with
+    return_mass (r_data, r_scale, mass fp32 (B,H,Nq,2)). Compile failures raise (kernels/api.py falls back to the
+    PyTorch residual pass).
+    """
+    from . import attention_hopper
+    from .block_sparse_triton import heavy_first_order
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    check_block_lists(q, k, kv_indices, kv_counts, block_q, block_k, validate)
+    if tuple(dense.shape) != (b, h, nq, d) or dense.dtype != q.dtype or dense.device != q.device:
+        raise ValueError(f"dense must be {(b, h, nq, d)} {q.dtype} on {q.device}, got {tuple(dense.shape)} "
+                         f"{dense.dtype} on {dense.device}")
+    if return_mass and (lse is None or tuple(lse.shape) != (b, h, nq)):
+        raise ValueError(f"return_mass needs the dense LSE of shape {(b, h, nq)}, got "
+                         f"{None if lse is None else tuple(lse.shape)}")
+    if residual_precision not in RESIDUAL_PRECISIONS:
+        raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {residual_precision!r}")
+    why = _hopper.tma_problem((k, v), _hopper.device_capability(k)) if not _hopper.interpreting() else None
+    if why is not None:
+        raise ValueError(f"block_residual: the TMA kernel cannot run: {why}")
+    fp8 = residual_precision == "fp8"
+    if fp8 and FP8 is None:
+        raise ValueError("residual_precision='fp8' needs torch.float8_e4m3fn")
+    (dense,) = last_dim_contiguous(dense)
+    idx = kv_indices.to(torch.int32).contiguous()
+    cnt = kv_counts.to(torch.int32).contiguous()
+    r_data = torch.empty((b, h, nq, d), dtype=FP8 if fp8 else q.dtype, device=q.device)
+    r_scale = torch.empty((b, h, nq, 1), dtype=torch.float32, device=q.device) if fp8 else None
+    mass = torch.empty((b, h, nq, 2), dtype=torch.float32, device=q.device) if return_mass else None
+    lse_in = lse.to(torch.float32).contiguous() if return_mass else None
+    attention_hopper.launch("sparse", q, k, v, r_data, scale=scale, block_q=block_q, block_k=block_k,
+                            mode=attention_hopper.MODE_RESIDUAL, lse=lse_in, res=(dense, None),
+                            res_out=(r_data, r_scale), res_fp8=fp8, idx=idx, cnt=cnt, order=heavy_first_order(cnt),
+                            mass=mass)
+    return (r_data, r_scale) if mass is None else (r_data, r_scale, mass)

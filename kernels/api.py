@@ -147,37 +147,56 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
                                                              scale=scale, validate=validate, residual=residual)
 
 
+# Above this fraction of the (query, key) pairs the fused one-pass anchor is cheaper than one cuDNN dense call plus
+# the block-sparse kernel with the residual in its epilogue; below it, the composed path (docs/kernel_notes.md,
+# "Anchor: fused pass or dense call plus residual epilogue": the two cost the same at 0.15 at Wan 14B and
+# HunyuanVideo sizes).
+FUSED_ANCHOR_ABOVE = 0.15
+
+
 def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,
                            residual_precision="model", return_lse=False, backend="auto", validate=True,
-                           return_mass=False):
+                           return_mass=False, density=None):
     """Anchor step of a block selection: dense output plus the residual R = dense - block-sparse.
 
     Returns (out_dense (B,H,Nq,D), (r_data, r_scale)) or with ``return_lse`` (out_dense, lse (B,H,Nq) fp32,
     (r_data, r_scale)); residual_precision "model" (R in q's dtype, scale None) or "fp8" (float8_e4m3fn R,
     fp32 (B,H,Nq,1) scale); ``return_mass``: the residual is a (r_data, r_scale, mass) triple, mass fp32
     (B,H,Nq,2) for mass-weighted reuse (kernels/_residual.py). Semantics of ``anchor_torch.block_anchor_attention``.
-    On Hopper ``auto`` and ``triton`` run the fused one-pass kernel; elsewhere the dense and block-sparse
-    primitives are composed (cuDNN dense where available).
+    On Hopper ``auto`` and ``triton`` run the fused one-pass kernel when the lists keep more than FUSED_ANCHOR_ABOVE
+    of the pairs, and otherwise the dense call (cuDNN where available) plus the block-sparse kernel with the residual
+    in its epilogue; elsewhere the dense and block-sparse primitives are composed, R formed in PyTorch.
+    ``density``: the fraction of pairs the lists keep when the caller knows it (the engine's selections do); without
+    it the widest list's share of the KV blocks stands in, read on the host without a synchronisation (an upper
+    bound: one dense row, e.g. text, makes it 1).
     """
     if choose(backend, q, _why_not(q), "block_anchor_attention") == "triton":
-        from . import anchor_triton
+        from . import _hopper, anchor_triton  # a compile failure: logged once, the composed path runs from now on
         q, k, v = _addressable(q, k, v)
-        if anchor_triton.supported(k, v):
-            from . import _hopper  # a compile failure: logged once, the composed path runs from now on
+        kept = density if density is not None else kv_indices.shape[-1] / -(-k.shape[2] // block_k)
+        if kept > FUSED_ANCHOR_ABOVE and anchor_triton.supported(k, v):
             done = _hopper.attempt("anchor", True, lambda: anchor_triton.block_anchor_attention(
                 q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
                 residual_precision=residual_precision, return_lse=return_lse, validate=validate,
                 return_mass=return_mass))
             if done is not None:
                 return done
-        out, lse = attention_dense(q, k, v, scale=scale, return_lse=True, backend=backend)
-        sparse = block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
-                                        scale=scale, backend=backend, validate=validate, return_lse=return_mass)
-        if return_mass:
-            sparse, lse_sparse = sparse
-        res = anchor_torch.residual_of(out, sparse, residual_precision)
-        if return_mass:
-            res = (*res, mass_of(lse, lse_sparse))
+        # the dense LSE only where it is returned or weighs the residual (cuDNN's LSE output costs ~1 %)
+        dense = attention_dense(q, k, v, scale=scale, return_lse=return_lse or return_mass, backend=backend)
+        out, lse = dense if return_lse or return_mass else (dense, None)
+        res = None
+        if _hopper.use_tma("residual", k, v):
+            res = _hopper.attempt("residual", True, lambda: anchor_triton.block_residual(
+                q, k, v, kv_indices, kv_counts, out, lse, block_q=block_q, block_k=block_k, scale=scale,
+                residual_precision=residual_precision, validate=validate, return_mass=return_mass))
+        if res is None:
+            sparse = block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
+                                            scale=scale, backend=backend, validate=validate, return_lse=return_mass)
+            if return_mass:
+                sparse, lse_sparse = sparse
+            res = anchor_torch.residual_of(out, sparse, residual_precision)
+            if return_mass:
+                res = (*res, mass_of(lse, lse_sparse))
         return (out, lse, res) if return_lse else (out, res)
     return anchor_torch.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
                                                scale=scale, residual_precision=residual_precision,

@@ -1,6 +1,6 @@
 """Flash-attention forward for Hopper (sm_90): K/V tiles loaded through TMA tensor descriptors.
 
-One kernel body, three modes (constexpr MODE):
+One kernel body, four modes (constexpr MODE):
 
 - ``MODE_BLOCKS``: block-sparse over CSR block lists (twin ``block_sparse_torch``), with the fused
   residual epilogue; rows are issued heaviest first.
@@ -9,6 +9,10 @@ One kernel body, three modes (constexpr MODE):
   softmax state after the selected blocks is the sparse output (exact), the same state continued over the
   complement blocks is the dense output. Writes out_dense, optional LSE, and the residual
   R = out_dense - out_sparse in the model's dtype or as fp8 with a per-row scale (twin ``anchor_torch``).
+- ``MODE_RESIDUAL``: block-sparse over the lists, whose epilogue reads a dense output computed before (cuDNN's)
+  and writes only R = dense - sparse (and the mass from the given dense LSE): the anchor of a low density costs
+  one dense call plus one sparse call (twin ``anchor_torch.block_residual``; docs/kernel_notes.md, "Anchor:
+  fused pass or dense call plus residual epilogue").
 
 Descriptors are made in-kernel per (batch, head) with the head's true shape (N, D): the hardware
 zero-fills the ragged last tile and padded head-dim lanes, so only the scores of the last KV tile are
@@ -28,7 +32,7 @@ from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_res
                              mass_launch_args, mass_weight, online_softmax_step, pick, residual_launch_args,
                              residual_mode, seq_bucket, store_mass, store_residual_out, store_rows, tune_options)
 
-MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR = 0, 1, 2
+MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR, MODE_RESIDUAL = 0, 1, 2, 3
 
 
 @triton.jit
@@ -109,7 +113,9 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
          RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
          LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     """One query block: row = (b * H + h) * NQB + query block. MASS: the anchor writes the rows' mass to MS, a
-    block-sparse call weights its residual by the mass read from MS (kernels/_residual.py)."""
+    block-sparse call weights its residual by the mass read from MS (kernels/_residual.py). MODE 3 reads the dense
+    output from R (strides srb, srh, srn) and its LSE from Lse, writes R = dense - sparse to RO (Out's strides) and
+    the mass, and leaves Out alone."""
     pid_bh = row // NQB
     qb = row % NQB
     b = (pid_bh // H).to(tl.int64)
@@ -159,15 +165,23 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
                                HEAD_DIM, D_PAD, RES_OUT == 2)
             if MASS:
                 store_mass(MS, b, h, offs_m, q_ok, msb, msh, msn, lse_s, lse)
+        if MODE == 3:  # the dense output is given: the epilogue only forms the residual
+            dense = load_rows(R + b * srb + h * srh, offs_m, srn, q_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
+            store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, dense - out, d,
+                               HEAD_DIM, D_PAD, RES_OUT == 2)
+            if MASS:
+                lse_d = tl.load(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, mask=q_ok, other=0.0)
+                store_mass(MS, b, h, offs_m, q_ok, msb, msh, msn, lse, lse_d)
     if MODE == 0:
         w = 1.0
         if MASS:
             w = mass_weight(lse, MS, b, h, offs_m, q_ok, msb, msh, msn)
         out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD,
                            RESIDUAL, w, MASS)
-    store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
-    if WRITE_LSE:
-        tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
+    if MODE != 3:
+        store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+        if WRITE_LSE:
+            tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
 @triton.jit
@@ -261,8 +275,10 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
            res_fp8=False, idx=None, cnt=None, cmp_idx=None, cmp_cnt=None, order=None, mass=None):
     """Launch the TMA kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) with TMA-aligned k/v; out like q.
     idx/cnt (and cmp_idx/cmp_cnt for the anchor): int32 contiguous lists; order: int32 row order or None.
-    res: checked residual pair to add (sparse mode); res_out: (data, scale-or-None) tensors to write (anchor).
-    mass: contiguous fp32 (B,H,Nq,2): read to weight ``res`` (sparse mode) or written (anchor)."""
+    res: checked residual pair to add (sparse mode), or (dense output (B,H,Nq,D), None) to read (residual mode);
+    res_out: (data, scale-or-None) tensors to write (anchor, residual mode; in residual mode ``out`` is the data).
+    lse: contiguous fp32 (B,H,Nq), written, or in residual mode the dense LSE, read.
+    mass: contiguous fp32 (B,H,Nq,2): read to weight ``res`` (sparse mode) or written (anchor, residual mode)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     nqb = triton.cdiv(nq, block_q)
@@ -292,7 +308,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         cmp_idx.shape[-1] if cmp_idx is not None else 1, scale * LOG2E, n_rows, seq_bucket(nk),
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
-        WRITE_LSE=lse is not None, ORDERED=order is not None, PERSISTENT=persistent,
+        WRITE_LSE=lse is not None and mode != MODE_RESIDUAL, ORDERED=order is not None, PERSISTENT=persistent,
         WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None)
     return out
 

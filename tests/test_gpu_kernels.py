@@ -281,6 +281,62 @@ def test_anchor_matches_dense_and_sparse(precision, n, d, bq, bk, path):
     assert rel(out2, out) <= 1e-2 and rel(decoded(res2), decoded(res)) <= 6e-2
 
 
+@needs_hopper
+@pytest.mark.parametrize("precision", ["model", "fp8"])
+@pytest.mark.parametrize("n,d,bq,bk", [(32760, 128, 128, 128), (75600, 128, 128, 128), (4133, 64, 64, 64),
+                                       (20000, 96, 64, 128)])
+def test_anchor_residual_epilogue_matches_twin(precision, n, d, bq, bk):
+    """Low-density anchors (lists narrower than kernels/api.py's FUSED_ANCHOR_ABOVE): the dense call plus the TMA
+    block-sparse kernel forming R and the mass in its epilogue, against the twin, on an empty row, short rows and
+    ragged N; through kernels.api the composed path runs, not the fused pass, and its output is the dense one."""
+    from comfyui_sparse_attention.kernels import _hopper, anchor_torch, anchor_triton, api
+    h = 2
+    q, k, v = qkv(h, n, d, seed=n + 9)
+    nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
+    idx, cnt = random_lists(h, nqb, nkb, max(2, int(0.08 * nkb)), seed=d)
+    cnt[0, 1, ::3] = 1  # short rows: the sink block only
+    dense, lse = K.attention_dense(q, k, v, return_lse=True)  # cuDNN
+    got = anchor_triton.block_residual(q, k, v, idx, cnt, dense, lse, block_q=bq, block_k=bk,
+                                       residual_precision=precision, return_mass=True)
+    want = anchor_torch.block_residual(q, k, v, idx, cnt, dense, lse, block_q=bq, block_k=bk,
+                                       residual_precision=precision, return_mass=True)
+    assert not torch.isnan(decoded(got[:2])).any()
+    assert rel(decoded(got[:2]), decoded(want[:2])) <= (2e-2 if precision == "model" else 6e-2)
+    empty = decoded(got[:2])[0, 0, bq:2 * bq]  # query block 1 of head 0 kept nothing: R is the dense output
+    assert rel(empty, dense[0, 0, bq:2 * bq].float()) <= (1e-2 if precision == "model" else 4e-2)
+    live = (want[2][..., 1] > math.log(1e-3)) & (got[2][..., 1] > math.log(1e-3))
+    assert live.float().mean() > 0.5 and not torch.isnan(got[2]).any()
+    assert (got[2] - want[2])[live].abs().max() < 2e-2
+    calls = []
+    real = {name: getattr(anchor_triton, name) for name in ("block_anchor_attention", "block_residual")}
+
+    def api_anchor(lists, counts, **kw):  # kernels.api's anchor, recording which Triton path it took
+        for name, fn in real.items():
+            setattr(anchor_triton, name, lambda *a, name=name, fn=fn, **k_: calls.append(name) or fn(*a, **k_))
+        try:
+            return K.block_anchor_attention(q, k, v, lists, counts, block_q=bq, block_k=bk,
+                                            residual_precision=precision, **kw)
+        finally:
+            for name, fn in real.items():
+                setattr(anchor_triton, name, fn)
+    out, res = api_anchor(idx, cnt, return_mass=True)
+    assert idx.shape[-1] <= api.FUSED_ANCHOR_ABOVE * nkb and calls == ["block_residual"]
+    assert "residual" not in _hopper.broken()
+    assert rel(out, dense) <= 1e-3 and rel(decoded(res[:2]), decoded(got[:2])) <= 1e-3
+    # a dense row (text) makes the lists as wide as the KV blocks: the stated density still picks the composed path
+    wide = torch.full((1, h, nqb, nkb), -1, dtype=torch.int32, device=DEV)
+    wide[..., :idx.shape[-1]] = idx
+    wide[0, :, 0] = torch.arange(nkb, dtype=torch.int32, device=DEV)
+    wcnt = cnt.clone()
+    wcnt[0, :, 0] = nkb
+    calls.clear()
+    out, res = api_anchor(wide, wcnt, density=0.1)
+    twin = anchor_torch.block_residual(q, k, v, wide, wcnt, dense, lse, block_q=bq, block_k=bk,
+                                       residual_precision=precision)
+    assert calls == ["block_residual"] and rel(out, dense) <= 1e-3
+    assert rel(decoded(res), decoded(twin)) <= (2e-2 if precision == "model" else 6e-2)
+
+
 @pytest.mark.parametrize("res_kind", ["bf16", "fp8"])
 def test_token_sparse_residual_matches_twin(res_kind):
     n, d, c, h = 32768, 128, 128, 2

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-PLANS = ("full", "rescale", "loop", "mass")
+PLANS = ("full", "rescale", "loop", "mass", "anchor")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,11 @@ def test_hopper_bench_dry_run(dry_runs, plan):
         for label in ("fixed", "mass", "fixed-again"):
             assert {("anchor", f"fused_fp8-{label}"), ("reuse", f"fused_fp8-{label}")} <= kinds
         assert sum(1 for r in rows if r["kind"] in ("anchor", "reuse")) == 2 * 6
+    elif plan == "anchor":  # three anchor paths at each of seven densities
+        paths = {("anchor", "fused_fp8"), ("anchor", "cudnn+epilogue"), ("anchor", "api")}
+        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == paths
+        assert sorted({r["target"] for r in rows if "target" in r}) == [0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25]
+        assert len(rows) == 3 * 7 + 2  # and the cuDNN dense rows every shape starts with
     else:
         assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
                 ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds

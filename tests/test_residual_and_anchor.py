@@ -98,3 +98,41 @@ def test_anchor_is_dense_plus_the_residual_of_the_sparse_output(precision):
     assert block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, backend="torch")[0].shape == q.shape
     with pytest.raises(ValueError, match="residual_precision"):
         block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual_precision="fp16", backend="torch")
+
+
+def test_residual_of_a_given_dense_output_equals_the_anchors():
+    """anchor_torch.block_residual (the composed anchor's second half: R and the mass from a dense output computed
+    before) gives the anchor primitive's residual and mass; the Triton wrapper refuses a dense output of another shape
+    or dtype, and a mass request without the dense LSE, before launching anything."""
+    from comfyui_sparse_attention.kernels import anchor_torch
+    n, bq, bk = 300, 64, 128
+    q, k, v = structured_qkv(1, 2, n, 64, seed=9)
+    idx, cnt = _lists(n, bq, bk, seed=9)
+    out, lse, want = block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, return_lse=True,
+                                            return_mass=True, backend="torch")
+    got = anchor_torch.block_residual(q, k, v, idx, cnt, out, lse, block_q=bq, block_k=bk, return_mass=True)
+    assert len(got) == 3 and got[1] is None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert anchor_torch.block_residual(q, k, v, idx, cnt, out, None, block_q=bq, block_k=bk)[0].shape == q.shape
+    pytest.importorskip("triton")
+    from comfyui_sparse_attention.kernels import anchor_triton
+    with pytest.raises(ValueError, match="dense must be"):
+        anchor_triton.block_residual(q, k, v, idx, cnt, out[:, :1], lse, block_q=bq, block_k=bk)
+    with pytest.raises(ValueError, match="dense must be"):
+        anchor_triton.block_residual(q, k, v, idx, cnt, out.half(), lse, block_q=bq, block_k=bk)
+    with pytest.raises(ValueError, match="dense LSE"):
+        anchor_triton.block_residual(q, k, v, idx, cnt, out, None, block_q=bq, block_k=bk, return_mass=True)
+
+
+def test_block_selection_states_its_density_to_the_anchor(monkeypatch):
+    """The engine's block anchor passes the selection's exact density, which picks the anchor path in kernels.api (a
+    dense text row makes the lists as wide as the KV blocks, so their width cannot tell)."""
+    from comfyui_sparse_attention import kernels
+    from comfyui_sparse_attention.engine.selection import BlockSelection
+    seen = {}
+    monkeypatch.setattr(kernels, "block_anchor_attention", lambda *a, **kw: seen.update(kw) or "done")
+    idx, cnt = _lists(300, 64, 64, seed=1)
+    sel = BlockSelection(idx, cnt, 64, 64, 0.0625)
+    q = torch.zeros(1, 2, 300, 64)
+    assert sel.anchor(q, q, q, mass=True) == "done"
+    assert seen["density"] == 0.0625 and seen["return_mass"] is True and seen["validate"] is False

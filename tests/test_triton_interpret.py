@@ -148,6 +148,7 @@ def test_block_sparse_triton_path_under_inference_mode_in_interpreter(child):
 
 
 HOPPER_CHILD = PREAMBLE + r"""
+import math
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
 from comfyui_sparse_attention.kernels import (_hopper, anchor_torch, anchor_triton, attention_hopper,
@@ -195,6 +196,21 @@ for dtype in (torch.float16, torch.float32):
                     rel(f"anchor-out-{path}-{prec}-{bq}-{bk}-" + tag, o, ro)
                     rel(f"anchor-lse-{path}-{prec}-{bq}-{bk}-" + tag, lse, rlse)
                     rel(f"anchor-res-{path}-{prec}-{bq}-{bk}-" + tag, decode(r), decode(rr))
+                # the composed anchor's second half: R = a given dense output - sparse, in the TMA kernel's epilogue
+                dense, dlse = dense_torch.attention_dense(q, k, v, return_lse=True)
+                # the kernel reads the dense output by its own strides: here (B, N, H, D) in memory, as cuDNN gives
+                # it for ComfyUI's transposed q, not the residual's (B, H, N, D)
+                dense_bnhd = dense.transpose(1, 2).contiguous().transpose(1, 2)
+                got = anchor_triton.block_residual(q, k, v, idx, cnt, dense_bnhd, dlse, residual_precision=prec,
+                                                   return_mass=True, **kw)
+                want = anchor_torch.block_residual(q, k, v, idx, cnt, dense, dlse, residual_precision=prec,
+                                                   return_mass=True, **kw)
+                rel(f"anchor-res-epilogue-{prec}-{bq}-{bk}-" + tag, decode(got[:2]), decode(want[:2]))
+                # rows that left out at least 0.1 % of the mass (below it the weight scales a residual that small)
+                live = (want[2][..., 1] > math.log(1e-3)) & (got[2][..., 1] > math.log(1e-3))
+                flags[f"epilogue-mass-{prec}-{bq}-{bk}-" + tag] = dict(
+                    live=float(live.float().mean()), nan=bool(torch.isnan(got[2]).any()),
+                    err=float((got[2] - want[2])[live].abs().max()) if live.any() else 0.0)
         out, lse = dense_triton.attention_dense(q, k, v, return_lse=True, path="tma")
         ro, rlse = dense_torch.attention_dense(q, k, v, return_lse=True)
         rel("dense-tma-out-" + tag, out, ro)
@@ -264,8 +280,9 @@ def test_hopper_kernels_residual_anchor_and_mass_in_interpreter(child):
     token kernel with fused residuals, and both mass paths, against their twins; dispatch and fallback."""
     got = child
     results, flags = got["results"], got["flags"]
-    # 2 dtypes x 3 shapes x (3 block configs x (4 paths + 2 precisions x 2 paths x 3) + 2 dense + 2 token + 2 mass)
-    assert len(results) == 2 * 3 * (3 * (4 + 12) + 6)
+    # 2 dtypes x 3 shapes x (3 block configs x (4 paths + 2 precisions x (2 paths x 3 + epilogue residual)) + 2 dense
+    # + 2 token + 2 mass)
+    assert len(results) == 2 * 3 * (3 * (4 + 14) + 6)
     bad = {}
     for name, e in results.items():
         tol = 2e-3 if "float16" in name else 1e-5
@@ -276,6 +293,12 @@ def test_hopper_kernels_residual_anchor_and_mass_in_interpreter(child):
         if e["nan"] or e["rel"] > tol:
             bad[name] = e
     assert not bad, bad
+    mass = {k: v for k, v in flags.items() if k.startswith("epilogue-mass-")}
+    assert len(mass) == 2 * 3 * 3 * 2
+    bad = {k: e for k, e in mass.items() if e["nan"] or e["err"] > 1e-2}
+    assert not bad, bad
+    # most cases have live rows (130 tokens in 128-row blocks: one full and one empty row, none live)
+    assert sum(e["live"] > 0.3 for e in mass.values()) >= len(mass) * 2 // 3, mass
     exact = {k: v for k, v in flags.items() if k.startswith(("empty-exact", "token-nogroup"))}
     assert len(exact) == 2 * 3 * (3 * 4 + 2) and all(exact.values()), {k: v for k, v in exact.items() if not v}
     assert flags["dispatch-hopper"] == ["sparse"]
@@ -501,8 +524,10 @@ def test_scores_ahead_matches_twins_in_interpreter(child):
 MASS_CHILD = PREAMBLE + r"""
 from sparse_ref import structured_qkv, random_block_lists, rel_l2
 from comfyui_sparse_attention import kernels as K
-from comfyui_sparse_attention.kernels import anchor_torch, anchor_triton, block_sparse_torch, block_sparse_triton
+from comfyui_sparse_attention.kernels import (_hopper, anchor_torch, anchor_triton, block_sparse_torch,
+                                              block_sparse_triton)
 results = {}
+use_tma = _hopper.use_tma
 for dtype, n, d in ((torch.float16, 200, 64), (torch.float32, 193, 128)):  # whole and ragged tiles, D 64 and 128
     if True:
         q, k, v = structured_qkv(2, 2, n, d, dtype=dtype, seed=n + 1)  # batch 2: a CFG pair in one call
@@ -536,14 +561,33 @@ for dtype, n, d in ((torch.float16, 200, 64), (torch.float32, 193, 128)):  # who
                                      bool(same)]
             # through the API as the engine calls it: the fused anchor, then the composed one (dense + LSE, block-sparse
             # with its LSE) that runs where the fused kernel cannot; each one's residual on the Triton reuse path
-            for how in ("fused", "composed"):
+            for how in ("fused", "composed", "epilogue"):
                 anchor_triton.supported = (lambda k_, v_: True) if how == "fused" else (lambda k_, v_: False)
+                _hopper.use_tma = (lambda kind, *t: kind == "residual") if how == "epilogue" else use_tma
                 api = K.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64, residual_precision=prec,
                                                return_mass=True, backend="triton")
                 got = K.block_sparse_attention(q2, k, v, idx, cnt, block_q=64, block_k=64, residual=api[1],
                                                backend="triton")
                 results[f"api-{how}-" + tag] = [rel_l2(got.double(), want.double()),
                                                 rel_l2(want.double(), fixed.double())]
+# which anchor path kernels.api takes: the density the caller states, else the widest list's share of the KV blocks
+calls = []
+real = {name: getattr(anchor_triton, name) for name in ("block_anchor_attention", "block_residual")}
+for name, fn in real.items():
+    setattr(anchor_triton, name, lambda *a, name=name, fn=fn, **kw: calls.append(name) or fn(*a, **kw))
+anchor_triton.supported = lambda k_, v_: True
+_hopper.use_tma = lambda kind, *t: kind == "residual"
+q, k, v = structured_qkv(1, 2, 640, 64, dtype=torch.float32, seed=3)
+wide, wcnt = random_block_lists(1, 2, 10, 10, 10, seed=4, full_rows=(0,))  # one dense row: width 10 of 10 blocks
+narrow = wide[..., :1].contiguous()  # one block per row: width 1 of 10
+dispatch = {}
+for label, (idx, cnt, density) in {"wide": (wide, wcnt, None), "wide-stated-0.05": (wide, wcnt, 0.05),
+                                   "narrow": (narrow, wcnt.clamp(max=1), None),
+                                   "narrow-stated-0.5": (narrow, wcnt.clamp(max=1), 0.5)}.items():
+    calls.clear()
+    out, res = K.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64, backend="triton", density=density)
+    dispatch[label] = [list(calls), rel_l2(out.double(), K.attention_dense(q, k, v, backend="torch").double())]
+results["dispatch"] = dispatch
 print("RESULT:" + json.dumps(results))
 """
 
@@ -551,9 +595,15 @@ print("RESULT:" + json.dumps(results))
 def test_mass_weighted_residual_matches_twins_in_interpreter(child):
     """The fused anchor writes the rows' mass and the block-sparse kernels (pointer, TMA, persistent) weight the
     residual by it as the twin does (kernels/_residual.py), batch 2; the block-sparse kernels' row LSE equals the
-    twin's; through kernels.api, the fused and the composed anchor's mass reach the Triton reuse path."""
+    twin's; through kernels.api, the fused and the composed anchor's mass (R formed in PyTorch, or in the TMA kernel's
+    epilogue) reach the Triton reuse path; kernels.api picks the path by the stated density, else by the list width."""
     got = child
-    assert len(got) == 2 * 2 * 6
+    dispatch = got.pop("dispatch")
+    assert {label: calls for label, (calls, _) in dispatch.items()} == {
+        "wide": ["block_anchor_attention"], "wide-stated-0.05": ["block_residual"], "narrow": ["block_residual"],
+        "narrow-stated-0.5": ["block_anchor_attention"]}
+    assert all(err <= 1e-5 for _, err in dispatch.values()), dispatch  # either way the output is the dense one
+    assert len(got) == 2 * 2 * 7
     for name, vals in got.items():
         # each side reuses its own anchor's residual: fp16 inputs round differently in the two, and an fp8 residual
         # element whose value sits at a rounding boundary lands one fp8 step apart
