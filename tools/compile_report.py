@@ -79,14 +79,16 @@ def cases(kinds, head_dims, loops=("plain",), mass=False):
             for kind, configs, mode, extra in (("sparse", ah.SPARSE_CONFIGS, 0, {}),
                                                ("persistent", ah.PERSISTENT_CONFIGS, 0, dict(PERSISTENT=True)),
                                                ("dense", ah.DENSE_CONFIGS, 1, dict(WRITE_LSE=True)),
-                                               ("anchor", ah.ANCHOR_CONFIGS, 2, dict(RES_OUT=2, WRITE_LSE=True))):
+                                               ("anchor", ah.ANCHOR_CONFIGS, 2, dict(RES_OUT=2, WRITE_LSE=True)),
+                                               ("residual", ah.SPARSE_CONFIGS, 3, dict(RESIDUAL=1, RES_OUT=2))):
                 for c in ah._prune(configs, {}, BLOCK_K=128, BLOCK_M=128):
                     ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK_M=128, BLOCK_K=128, BLOCK_N=c.kwargs["BLOCK_N"],
                               EVEN_K=False, EVEN_N=False, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=False,
-                              ORDERED=mode == 0, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=False,
-                              AHEAD=loop == "ahead", MASS=mass and mode in (0, 2))
+                              ORDERED=mode in (0, 3), PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=False,
+                              AHEAD=loop == "ahead", MASS=mass and mode in (0, 2, 3))
                     ce.update(extra)
-                    yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), ptr, ce, div, c
+                    types = {**ptr, "RO": "*fp8e4nv"} if ce["RES_OUT"] == 2 else ptr  # the engine stores fp8 R
+                    yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), types, ce, div, c
         if "token" in kinds:
             for n_seg, tok in ((0, "*i32"), (2, "*i16")):  # int32 lists; the engine's compact int16 lists
                 for c in tt._CONFIGS:
