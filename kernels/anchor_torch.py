@@ -30,14 +30,8 @@ def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     call needs to weight R by the selected keys' mass.
     """
     out, lse = dense_torch.attention_dense(q, k, v, scale=scale, return_lse=True)
-    sparse = block_sparse_torch.block_sparse_attention(q, k, v, kv_indices, kv_counts, block_q=block_q,
-                                                       block_k=block_k, scale=scale, validate=validate,
-                                                       return_lse=return_mass)
-    if return_mass:
-        sparse, lse_sparse = sparse
-    res = residual_of(out, sparse, residual_precision)
-    if return_mass:
-        res = (*res, mass_of(lse, lse_sparse))
+    res = block_residual(q, k, v, kv_indices, kv_counts, out, lse, block_q=block_q, block_k=block_k, scale=scale,
+                         residual_precision=residual_precision, validate=validate, return_mass=return_mass)
     return (out, lse, res) if return_lse else (out, res)
 
 
