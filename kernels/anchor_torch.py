@@ -57,5 +57,6 @@ def block_residual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices
 
 
 def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str):
-    """Residual pair of dense - sparse ((B, H, N, D) each), encoded as ``precision``, in dense's dtype."""
-    return encode_residual(dense.float() - sparse.float(), precision, dense.dtype)
+    """Residual pair of dense - sparse ((B, H, N, D) each), formed in fp32 a few heads at a time and encoded as
+    ``precision``, in dense's dtype (the composed anchor's R where no kernel forms it in its epilogue)."""
+    return encode_residual(dense, precision, dense.dtype, minus=sparse)

@@ -136,3 +136,27 @@ def test_block_selection_states_its_density_to_the_anchor(monkeypatch):
     q = torch.zeros(1, 2, 300, 64)
     assert sel.anchor(q, q, q, mass=True) == "done"
     assert seen["density"] == 0.0625 and seen["return_mass"] is True and seen["validate"] is False
+
+
+@pytest.mark.parametrize("precision", ["model", "fp8"])
+def test_residual_of_works_a_few_heads_at_a_time(precision, monkeypatch):
+    """The composed anchor's PyTorch residual (anchor_torch.residual_of) forms dense - sparse in fp32 a few heads at a
+    time instead of from full fp32 copies of both: the same pair as encoding the full fp32 difference, a non-finite
+    element kept to itself; operands of different shapes are refused."""
+    if precision == "fp8" and FP8 is None:
+        pytest.skip("torch has no float8_e4m3fn")
+    from comfyui_sparse_attention.kernels import _residual, anchor_torch
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(2, 5, 70, 64, generator=g).to(torch.bfloat16)
+    sparse = (dense.float() + 0.1 * torch.randn(2, 5, 70, 64, generator=g)).to(torch.bfloat16)
+    dense[1, 3, 7, 9] = float("inf")
+    want = encode_residual(dense.float() - sparse.float(), precision, dense.dtype)
+    monkeypatch.setattr(_residual, "CHUNK_ELEMS", 2 * 70 * 64 * 2)  # two heads of both batch rows per slice: 3 slices
+    got = anchor_torch.residual_of(dense, sparse, precision)
+    assert got[0].dtype == want[0].dtype and got[0].shape == dense.shape
+    assert torch.equal(got[0].float().nan_to_num(7.0), want[0].float().nan_to_num(7.0))
+    assert (got[1] is None) == (want[1] is None) and (got[1] is None or torch.equal(got[1], want[1]))
+    bad = got[0][1, 3, 7].float()
+    assert not torch.isfinite(bad[9]) and torch.isfinite(torch.cat([bad[:9], bad[10:]])).all()
+    with pytest.raises(ValueError, match="minus must have"):
+        encode_residual(dense, precision, dense.dtype, minus=sparse[:, :4])
