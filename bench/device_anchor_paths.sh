@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# One H200 call (carry: [".carry/quality"] when GRID is set): the block anchor's two paths (docs/benchmarks.md, "The
-# anchor as one dense call plus the residual epilogue"): the GPU tests of the anchor kernels, then bench/hopper.py
-# --plan anchor (the fused one-pass kernel against cuDNN dense plus the block-sparse kernel forming R in its epilogue,
-# at seven densities, Wan 14B, HunyuanVideo, Wan 1.3B); with GRID, that quality grid on the testbed after them.
+# One H200 call (carry: [".carry/quality"] when GRID is set): the GPU tests of the anchor and epilogue kernels, then a
+# bench/hopper.py plan on Wan 14B, HunyuanVideo and Wan 1.3B; with GRID, that quality grid on the testbed after them.
 # Everything in $OUT/anchor.tar.gz.
+#   PLAN=anchor (default): the block anchor's two paths (docs/benchmarks.md, "The anchor as one dense call plus the
+#     residual epilogue"): the fused one-pass kernel against cuDNN dense plus the block-sparse kernel forming R in its
+#     epilogue, at seven densities.
+#   PLAN=resload: the epilogue's residual / dense-output tile read by tensor descriptor against pointer loads
+#     (docs/kernel_notes.md, "v11"): the residual epilogue, the API's anchor and the reuse call at 0.08 and 0.1.
+#   TESTS: the pytest -k selection of tests/test_gpu_kernels.py run first.
 #   bash bench/device_anchor_paths.sh           GRID=bench/grids/density_007.yaml bash bench/device_anchor_paths.sh
+#   PLAN=resload GRID=bench/grids/preset_check.yaml bash bench/device_anchor_paths.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
 new_root /tmp/anchor
 record_gpu
-part gpu-tests 170 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider \
-  -k "anchor or mass_weighted"
-part hopper 250 python3 bench/hopper.py --skip-tests --plan anchor --shapes wan14b,hyv,wan13b --budget 210 \
+PLAN=${PLAN:-anchor}
+part gpu-tests "${TESTS_LIMIT:-170}" python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider \
+  -k "${TESTS:-anchor or mass_weighted}"
+part hopper 250 python3 bench/hopper.py --skip-tests --plan "$PLAN" --shapes wan14b,hyv,wan13b --budget 210 \
   --out "$root/hopper"
 if [ -n "${GRID:-}" ]; then
   need_quality_carry
