@@ -5,11 +5,11 @@
 #   PLAN=anchor (default): the block anchor's two paths (docs/benchmarks.md, "The anchor as one dense call plus the
 #     residual epilogue"): the fused one-pass kernel against cuDNN dense plus the block-sparse kernel forming R in its
 #     epilogue, at seven densities.
-#   PLAN=resload: the epilogue's residual / dense-output tile read by tensor descriptor against pointer loads
-#     (docs/kernel_notes.md, "v11"): the residual epilogue, the API's anchor and the reuse call at 0.08 and 0.1.
+#   PLAN=epilogue: where the composed anchor's time goes at 0.08 and 0.1 (docs/kernel_notes.md, "v11"): the sparse
+#     kernel, the residual epilogue and the reuse call alone, the API's anchor, and its two halves in sequence.
 #   TESTS: the pytest -k selection of tests/test_gpu_kernels.py run first.
 #   bash bench/device_anchor_paths.sh           GRID=bench/grids/density_007.yaml bash bench/device_anchor_paths.sh
-#   PLAN=resload GRID=bench/grids/preset_check.yaml bash bench/device_anchor_paths.sh
+#   PLAN=epilogue GRID=bench/grids/preset_check.yaml bash bench/device_anchor_paths.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh

@@ -360,12 +360,6 @@ class Shape:
         kernels.append(lambda label: self.token(variant=f"pointer-{label}", reuse=False))
         if compact:
             kernels.append(lambda label: self.token_compact(variant=f"compact_fp8-{label}"))
-        self.under_env(env, order, kernels)
-
-    @staticmethod
-    def under_env(env, order, kernels):
-        """Run each of ``kernels`` (callables taking a variant label) once per (mode, label) of ``order`` with the
-        environment switch ``env`` set to the mode, restoring it afterwards."""
         saved = os.environ.get(env)
         try:
             for kernel in kernels:
@@ -378,31 +372,48 @@ class Shape:
             else:
                 os.environ[env] = saved
 
-    def res_load(self, densities):
-        """The epilogue's residual / dense-output tile read through a tensor descriptor against pointer loads
-        (SPARSE_ATTN_RES_LOAD, kernels/_hopper.py residual_by_tma; docs/kernel_notes.md, "v11"), each tuned for
-        itself (RES_TMA is in the autotune key), pointer / tma / pointer again: the composed anchor's second half
-        (block_residual, fp8 R with its mass, from cuDNN's output), the whole anchor as kernels/api.py runs it,
-        and the reuse call (block-sparse, fp8 residual weighted by the mass)."""
+    def epilogue(self, densities):
+        """Where the composed anchor's time goes, per density: the block-sparse kernel alone, the same walk forming R
+        (fp8, with its mass) from cuDNN's output in its epilogue (block_residual), the reuse call (fp8 residual
+        weighted by the mass), the whole anchor as kernels/api.py runs it, and that anchor's two halves timed in
+        sequence (events around the dense call and around block_residual, median of the rounds), which tells
+        whether a half costs more right after the other than alone."""
         q, k, v, K, AT, AH, BT = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"]
         kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
         out, lse = K.attention_dense(q, k, v, return_lse=True)
-        kernels = []
         for dens in densities:
             idx, cnt, real = self.block_lists(dens, False)
+            self.rec("bsa128", "tma", lambda idx=idx, cnt=cnt: BT.block_sparse_attention(
+                q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path="tma"), real,
+                config=lambda: AH.last_config("sparse"), target=dens)
+            self.rec("residual_epilogue", "alone", lambda idx=idx, cnt=cnt: AT.block_residual(
+                q, k, v, idx, cnt, out, lse, **kw), real, config=lambda: AH.last_config("sparse"), target=dens)
             triple = AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
-            kernels.append(lambda label, idx=idx, cnt=cnt, real=real, dens=dens: self.rec(
-                "residual_epilogue", label, lambda: AT.block_residual(q, k, v, idx, cnt, out, lse, **kw),
-                real, config=lambda: AH.last_config("sparse"), target=dens))
-            kernels.append(lambda label, idx=idx, cnt=cnt, real=real, dens=dens: self.rec(
-                "anchor", f"api-{label}", lambda: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
-                target=dens, kept=real))
-            kernels.append(lambda label, idx=idx, cnt=cnt, real=real, dens=dens, triple=triple: self.rec(
-                "reuse", f"fused_fp8_mass-{label}", lambda: BT.block_sparse_attention(
-                    q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, residual=triple), real,
-                config=lambda: AH.last_config("sparse"), target=dens))
-        self.under_env("SPARSE_ATTN_RES_LOAD", [("pointer", "pointer"), ("tma", "tma"),
-                                                ("pointer", "pointer-again")], kernels)
+            self.rec("reuse", "fused_fp8_mass", lambda idx=idx, cnt=cnt, triple=triple: BT.block_sparse_attention(
+                q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, residual=triple), real,
+                config=lambda: AH.last_config("sparse"), target=dens)
+            del triple
+            self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     target=dens, kept=real)
+            if DEV == "cuda" and self.budget.ok(f"{self.name} anchor halves {dens}"):
+                halves = []
+                for _ in range(5):
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    ev[0].record()
+                    o, ls = K.attention_dense(q, k, v, return_lse=True)
+                    ev[1].record()
+                    AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
+                    ev[2].record()
+                    ev[2].synchronize()
+                    halves.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
+                    del o, ls
+                for i, label in enumerate(("dense_lse", "residual_epilogue")):
+                    ms = sorted(h[i] for h in halves)[len(halves) // 2]
+                    self.rows.append(dict(shape=self.name, heads=self.h, tokens=self.n, head_dim=self.d,
+                                          kind=label, variant="in_sequence", ms=ms, density=1.0 if i == 0 else real,
+                                          eff_tflops=self.flops * (1.0 if i == 0 else real) / ms / 1e9, config="",
+                                          target=dens, rounds=[round(h[i], 3) for h in halves]))
+                    say(f"{self.name:7s} {label:18s} in_sequence  {ms:9.3f} ms")
 
     def token_compact(self, variant, dens=0.15):
         """The token kernel on the compact int16 lists the engine caches (kernels/compact_torch.py), made from the
@@ -485,12 +496,12 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "resload"), default="full",
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue"), default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
                          "against the fixed one (Shape.mass); anchor: the fused anchor against the dense call plus "
-                         "the residual epilogue, per density (Shape.anchor_paths); resload: the epilogue's tile "
-                         "read by descriptor against pointers (Shape.res_load)")
+                         "the residual epilogue, per density (Shape.anchor_paths); epilogue: the composed anchor's "
+                         "halves, alone and in sequence (Shape.epilogue)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -545,8 +556,8 @@ def main():
         plan = [(name, "mass", (0.15, 0.1)) for name in names]
     if args.plan == "anchor":
         plan = [(name, "anchor_paths", (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25)) for name in names]
-    if args.plan == "resload":
-        plan = [(name, "res_load", (0.08, 0.1)) for name in names]
+    if args.plan == "epilogue":
+        plan = [(name, "epilogue", (0.08, 0.1)) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]

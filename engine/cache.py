@@ -92,6 +92,9 @@ AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
 AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
 HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memory available ...
 HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
+SELECTION_SLACK = 0.1  # a selection whose residual found no room may take host memory up to this share past
+# cpu_budget: a 16 GB cap full of Wan 14B 720p residuals left half the layers dense at every reuse step when their
+# block lists (9 MB each) had nowhere to go (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card")
 
 
 DeviceProbe = "Callable[[torch.device], tuple[int, int] | None]"
@@ -225,8 +228,12 @@ class SelectionCache:
         return out
 
     def put(self, key: tuple, entry: Entry) -> str:
-        """Store an entry; returns where it went: "device", "cpu", "device-no-residual", or "none".
-        Entries of larger chunks that held this chunk's rows are dropped (they are older)."""
+        """Store an entry; returns where it went: "device", "cpu", "device-no-residual", "cpu-no-residual", or
+        "none". Entries of larger chunks that held this chunk's rows are dropped (they are older). When the
+        residual finds no room and none less important can give way, the selection alone is kept, on the device or
+        else in host memory up to SELECTION_SLACK past ``cpu_budget`` (the host reserve still holds): block lists
+        are ~1 % of a residual, and without them the layer would run dense at every reuse step (docs/decisions.md,
+        "Small cards")."""
         self.drop(key)
         for src, _ in self._covering(key):
             self.drop(src)
@@ -245,6 +252,12 @@ class SelectionCache:
             self.counters["residual_dropped"] += 1
             self._note_dropped(key)
             where = "device-no-residual"
+        elif entry.residual is not None and self._cpu_fits(entry.selection.nbytes, SELECTION_SLACK):
+            self.on_cpu[key] = Entry(entry.selection, None, importance=entry.importance).pinned()
+            self.counters["offloaded"] += 1
+            self.counters["residual_dropped"] += 1
+            self._note_dropped(key)
+            where = "cpu-no-residual"
         else:
             self.fallback_keys.add(key)
             self.counters["fallbacks"] += 1
@@ -285,9 +298,10 @@ class SelectionCache:
                         "a lower density, fewer cached layers or more host memory avoid it)")
         self.dropped_layers.add(_layer_of(key))
 
-    def _cpu_fits(self, size: int) -> bool:
-        """Offload allowed, within cpu_budget, and the host keeps max(8 GiB, 25 %) of its memory available."""
-        if not self.offload or self.cpu_bytes + size > self.cpu_budget:
+    def _cpu_fits(self, size: int, slack: float = 0.0) -> bool:
+        """Offload allowed, within cpu_budget times (1 + ``slack``), and the host keeps max(8 GiB, 25 %) of its
+        memory available."""
+        if not self.offload or self.cpu_bytes + size > self.cpu_budget * (1.0 + slack):
             return False
         host = host_memory()
         if host is None:

@@ -43,31 +43,14 @@ def tma_problem(tensors, capability: tuple[int, int] | None) -> str | None:
     if not triton_has_descriptors():
         return "this Triton has no device-side tensor descriptors"
     for t in tensors:
-        why = alignment_problem(t)
-        if why is not None:
-            return why
+        es = t.element_size()
+        if t.stride(-1) != 1:
+            return "last dim is strided"
+        if t.data_ptr() % 16:
+            return "base address is not 16-byte aligned"
+        if any((st * es) % 16 for st in t.stride()[:3]):
+            return f"strides {tuple(t.stride())} are not multiples of 16 bytes"
     return None
-
-
-def alignment_problem(t: torch.Tensor) -> str | None:
-    """Why a (B, H, N, D) tensor cannot be read through a tensor descriptor (last stride 1, 16-byte aligned base
-    and strides), or None when it can."""
-    es = t.element_size()
-    if t.stride(-1) != 1:
-        return "last dim is strided"
-    if t.data_ptr() % 16:
-        return "base address is not 16-byte aligned"
-    if any((st * es) % 16 for st in t.stride()[:3]):
-        return f"strides {tuple(t.stride())} are not multiples of 16 bytes"
-    return None
-
-
-def residual_by_tma(t: torch.Tensor) -> bool:
-    """Whether the TMA kernels read the (B, H, N, D) tile tensor ``t`` their epilogue adds or subtracts (a cached
-    residual, fp8 or the model's dtype; the dense output of a residual-mode anchor, any strides) through a tensor
-    descriptor: when it is aligned for one and SPARSE_ATTN_RES_LOAD is not ``pointer`` (kept to time the two
-    loads against each other: docs/kernel_notes.md, "v11")."""
-    return os.environ.get("SPARSE_ATTN_RES_LOAD", "tma") != "pointer" and alignment_problem(t) is None
 
 
 def device_capability(t: torch.Tensor) -> tuple[int, int] | None:

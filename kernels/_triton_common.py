@@ -279,23 +279,14 @@ def add_residual(out, R, RS, b, h, rows, row_ok, srb, srh, srn, ssb, ssh, ssn, d
     times its per-row scale (RESIDUAL 2), decoded in registers; with MASS, each row's residual times w [M] (from
     ``mass_weight``). Rows outside ``row_ok`` add 0."""
     if RESIDUAL != 0:
-        r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True)
-        out = add_residual_tile(out, r, RS, b, h, rows, row_ok, ssb, ssh, ssn, RESIDUAL, w, MASS)
+        r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
+        if RESIDUAL == 2:
+            s = tl.load(RS + b * ssb + h * ssh + rows * ssn, mask=row_ok, other=0.0)
+            r = r * s[:, None]
+        if MASS:
+            r = r * w[:, None]
+        out = out + r
     return out
-
-
-@triton.jit
-def add_residual_tile(out, r, RS, b, h, rows, row_ok, ssb, ssh, ssn, RESIDUAL: tl.constexpr, w=1.0,
-                      MASS: tl.constexpr = False):
-    """``add_residual`` for a residual tile r [M, D_PAD] already loaded (fp8 or the model's dtype; rows outside
-    ``row_ok`` and padded lanes 0): decoded with its row scales (RESIDUAL 2), times w [M] with MASS, added to out."""
-    r = r.to(tl.float32)
-    if RESIDUAL == 2:
-        s = tl.load(RS + b * ssb + h * ssh + rows * ssn, mask=row_ok, other=0.0)
-        r = r * s[:, None]
-    if MASS:
-        r = r * w[:, None]
-    return out + r
 
 
 LOG_MASS_EPS = tl.constexpr(math.log(MASS_EPS))
@@ -353,9 +344,9 @@ def store_residual_out(RO, ROS, b, h, pid_bh, rows, row_ok, srb, srh, srn, N_Q, 
         finite = tl.abs(r) < float("inf")
         s = tl.max(tl.where(finite, tl.abs(r), 0.0), 1) / 448.0
         s = tl.where(s > 0, s, 1.0)
-        # stored as an [M, 1] tile: a 1-D store makes the compiler redo the row max on a second copy of the whole
-        # tile in the store's layout (226 registers instead of 177, 524 spill bytes under the 128-register cap;
-        # docs/kernel_notes.md, "v11")
+        # stored as an [M, 1] tile: from a 1-D store the compiler redid the row max on a copy of the whole tile
+        # converted to the store's layout (226 registers instead of 177; 524 spill bytes instead of 96 under the
+        # 128-register cap the tuner picks; docs/kernel_notes.md, "v11")
         tl.store((ROS + pid_bh.to(tl.int64) * N_Q + rows)[:, None], s[:, None], mask=row_ok[:, None])
         r = tl.where(finite, fp8_grid(tl.where(finite, r, 0.0) / s[:, None]), float("nan"))
     store_rows(RO + b * srb + h * srh, rows, srn, row_ok, d, r.to(RO.dtype.element_ty), HEAD_DIM, D_PAD)

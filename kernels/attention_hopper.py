@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import _hopper
-from ._triton_common import (LOG2E, add_residual_tile, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
+from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
                              mass_launch_args, mass_weight, online_softmax_step, pick, residual_launch_args,
                              residual_mode, seq_bucket, store_mass, store_residual_out, store_rows, tune_options)
 
@@ -105,30 +105,13 @@ def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK
 
 
 @triton.jit
-def _rows_tile(R, b, h, srb, srh, srn, qb, offs_m, q_ok, d, N_Q, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-               BLOCK_M: tl.constexpr, TMA: tl.constexpr):
-    """Query block ``qb``'s [BLOCK_M, D_PAD] tile of head (b, h) of R (rows ``srn`` apart, last stride 1), in R's
-    dtype; rows >= N_Q and lanes >= HEAD_DIM read 0. TMA (16-byte aligned base and row stride): through a tensor
-    descriptor, which lands the tile in shared memory for the accumulator's layout. Pointer loads in another
-    layout cost a layout conversion and, in the residual epilogue, 88-96 spill bytes under the 128-register cap
-    (docs/kernel_notes.md, "v11")."""
-    if TMA:
-        desc = tl.make_tensor_descriptor(R + b * srb + h * srh, shape=[N_Q, HEAD_DIM], strides=[srn, 1],
-                                         block_shape=[BLOCK_M, D_PAD])
-        x = desc.load([qb * BLOCK_M, 0])
-    else:
-        x = load_rows(R + b * srb + h * srh, offs_m, srn, q_ok, d, HEAD_DIM, D_PAD, True)
-    return x
-
-
-@triton.jit
 def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
          H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale,
          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
          BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
          RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
-         LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr, RES_TMA: tl.constexpr):
+         LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     """One query block: row = (b * H + h) * NQB + query block. MASS: the anchor writes the rows' mass to MS, a
     block-sparse call weights its residual by the mass read from MS (kernels/_residual.py). MODE 3 reads the dense
     output from R (strides srb, srh, srn) and its LSE from Lse, writes R = dense - sparse to RO (Out's strides) and
@@ -183,8 +166,7 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
             if MASS:
                 store_mass(MS, b, h, offs_m, q_ok, msb, msh, msn, lse_s, lse)
         if MODE == 3:  # the dense output is given: the epilogue only forms the residual
-            dense = _rows_tile(R, b, h, srb, srh, srn, qb, offs_m, q_ok, d, N_Q, HEAD_DIM, D_PAD, BLOCK_M,
-                               RES_TMA).to(tl.float32)
+            dense = load_rows(R + b * srb + h * srh, offs_m, srn, q_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
             store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, dense - out, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
             if MASS:
@@ -194,9 +176,8 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
         w = 1.0
         if MASS:
             w = mass_weight(lse, MS, b, h, offs_m, q_ok, msb, msh, msn)
-        if RESIDUAL != 0:
-            r = _rows_tile(R, b, h, srb, srh, srn, qb, offs_m, q_ok, d, N_Q, HEAD_DIM, D_PAD, BLOCK_M, RES_TMA)
-            out = add_residual_tile(out, r, RS, b, h, offs_m, q_ok, ssb, ssh, ssn, RESIDUAL, w, MASS)
+        out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD,
+                           RESIDUAL, w, MASS)
     if MODE != 3:
         store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
         if WRITE_LSE:
@@ -211,7 +192,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
               BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
               RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, ORDERED: tl.constexpr,
               PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr,
-              LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr, RES_TMA: tl.constexpr):
+              LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     if PERSISTENT:  # greedy: each program takes the next row (heaviest first) when it finishes one
         t = tl.atomic_add(COUNTER, 1)
         while t < N_ROWS:
@@ -222,7 +203,8 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn,
                  msb, msh, msn,
                  H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD, MASS, RES_TMA)
+                 EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
+                 MASS)
             t = tl.atomic_add(COUNTER, 1)
     else:
         row = tl.program_id(0)
@@ -231,7 +213,8 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
         _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CMP_CNT,
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
-             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD, MASS, RES_TMA)
+             EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
+                 MASS)
 
 
 def _cfg(bn, w, s, per_sm=1, maxnreg=None):
@@ -266,7 +249,7 @@ def _prune(configs_, named_args, **kwargs):
 
 # residual and LSE flags are not in the key, but Triton adds every tensor argument's dtype to it: a variant
 # whose residual or LSE tensors differ in dtype from the dummies is tuned once more (docs/kernel_notes.md, "v7")
-_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY", "AHEAD", "RES_TMA"]
+_KEY = ["N_BUCKET", "HEAD_DIM", "BLOCK_M", "BLOCK_K", "MODE", "LAZY", "AHEAD"]
 _HEUR = {"EVEN_K": lambda a: a["N_KV"] % a["BLOCK_K"] == 0, "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0}
 _tuned: dict[str, object] = {}
 
@@ -326,8 +309,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None and mode != MODE_RESIDUAL, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None,
-        RES_TMA=res is not None and _hopper.residual_by_tma(res[0]))
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None)
     return out
 
 

@@ -337,40 +337,6 @@ def test_anchor_residual_epilogue_matches_twin(precision, n, d, bq, bk):
     assert rel(decoded(res), decoded(twin)) <= (2e-2 if precision == "model" else 6e-2)
 
 
-@needs_hopper
-@pytest.mark.parametrize("n,d,load", [(32760, 128, "pointer"), (4133, 72, "auto")])
-def test_residual_tiles_by_pointer_match_twin(monkeypatch, n, d, load):
-    """The TMA kernel's epilogue tiles (the reuse call's fp8 residual, the composed anchor's dense output) through
-    pointer loads: forced (SPARSE_ATTN_RES_LOAD=pointer), or because an fp8 residual of head dim 72 has 72-byte
-    rows, which a tensor descriptor cannot take (kernels/_hopper.py, residual_by_tma)."""
-    from comfyui_sparse_attention.kernels import _hopper, anchor_torch, anchor_triton, block_sparse_torch, \
-        block_sparse_triton
-    if load == "pointer":
-        monkeypatch.setenv("SPARSE_ATTN_RES_LOAD", "pointer")
-    else:
-        monkeypatch.delenv("SPARSE_ATTN_RES_LOAD", raising=False)
-    h, bq = 2, 128
-    q, k, v = qkv(h, n, d, seed=n + 11)
-    nb = math.ceil(n / bq)
-    idx, cnt = random_lists(h, nb, nb, max(2, int(0.08 * nb)), seed=d)
-    res = make_residual("fp8", q.shape, seed=n)
-    seen = []
-    real = _hopper.residual_by_tma
-    monkeypatch.setattr(_hopper, "residual_by_tma", lambda t: seen.append(real(t)) or seen[-1])
-    out = block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual=res,
-                                                     path="tma")
-    twin = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual=res)
-    assert not torch.isnan(out).any() and rel(out, twin) <= 1e-2
-    dense, lse = K.attention_dense(q, k, v, return_lse=True)
-    got = anchor_triton.block_residual(q, k, v, idx, cnt, dense, lse, block_q=bq, block_k=bq,
-                                       residual_precision="fp8", return_mass=True)
-    want = anchor_torch.block_residual(q, k, v, idx, cnt, dense, lse, block_q=bq, block_k=bq,
-                                       residual_precision="fp8", return_mass=True)
-    assert rel(decoded(got[:2]), decoded(want[:2])) <= 6e-2
-    # forced: both tiles by pointers; head dim 72: the fp8 residual by pointers, cuDNN's bf16 output by descriptor
-    assert seen == ([False, False] if load == "pointer" else [False, True])
-
-
 @pytest.mark.parametrize("res_kind", ["bf16", "fp8"])
 def test_token_sparse_residual_matches_twin(res_kind):
     n, d, c, h = 32768, 128, 128, 2

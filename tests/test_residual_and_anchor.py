@@ -160,26 +160,3 @@ def test_residual_of_works_a_few_heads_at_a_time(precision, monkeypatch):
     assert not torch.isfinite(bad[9]) and torch.isfinite(torch.cat([bad[:9], bad[10:]])).all()
     with pytest.raises(ValueError, match="minus must have"):
         encode_residual(dense, precision, dense.dtype, minus=sparse[:, :4])
-
-
-def test_residual_tiles_are_read_through_descriptors_only_when_aligned(monkeypatch):
-    """kernels/_hopper.residual_by_tma: the TMA kernels read a residual or dense-output tile tensor through a tensor
-    descriptor when its base and strides are 16-byte aligned and its last stride 1 (else by pointers), unless
-    SPARSE_ATTN_RES_LOAD=pointer."""
-    from comfyui_sparse_attention.kernels import _hopper
-    monkeypatch.delenv("SPARSE_ATTN_RES_LOAD", raising=False)
-    bf16 = torch.zeros(1, 2, 130, 64, dtype=torch.bfloat16)
-    assert _hopper.residual_by_tma(bf16)
-    bnhd = torch.zeros(1, 130, 2, 80, dtype=torch.bfloat16).transpose(1, 2)  # cuDNN's output for ComfyUI's q
-    assert _hopper.residual_by_tma(bnhd)
-    if FP8 is not None:
-        assert _hopper.residual_by_tma(torch.zeros(1, 2, 130, 64, dtype=FP8))
-        assert _hopper.alignment_problem(torch.zeros(1, 2, 130, 72, dtype=FP8)).startswith("strides")  # 72 bytes
-        assert not _hopper.residual_by_tma(torch.zeros(1, 2, 130, 72, dtype=FP8))
-    flat = torch.zeros(2 * 130 * 64 + 8, dtype=torch.bfloat16)
-    shifted = flat[1:1 + 2 * 130 * 64].view(1, 2, 130, 64)  # 2 bytes past an aligned base
-    assert _hopper.alignment_problem(shifted) == "base address is not 16-byte aligned"
-    assert not _hopper.residual_by_tma(shifted)
-    assert not _hopper.residual_by_tma(torch.zeros(1, 2, 64, 130, dtype=torch.bfloat16).transpose(2, 3))
-    monkeypatch.setenv("SPARSE_ATTN_RES_LOAD", "pointer")
-    assert not _hopper.residual_by_tma(bf16)

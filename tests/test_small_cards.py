@@ -42,6 +42,31 @@ def test_the_residuals_that_matter_most_are_kept(monkeypatch, caplog):
     assert set(merged.cache["dropped_residual_layers"]) == {3, 12} | ({9} if where == "device-no-residual" else set())
 
 
+def test_a_full_card_and_host_budget_keep_the_selection_in_host_memory(monkeypatch, caplog):
+    """A 16 GB card with the small-VRAM preset: no room on the device, the host budget full of residuals that matter
+    more. The newcomer's residual is dropped and its selection kept in host memory past the budget (the layer stays
+    sparse, without residual), instead of the layer falling back to dense attention at every reuse step."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    kept = entry(0, 0.30)
+    cache = SelectionCache(device_budget=0, cpu_budget=kept.nbytes + 10, offload=True)
+    assert cache.put((3, True, (), 4096), kept) == "cpu"
+    newcomer = entry(1, 0.01)
+    with caplog.at_level("WARNING"):
+        assert cache.put((7, True, (), 4096), newcomer) == "cpu-no-residual"
+    assert any("residuals" in r.message for r in caplog.records)
+    assert cache.on_cpu[(3, True, (), 4096)].residual is not None  # the more important residual stays
+    bare = cache.get((7, True, (), 4096), "cpu")
+    assert bare.residual is None and torch.equal(bare.selection.kv_indices, newcomer.selection.kv_indices)
+    assert cache.cpu_bytes == kept.nbytes + newcomer.selection.nbytes > cache.cpu_budget
+    assert cache.counters["fallbacks"] == 0 and cache.info()["dropped_residual_layers"] == [7]
+    # the host reserve still holds: with no host memory to spare the layer falls back
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (1 << 30, 64 << 30))
+    assert cache.put((9, True, (), 4096), entry(2, 0.001)) == "none" and cache.counters["fallbacks"] == 1
+    # without offloading nothing goes to the host
+    off = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=False)
+    assert off.put((3, True, (), 4096), entry(3, 0.1)) == "none"
+
+
 def test_the_memory_probe_replaces_the_drivers_view(monkeypatch):
     seen = []
 

@@ -85,7 +85,7 @@ def cases(kinds, head_dims, loops=("plain",), mass=False):
                     ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK_M=128, BLOCK_K=128, BLOCK_N=c.kwargs["BLOCK_N"],
                               EVEN_K=False, EVEN_N=False, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=False,
                               ORDERED=mode in (0, 3), PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=False,
-                              AHEAD=loop == "ahead", MASS=mass and mode in (0, 2, 3), RES_TMA=True)
+                              AHEAD=loop == "ahead", MASS=mass and mode in (0, 2, 3))
                     ce.update(extra)
                     types = {**ptr, "RO": "*fp8e4nv"} if ce["RES_OUT"] == 2 else ptr  # the engine stores fp8 R
                     yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), types, ce, div, c
