@@ -56,7 +56,8 @@ class SparseConfig:
     cache_budget_mb: GPU memory for cached selections/residuals, in MB, or "auto" (the default: what the
         card has free beyond max(8 GiB, 25 %) of its memory, at most half the card; 8 GiB off CUDA);
         offload: move other layers' entries to CPU (pinned) memory and prefetch them; cpu_budget_mb: the
-        CPU side's limit (it also always leaves max(8 GiB, 25 %) of the host's memory available).
+        CPU side's limit (it also always leaves max(8 GiB, 25 %) of the host's memory available; the selections
+        of layers whose residual was dropped for room may pass it by 10 %: engine/cache.py, SELECTION_SLACK).
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
     layer_densities: per-layer / per-head density factors relative to the image density, {layer: factor |
         [factor per head]} (engine/layer_density.py); unlisted layers and heads keep factor 1.
