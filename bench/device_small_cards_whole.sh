@@ -2,8 +2,9 @@
 # On the H200 (carry: [".carry/bundle.tar.xz"], ComfyUI 0.3.75 from bench/device_bundle.sh; BUNDLE names another):
 # the presets on small cards (docs/benchmarks.md, "Small cards"): Wan 2.1 1.3B 480p whole 50-step runs
 # (bench/e2e.py --whole-run) on simulated 16 GB and 8 GB cards, then Wan 2.1 14B 720p with fp8 weights on a 24 GB
-# card timed as anchor, reuse, later anchor, reuse (--pattern ArAr; a whole run does not fit one device call); host
-# cache capped at 32 GB, the preset's density 0.1. PARTS picks some of "wan13b wan14b" (default both). Under
+# card timed as anchor, reuse, later anchor, reuse (--pattern ArAr; a whole run does not fit one device call); by
+# default host cache capped at 32 GB, density 0.1 (the Wan 14B part's CARD, HOST_GB, WAN14B_MODES and WARMUP_LAYERS
+# below change that). PARTS picks some of "wan13b wan14b" (default both). Under
 # ComfyUI 0.3.75 the 24 GB card's dense run itself runs out of memory (its loader leaves too little room for
 # activations at 720p); 0.33.0 runs it: BUNDLE=.carry/bundle-033.tar.xz PARTS=wan14b.
 # Everything in $OUT/small_cards.tar.gz.

@@ -409,10 +409,13 @@ class Shape:
                     del o, ls
                 for i, label in enumerate(("dense_lse", "residual_epilogue")):
                     ms = sorted(h[i] for h in halves)[len(halves) // 2]
-                    self.rows.append(dict(shape=self.name, heads=self.h, tokens=self.n, head_dim=self.d,
-                                          kind=label, variant="in_sequence", ms=ms, density=1.0 if i == 0 else real,
-                                          eff_tflops=self.flops * (1.0 if i == 0 else real) / ms / 1e9, config="",
-                                          target=dens, rounds=[round(h[i], 3) for h in halves]))
+                    dn = 1.0 if i == 0 else real
+                    row = dict(shape=self.name, heads=self.h, tokens=self.n, head_dim=self.d, kind=label,
+                               variant="in_sequence", ms=ms, density=dn, eff_tflops=self.flops * dn / ms / 1e9,
+                               config="", target=dens, rounds=[round(h[i], 3) for h in halves])
+                    if self.cudnn:
+                        row.update(x_cudnn=self.cudnn / ms, x_d=self.cudnn / ms * dn)
+                    self.rows.append(row)
                     say(f"{self.name:7s} {label:18s} in_sequence  {ms:9.3f} ms")
 
     def token_compact(self, variant, dens=0.15):

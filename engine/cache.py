@@ -4,9 +4,10 @@ Entries are keyed by (layer, self/cross, batch chunk, token count). ComfyUI batc
 one call when memory allows and splits them when it runs low, so a chunk's rows are also read from an
 entry of a larger chunk that holds them (its batch rows, as views). An entry that does not fit the
 device budget lives in (pinned) CPU memory and is copied back when used; the copy for the key expected
-next (the order of the previous step) is started early on a side stream so it overlaps compute. An
-entry that fits nowhere is not stored: the key is remembered as a fallback and counted. ``clear()``
-frees everything (end of a run).
+next (the order of the previous step) is started early on a side stream so it overlaps compute. When room
+runs out, the residuals that matter least are dropped and their selections kept (``put``); an entry whose
+selection fits nowhere is not stored: the key is remembered as a fallback and counted. ``clear()`` frees
+everything (end of a run).
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ AUTO_MAX_SHARE = 0.5  # and never holds more than this share of the card
 AUTO_NON_CUDA_BYTES = 8 << 30  # "auto" on devices without a memory query
 HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memory available ...
 HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
-SELECTION_SLACK = 0.1  # a selection whose residual found no room may take host memory up to this share past
-# cpu_budget: a 16 GB cap full of Wan 14B 720p residuals left half the layers dense at every reuse step when their
-# block lists (9 MB each) had nowhere to go (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card")
+SELECTION_SLACK = 0.1  # a selection stored without its residual may take host memory up to this share past
+# cpu_budget, so that a cap filled to the byte by residuals still takes the other layers' block lists (~1 % of a
+# residual). Keeping those selections in host memory at all is what mattered on a 16 GB card: without it 13-17 of
+# Wan 14B's 40 layers ran dense at every reuse step (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card")
 
 
 DeviceProbe = "Callable[[torch.device], tuple[int, int] | None]"
@@ -252,12 +254,8 @@ class SelectionCache:
             self.counters["residual_dropped"] += 1
             self._note_dropped(key)
             where = "device-no-residual"
-        elif entry.residual is not None and self._cpu_fits(entry.selection.nbytes, SELECTION_SLACK):
-            self.on_cpu[key] = Entry(entry.selection, None, importance=entry.importance).pinned()
-            self.counters["offloaded"] += 1
-            self.counters["residual_dropped"] += 1
-            self._note_dropped(key)
-            where = "cpu-no-residual"
+        elif self._keep_selection_on_host(key, entry):
+            where = "cpu" if entry.residual is None else "cpu-no-residual"
         else:
             self.fallback_keys.add(key)
             self.counters["fallbacks"] += 1
@@ -289,6 +287,18 @@ class SelectionCache:
             if self._device_fits(size, entry) or self._cpu_fits(size):
                 return True
         return freed and (self._device_fits(size, entry) or self._cpu_fits(size))
+
+    def _keep_selection_on_host(self, key: tuple, entry: Entry) -> bool:
+        """Store ``entry``'s selection alone in host memory, up to SELECTION_SLACK past cpu_budget; its residual, if
+        it has one, is dropped (counted, logged once, listed in the Report). False when even that does not fit."""
+        if not self._cpu_fits(entry.selection.nbytes, SELECTION_SLACK):
+            return False
+        self.on_cpu[key] = Entry(entry.selection, None, importance=entry.importance).pinned()
+        self.counters["offloaded"] += 1
+        if entry.residual is not None:
+            self.counters["residual_dropped"] += 1
+            self._note_dropped(key)
+        return True
 
     def _note_dropped(self, key: tuple) -> None:
         if not self.dropped_logged:
@@ -360,7 +370,8 @@ class SelectionCache:
     def spill(self, share: float = 1.0, stop_prefetch: bool = False) -> int:
         """Free device memory after an out-of-memory error: drop the prefetched copies of host entries (their host
         entries stay), then move the least recently used device entries, at least ``share`` of the device
-        cache's bytes, to the CPU side (or, without room there, drop them: their layers anchor again). An "auto"
+        cache's bytes, to the CPU side (without room there for the whole entry, its selection alone as in ``put``;
+        without room for that either, the entry is dropped and its layer anchors again). An "auto"
         budget then keeps at most what stayed on the device. ``stop_prefetch``: the rest of the run fetches each
         host entry when its call comes (a prefetch holds a second layer's entry on the device beside the one in
         use); for the model's own out-of-memory errors. Returns the bytes freed on the device."""
@@ -377,6 +388,8 @@ class SelectionCache:
             if self._cpu_fits(entry.nbytes):
                 self.on_cpu[key] = entry.pinned()
                 self.counters["offloaded"] += 1
+            else:
+                self._keep_selection_on_host(key, entry)
         self.counters["spills"] += 1
         self.auto_limit = self.device_bytes
         self.peak_cpu = max(self.peak_cpu, self.cpu_bytes)
