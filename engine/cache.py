@@ -276,6 +276,11 @@ class SelectionCache:
         lesser = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
                          for k, e in store.items() if e.residual is not None and e.importance < entry.importance),
                         key=lambda t: t[0])
+        # drop nothing when dropping every lesser residual would still leave no room (they would be lost for nothing)
+        gain = {where: sum((self.on_device if where == "device" else self.on_cpu)[k].residual.nbytes
+                           for _, k, w in lesser if w == where) for where in ("device", "cpu")}
+        if not (self._device_fits(size - gain["device"], entry) or self._cpu_fits(size - gain["cpu"])):
+            return False
         freed = False
         for _, k, where in lesser:
             store = self.on_device if where == "device" else self.on_cpu

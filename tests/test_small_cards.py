@@ -73,6 +73,19 @@ def test_a_full_card_and_host_budget_keep_the_selection_in_host_memory(monkeypat
     assert full.cpu_bytes > full.cpu_budget and full.counters["residual_dropped"] == 0
 
 
+def test_residuals_are_not_dropped_for_a_newcomer_that_still_would_not_fit(monkeypatch):
+    """A more important newcomer takes the room of less important residuals only when that makes room: if dropping
+    every lesser residual would still leave it out, they stay and the newcomer keeps its selection alone."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    small = entry(0, 0.01)
+    big = Entry(entry(1, 0.30).selection, Residual(torch.randn(1, 2, 4096, 256)), importance=0.30)  # 4x the residual
+    cache = SelectionCache(device_budget=0, cpu_budget=small.nbytes + 10, offload=True)
+    assert cache.put((3, True, (), 4096), small) == "cpu"
+    assert cache.put((7, True, (), 4096), big) == "cpu-no-residual"
+    assert cache.on_cpu[(3, True, (), 4096)].residual is not None  # kept: dropping it would not have made room
+    assert cache.info()["dropped_residual_layers"] == [7] and cache.counters["residual_dropped"] == 1
+
+
 def test_a_spill_without_host_room_keeps_the_selections(monkeypatch):
     """After the model runs out of memory, device entries move to the host; where the host budget has no room for a
     whole entry, its selection alone goes (the layer stays sparse without its residual) instead of the entry being
