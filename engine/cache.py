@@ -95,8 +95,9 @@ HOST_RESERVE_BYTES = 8 << 30  # the CPU side leaves at least this much host memo
 HOST_RESERVE_SHARE = 0.25  # ... or this share of it (pinned pages cannot be swapped: a full host is killed)
 SELECTION_SLACK = 0.1  # a selection stored without its residual may take host memory up to this share past
 # cpu_budget, so that a cap filled to the byte by residuals still takes the other layers' block lists (~1 % of a
-# residual). Keeping those selections in host memory at all is what mattered on a 16 GB card: without it 13-17 of
-# Wan 14B's 40 layers ran dense at every reuse step (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card")
+# residual). The engine runs such a layer dense at reuse steps (its residual carries the picture) and anchors it again
+# at the next anchor step; without a stored entry the layer would fall back to dense for the rest of the run
+# (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card")
 
 
 DeviceProbe = "Callable[[torch.device], tuple[int, int] | None]"
@@ -308,9 +309,9 @@ class SelectionCache:
     def _note_dropped(self, key: tuple) -> None:
         if not self.dropped_logged:
             self.dropped_logged = True
-            log.warning("sparse attention: no room to keep every residual on the GPU or in host memory: residuals of "
-                        "the layers that need them least were dropped (quality falls there; the report lists them; "
-                        "a lower density, fewer cached layers or more host memory avoid it)")
+            log.warning("sparse attention: no room to keep every residual on the GPU or in host memory: the layers "
+                        "whose residuals were dropped (the report lists them) run dense at reuse steps until their "
+                        "next anchor; more host memory (cpu_budget_mb) keeps them sparse")
         self.dropped_layers.add(_layer_of(key))
 
     def _cpu_fits(self, size: int, slack: float = 0.0) -> bool:

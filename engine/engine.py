@@ -180,6 +180,14 @@ class SparseEngine:
         key = ctx.key(n)
         self._seen_at[key] = ctx.step
         entry = None
+        if decision == REUSE and self.cfg.residual and self._residual_dropped(key):
+            # its residual found no room (engine/cache.py): without it a reuse step misses what the anchor measured
+            # (on the testbed at density 0.08, 2 of 8 layers without residuals cost 2.5 dB, 5 of 8 cost 12 dB;
+            # docs/decisions.md, "Small cards"), so the layer runs dense until its next anchor
+            with self.stats.timed(ctx.layer, "attention", dev):
+                out = self._dense(q, k, v, scale, dense_fn)
+            self.stats.add(ctx.layer, FALLBACK, 1.0, step=ctx.step)
+            return out
         if decision == REUSE:
             if key in self.cache.on_device:  # resident: nothing to transfer, and no timing events to pay for
                 entry = self.cache.get(key, dev)
@@ -201,6 +209,14 @@ class SparseEngine:
             out = selection.run(q, k, v, scale=scale, backend=self.cfg.backend, residual=residual)
         self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
         return out
+
+    def _residual_dropped(self, key) -> bool:
+        """The entry serving ``key`` lost its residual for lack of room (host metadata only: no copy, no wait)."""
+        found = self.cache.lookup(key)
+        if found is None:
+            return False
+        entry = self.cache.on_device.get(found[0]) or self.cache.on_cpu.get(found[0])
+        return entry is not None and entry.residual is None
 
     def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
         """An anchor; when it runs out of memory, the cache crowds its scratch: move half of the cache off

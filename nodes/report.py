@@ -28,9 +28,10 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
     lines += _layout_lines(getattr(patch, "layouts", {}))
     dropped = stats.cache.get("dropped_residual_layers") or []
     if dropped:
-        lines.append(f"RESIDUALS DROPPED for lack of GPU and host memory at layer(s) {dropped}: those layers reuse "
-                     "their selection without the residual and lose quality (the ones with the smallest anchor "
-                     "error went first); a lower density or more host memory keeps them")
+        lines.append(f"RESIDUALS DROPPED for lack of GPU and host memory at layer(s) {dropped}: those layers ran "
+                     "dense at reuse steps until their next anchor (without its residual a layer's reuse step "
+                     "loses the quality; dense keeps it and costs the time); more host memory (cpu_budget_mb) "
+                     "keeps them sparse")
     if patch.fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")

@@ -196,3 +196,40 @@ def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
     assert patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory") == 1
     assert patch.last_stats.cache["spills"] >= 1
     assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_layers_whose_residual_found_no_room_run_dense_at_reuse_steps():
+    """Engine: with room for one layer's residual, the other layer's residual is dropped, and that layer runs dense
+    at its reuse steps (exactly the dense output) while the layer that kept its residual runs sparse with it."""
+    from sparse_ref import rel_l2
+
+    from comfyui_sparse_attention.engine import CallContext, SparseEngine
+    from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention
+    problem = SyntheticVideoAttention(frames=4, height=16, width=16, text=32, heads=2, head_dim=64, steps=8, seed=3)
+    base = dict(method="block_topk", density=0.15, warmup_steps=0, anchor_steps="", min_tokens=0, backend="torch",
+                block_q=64, block_k=64, residual_precision="fp8", offload=False)
+    probe = SparseEngine(SparseConfig(**base))
+    probe.begin_run()
+    q, k, v = problem.qkv(0)
+    probe.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    one = next(iter(probe.cache.on_device.values()))
+    probe.end_run()
+    room_mb = (one.nbytes + one.selection.nbytes * 2) / 2**20  # one whole entry and a second selection
+    eng = SparseEngine(SparseConfig(cache_budget_mb=room_mb, **base))
+    eng.begin_run()
+    outs = {}
+    for step in range(3):
+        q, k, v = problem.qkv(step)
+        for layer in (0, 1):
+            outs[layer, step] = eng.attend(q, k, v, CallContext(layer=layer, step=step, layout=problem.layout))
+    stats = eng.end_run()
+    dropped = stats.cache["dropped_residual_layers"]
+    assert len(dropped) == 1, stats.cache
+    kept = 1 - dropped[0]
+    q, k, v = problem.qkv(2)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    exact = probe._dense(q, k, v, None, None)
+    assert torch.equal(outs[dropped[0], 2], exact)  # dense, not sparse without its residual
+    assert not torch.equal(outs[kept, 2], exact) and rel_l2(outs[kept, 2], dense) < 0.5  # sparse, with its residual
+    rows = stats.as_dict()["layers"]
+    assert rows[dropped[0]]["dense"] == 2 and rows[kept]["reuses"] == 2
