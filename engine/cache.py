@@ -327,12 +327,13 @@ class SelectionCache:
         available += cached_pinned_bytes()  # pinned blocks freed to torch's host cache are reused first
         return available - size >= max(HOST_RESERVE_BYTES, int(HOST_RESERVE_SHARE * total))
 
-    def _device_fits(self, size: int, entry: Entry) -> bool:
+    def _device_fits(self, size: int, entry: Entry, device: torch.device | None = None) -> bool:
+        """Room for ``size`` more bytes of cache on ``device`` (default: where ``entry``'s tensors are)."""
         if self.device_budget is not None:
             return self.device_bytes + size <= self.device_budget
         if self.auto_limit is not None and self.device_bytes + size > self.auto_limit:
             return False
-        dev = next(iter(_tensors(entry))).device
+        dev = device if device is not None else next(iter(_tensors(entry))).device
         if dev.type != "cuda":
             return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
         free, total = device_memory(dev)
@@ -453,6 +454,11 @@ class SelectionCache:
         if self.prefetch_off or nxt not in self.on_cpu or nxt in self.prefetched:
             return
         dev = torch.device(device)
+        if self.device_budget is None and not self._device_fits(self.on_cpu[nxt].nbytes, self.on_cpu[nxt], dev):
+            # "auto" found no room for it on the device: a prefetched copy would crowd the model's own forward (a
+            # 16 GB card ran out of memory there at its first reuse step and ran the step again, 18.6 against
+            # 8.1 s: docs/benchmarks.md, "The small-VRAM preset on a 16 GB card"); the entry is fetched when used
+            return
         if dev.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=dev)

@@ -233,3 +233,22 @@ def test_layers_whose_residual_found_no_room_run_dense_at_reuse_steps():
     assert not torch.equal(outs[kept, 2], exact) and rel_l2(outs[kept, 2], dense) < 0.5  # sparse, with its residual
     rows = stats.as_dict()["layers"]
     assert rows[dropped[0]]["dense"] == 2 and rows[kept]["reuses"] == 2
+
+
+def test_auto_budget_without_room_does_not_prefetch(monkeypatch):
+    """Under the "auto" budget the next layer's host entry is copied ahead only where the device has room for it:
+    on a small card a prefetched copy crowded the model's own forward into an out-of-memory error."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    keys = [(layer, True, (), 4096) for layer in range(3)]
+
+    def run(non_cuda_room):
+        monkeypatch.setattr(cache_mod, "AUTO_NON_CUDA_BYTES", non_cuda_room)
+        cache = SelectionCache(device_budget=None, cpu_budget=1 << 30, offload=True)
+        for i, key in enumerate(keys):
+            cache.on_cpu[key] = entry(i, 0.1)  # as after a run whose device had no room
+        cache.order_now = list(keys)
+        cache.new_step()
+        assert cache.get(keys[0], "cpu") is not None  # fetched when used, either way
+        return cache.counters["prefetched"]
+    assert run(1 << 30) == 1  # room: the next entry is copied ahead
+    assert run(1024) == 0  # no room: nothing is copied ahead
