@@ -82,6 +82,24 @@ def profile_to(path: Path, fn) -> None:
 
 
 @torch.inference_mode()  # as ComfyUI executes its nodes: the engine's cached tensors are inference tensors
+def host_profile_to(path: Path, fn, reps: int) -> None:
+    """cProfile of ``reps`` calls of ``fn`` launched back to back (host time per function, by own time)."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(reps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    path.write_text(f"{reps} calls\n" + buf.getvalue())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -92,6 +110,8 @@ def main():
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
+    ap.add_argument("--host-profile", action="store_true", help="also write where the host time of reuse calls goes "
+                    "(cProfile of --overhead-reps engine calls and as many bare kernel calls) to DIR/host-*.txt")
     ap.add_argument("--profile", action="store_true", help="also write the CUDA time per operator of one query "
                     "grouping and one mc_sparse selection (torch.profiler) to DIR/profile-*.txt")
     args = ap.parse_args()
@@ -135,6 +155,12 @@ def main():
         overhead = dict(engine_call_wall_ms=engine_wall, engine_call_host_ms=engine_host,
                         kernel_call_wall_ms=bare_wall, kernel_call_host_ms=bare_host,
                         host_overhead_pct=100 * max(0.0, engine_wall - bare_wall) / engine_wall)
+        if args.host_profile:
+            out_dir = Path(args.out)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            host_profile_to(out_dir / f"host-{method}-engine.txt", reuse, args.overhead_reps)
+            host_profile_to(out_dir / f"host-{method}-bare.txt",
+                            lambda: selection.run(q1, k1, v1, residual=entry.residual), args.overhead_reps)
         phases = {}
         if method == "mc_sparse":  # where the anchor's time goes
             kern = load("kernels")

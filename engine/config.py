@@ -21,7 +21,6 @@ from .schedule import AnchorSchedule, parse_warmup
 RESIDUAL_PRECISIONS = ("fp8", "model")
 RESIDUAL_WEIGHTINGS = ("auto", "mass", "fixed")
 GROUPINGS = ("pca", "cuboid")
-ALLOCATIONS = ("uniform", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,6 @@ class SparseConfig:
         pass: 2.2-2.5x per reuse call on a CPU). Token selections (mc_sparse) always add it as cached (the
         weighting measured worse for them).
     select_every_step: block_topk re-selects at every step (cheap pooled scores) instead of reusing.
-    allocation: "uniform": every query block of every head keeps the density's count of key blocks;
-        "adaptive": block_topk keeps the call's total and gives it to the highest pooled scores over all heads
-        and query blocks (engine/allocation.py; docs/method.md, "Adaptive allocation").
     mass: block_topk keeps the smallest set of KV blocks reaching this share of pooled mass instead of a
         fixed count (0 < mass <= 1), or None.
     sink_blocks: static/hybrid keep the first ``sink_blocks`` image KV blocks for every query.
@@ -82,7 +78,6 @@ class SparseConfig:
     residual_precision: str = "fp8"
     residual_weighting: str = "auto"
     select_every_step: bool = False
-    allocation: str = "uniform"
     mass: float | None = None
     sink_blocks: int = 1
     temporal_weight: float = 1.0
@@ -132,9 +127,6 @@ class SparseConfig:
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
             _check(_is_number(v) and v >= 0, name, f"must be a finite number >= 0{alt}, got {shown(v)}")
         _choice("grouping", self.grouping, GROUPINGS)
-        _choice("allocation", self.allocation, ALLOCATIONS)
-        _check(not (self.allocation == "adaptive" and self.mass is not None), "allocation",
-               "adaptive cannot be combined with mass (mass chooses each row's block count itself)")
         _choice("residual_precision", self.residual_precision, RESIDUAL_PRECISIONS)
         _choice("residual_weighting", self.residual_weighting, RESIDUAL_WEIGHTINGS)
         _choice("backend", self.backend, BACKENDS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .allocation import pooled_counts
 from .block_geometry import block_plan, rows_topk_by_segment
 from .config import SparseConfig
 from .context import TokenLayout
@@ -54,8 +53,6 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
             need.append(torch.where(dense, torch.full_like(keep, cols.numel()), keep))
         counts = torch.stack(need, -1)
     scores = torch.where(f4, torch.full_like(pooled, float("inf")), pooled)
-    if cfg.allocation == "adaptive" and cfg.mass is None and not hybrid:
-        counts = pooled_counts(scores, counts.contiguous(), plan.owner, plan.dense_pair)
     idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous())
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
                           block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
