@@ -372,8 +372,9 @@ class StepProbe:
             self.prof = None
 
     def snapshot(self, i: int) -> dict:
-        """{step, device memory GB (allocated, reserved, free), allocator retries and OOMs, pinned host GB, host
-        available GB, the cache's info (engine/cache.py ``SelectionCache.info``)} after step ``i``."""
+        """{step, device memory GB (allocated, reserved, free), allocator retries and OOMs, pinned host GB (torch's
+        allocator; the cache's own page-locked pool apart), host available GB, the cache's info (engine/cache.py
+        ``SelectionCache.info``)} after step ``i``."""
         gb = 2 ** 30
         row = dict(step=i)
         if self.device.type == "cuda":
@@ -394,8 +395,14 @@ class StepProbe:
             row["host_available_gb"] = host[0] / gb
         run = self.patch.run_of({}) if self.patch is not None else None
         if run is not None and run is not self.patch.idle:  # the sampling run in progress
-            infos = [e.cache.info() for e in run.engines.engines().values()]
+            engines = list(run.engines.engines().values())
+            infos = [e.cache.info() for e in engines]
             row["cache"] = infos[0] if len(infos) == 1 else infos
+            if engines:  # the page-locked pool of the engine's own modules (engine/pinned_pool.py), not torch's
+                import sys
+                pool = getattr(sys.modules[type(engines[0].cache).__module__], "POOL", None)
+                if pool is not None:
+                    row.update(pool_pinned_gb=pool.held_bytes / gb, pool_free_gb=pool.free_bytes / gb)
         return row
 
     def _write_profile(self) -> None:

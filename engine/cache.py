@@ -13,11 +13,14 @@ everything (end of a run).
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from .pinned_pool import POOL
 from .residual import Residual
 
 log = logging.getLogger(__name__)
@@ -71,15 +74,26 @@ class Entry:
     def pinned(self) -> "Entry":
         """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous).
 
-        A CUDA tensor is copied straight into a pinned buffer, asynchronously on the current stream (no
+        A CUDA tensor is copied straight into a page-locked buffer, asynchronously on the current stream (no
         pageable bounce buffer, no host wait; later readers are ordered after it by the stream)."""
+        taken = []
+
         def cp(t):
-            if t.is_cuda:
-                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if t.is_cuda:  # large tensors in exact-size page-locked buffers (engine/pinned_pool.py), others in torch's
+                c = POOL.empty(t.shape, t.dtype, t.device)
+                if c is None:
+                    c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                else:
+                    taken.append(c)
                 return c.copy_(t.detach(), non_blocking=True)
             c = t.detach().to("cpu", copy=True)
             return c.pin_memory() if torch.cuda.is_available() else c
-        out = self.map(cp)
+        try:
+            out = self.map(cp)
+        except BaseException:  # host memory ran out midway: the buffers already taken are nobody's
+            for c in taken:
+                POOL.release(c)
+            raise
         if any(t.is_cuda for t in _tensors(self)):
             out.ready = torch.cuda.Event()
             out.ready.record()
@@ -182,6 +196,11 @@ class SelectionCache:
         self.dropped_logged = False
         self.prefetch_off = False  # after an out-of-memory error: one entry on the device at a time (this run)
         self._stream = None
+        self._cuda_device: torch.device | None = None  # the device whose entries went to host memory
+        self._host_used: float | None = None  # when the first host entry since the last clear was stored
+        # (time.monotonic); the pinned pool frees at clear what was not used since. A cache dropped without clear
+        # gives its host entries' buffers back when it is collected.
+        weakref.finalize(self, _release_all, self.on_cpu)
 
     # sizes
     @property
@@ -246,7 +265,7 @@ class SelectionCache:
             self.on_device[key] = entry
             where = "device"
         elif self._cpu_fits(size):
-            self.on_cpu[key] = entry.pinned()
+            self.on_cpu[key] = self._to_host(entry)
             self.counters["offloaded"] += 1
             where = "cpu"
         elif self._make_room(size, entry):  # residuals that matter less than this one gave way
@@ -288,6 +307,8 @@ class SelectionCache:
             store = self.on_device if where == "device" else self.on_cpu
             old = store[k]
             store[k] = Entry(old.selection, None, importance=old.importance)
+            if where == "cpu":
+                self._release(old.residual.tensors())
             self.counters["residual_dropped"] += 1
             self._note_dropped(k)
             freed = True
@@ -300,7 +321,7 @@ class SelectionCache:
         it has one, is dropped (counted, logged once, listed in the Report). False when even that does not fit."""
         if not self._cpu_fits(entry.selection.nbytes, SELECTION_SLACK):
             return False
-        self.on_cpu[key] = Entry(entry.selection, None, importance=entry.importance).pinned()
+        self.on_cpu[key] = self._to_host(Entry(entry.selection, None, importance=entry.importance))
         self.counters["offloaded"] += 1
         if entry.residual is not None:
             self.counters["residual_dropped"] += 1
@@ -324,7 +345,8 @@ class SelectionCache:
         if host is None:
             return True
         available, total = host
-        available += cached_pinned_bytes()  # pinned blocks freed to torch's host cache are reused first
+        # pinned blocks freed to torch's host cache, and the pool's free buffers, are reused first
+        available += cached_pinned_bytes() + POOL.free_bytes
         return available - size >= max(HOST_RESERVE_BYTES, int(HOST_RESERVE_SHARE * total))
 
     def _device_fits(self, size: int, entry: Entry, device: torch.device | None = None) -> bool:
@@ -394,7 +416,7 @@ class SelectionCache:
             entry = self.on_device.pop(key)
             moved += entry.nbytes
             if self._cpu_fits(entry.nbytes):
-                self.on_cpu[key] = entry.pinned()
+                self.on_cpu[key] = self._to_host(entry)
                 self.counters["offloaded"] += 1
             else:
                 self._keep_selection_on_host(key, entry)
@@ -405,8 +427,30 @@ class SelectionCache:
 
     def drop(self, key: tuple) -> None:
         self.on_device.pop(key, None)
-        self.on_cpu.pop(key, None)
+        old = self.on_cpu.pop(key, None)
+        if old is not None:
+            self._release(_tensors(old))
         self.prefetched.pop(key, None)
+
+    def _to_host(self, entry: Entry) -> Entry:
+        """``entry``'s host copy (Entry.pinned); remembers the device it came from, whose streams read it later."""
+        tensors = _tensors(entry)
+        if tensors and tensors[0].is_cuda:
+            self._cuda_device = tensors[0].device
+        if self._host_used is None:
+            self._host_used = time.monotonic()
+        return entry.pinned()
+
+    def _release(self, tensors) -> None:
+        """Give a forgotten host entry's pooled buffers back (engine/pinned_pool.py): the copies already issued on
+        this device's current stream and on the prefetch stream finish before a new owner writes them."""
+        streams = []
+        if self._cuda_device is not None:
+            streams.append(torch.cuda.current_stream(self._cuda_device))
+            if self._stream is not None:
+                streams.append(self._stream)
+        for t in tensors:
+            POOL.release(t, streams)
 
     def new_step(self) -> None:
         """Called when the denoising step changes: the access order just seen predicts the next one."""
@@ -414,9 +458,14 @@ class SelectionCache:
             self.order_prev, self.order_now = self.order_now, []
 
     def clear(self) -> None:
-        """Free every entry (end of run)."""
+        """Free every entry (end of run); the pinned pool keeps the buffers this run used for the next one."""
         self.on_device.clear()
+        for entry in self.on_cpu.values():
+            self._release(_tensors(entry))
         self.on_cpu.clear()
+        if self._host_used is not None:  # the buffers this run did not use (engine/pinned_pool.py)
+            POOL.trim(self._host_used)
+            self._host_used = None
         self.prefetched.clear()
         self.fallback_keys.clear()
         self.order_prev, self.order_now = [], []
@@ -476,6 +525,13 @@ class SelectionCache:
 def _layer_of(key):
     """The layer a cache key belongs to: its first element (keys are (layer, ...) tuples), or the key itself."""
     return key[0] if isinstance(key, tuple) and key else key
+
+
+def _release_all(on_cpu: dict) -> None:
+    """A collected cache's host entries give their pooled buffers back (no copies of a dropped cache are pending)."""
+    for entry in on_cpu.values():
+        for t in _tensors(entry):
+            POOL.release(t)
 
 
 def _tensors(entry: Entry):

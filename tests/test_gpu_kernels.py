@@ -620,3 +620,115 @@ def test_tunings_are_read_back_by_a_new_process(tmp_path):
     first, second = runs
     assert first["benched"] > 2 and second["benched"] == 0, runs
     assert second["sums"] == first["sums"]
+
+
+def _pool_cache(monkeypatch, n=12288):
+    """A SelectionCache on a pool of its own (engine/pinned_pool.py) and a maker of entries with fp8 residuals of
+    2 x 8 x n x 128 bytes (24 MiB at n = 12288: torch's allocator would take 32 MiB)."""
+    from comfyui_sparse_attention.engine import SparseConfig, TokenLayout, cache as cache_mod
+    from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+    from comfyui_sparse_attention.engine.pinned_pool import PinnedPool
+    from comfyui_sparse_attention.engine.policy_static import build_static
+    from comfyui_sparse_attention.engine.residual import Residual
+
+    pool = PinnedPool()
+    monkeypatch.setattr(cache_mod, "POOL", pool)
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    sel = build_static(2, 8, n, TokenLayout(grid=(3, 64, 64)), SparseConfig(block_q=64, block_k=64), DEV)
+
+    def entry(seed, importance=0.1):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        data = torch.randn(2, 8, n, 128, device=DEV, generator=g).to(torch.float8_e4m3fn)
+        return Entry(sel, Residual(data, torch.rand(2, 8, n, 1, device=DEV, generator=g)), importance=importance)
+    return pool, SelectionCache, entry
+
+
+def same_bytes(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_host_entries_live_in_exact_size_page_locked_buffers_recycled_across_anchors(monkeypatch):
+    """The cache's host side on a real GPU: residuals go to page-locked buffers of exactly their size, come back
+    exact, a later anchor's entry under the same key reuses the buffer with its own data, and the buffers a run did
+    not use are freed at its end."""
+    import time
+
+    pool, SelectionCache, entry = _pool_cache(monkeypatch)
+    n = 12288
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 34, offload=True)
+    keys = [(layer, True, (), n) for layer in range(3)]
+    first = [entry(i) for i in range(3)]
+    try:
+        for key, e in zip(keys, first):
+            assert cache.put(key, e) == "cpu"
+        host = cache.on_cpu[keys[0]].residual.data
+        assert pool.owns(host) and host.is_pinned() and pool.held_bytes >= 3 * host.numel()
+        for key, e in zip(keys, first):
+            assert same_bytes(cache.get(key, DEV).residual.data, e.residual.data)
+        later = entry(10)
+        ptr = cache.on_cpu[keys[1]].residual.data.data_ptr()
+        assert cache.put(keys[1], later) == "cpu"  # a later anchor replaces it: the buffer is recycled
+        assert cache.on_cpu[keys[1]].residual.data.data_ptr() == ptr
+        back = cache.get(keys[1], DEV)
+        assert same_bytes(back.residual.data, later.residual.data) and torch.equal(back.residual.scale,
+                                                                                   later.residual.scale)
+        held = pool.held_bytes
+        cache.clear()  # end of the run: the buffers stay for the next run, free
+        assert pool.free_bytes == pool.held_bytes == held
+        cache.put(keys[0], entry(20))
+        cache.clear()
+        assert pool.held_bytes < held  # the buffers the second run did not use were unregistered and freed
+    finally:
+        cache.reset()
+        pool.trim(since=time.monotonic())  # this pool is the test's own: nothing stays page-locked
+        assert pool.held_bytes == 0
+
+
+def test_a_recycled_host_buffer_is_written_only_after_the_prefetch_reading_it(monkeypatch):
+    """A prefetch still copying a host residual to the GPU (held back on its side stream), then a more important
+    newcomer takes that residual's room and its buffer: the newcomer's copy into the buffer waits for the prefetch,
+    so the prefetched copy, which the next call uses, keeps the old residual."""
+    import time
+
+    pool, SelectionCache, entry = _pool_cache(monkeypatch)
+    n = 12288
+    keys = [(layer, True, (), n) for layer in range(2)]
+    a, b = entry(0, importance=0.2), entry(1, importance=0.01)
+    # room for both entries and one more selection: the newcomer needs exactly b's residual to give way
+    cache = SelectionCache(device_budget=0, cpu_budget=2 * a.nbytes + b.selection.nbytes, offload=True)
+    try:
+        assert cache.put(keys[0], a) == "cpu" and cache.put(keys[1], b) == "cpu"
+        cache.get(keys[0], DEV), cache.get(keys[1], DEV)
+        cache.new_step()  # the next step prefetches keys[1] when keys[0] is used
+        cache._stream = torch.cuda.Stream()
+        with torch.cuda.stream(cache._stream):
+            torch.cuda._sleep(2_000_000_000)  # ~1 s: the prefetch's copy waits behind it
+        cache.get(keys[0], DEV)
+        assert keys[1] in cache.prefetched
+        ptr = cache.on_cpu[keys[1]].residual.data.data_ptr()
+        newcomer = entry(2, importance=0.5)
+        assert cache.put((5, True, (), n), newcomer) == "cpu"  # keys[1]'s residual gave way
+        assert cache.on_cpu[keys[1]].residual is None and cache.on_cpu[keys[0]].residual is not None
+        assert cache.on_cpu[(5, True, (), n)].residual.data.data_ptr() == ptr
+        prefetched = cache.get(keys[1], DEV)
+        torch.cuda.synchronize()
+        assert same_bytes(prefetched.residual.data, b.residual.data)
+        assert same_bytes(cache.get((5, True, (), n), DEV).residual.data, newcomer.residual.data)
+    finally:
+        cache.reset()
+        pool.trim(since=time.monotonic())
+        assert pool.held_bytes == 0
+
+
+def test_a_refused_page_lock_leaves_no_cuda_error_behind():
+    """cudaHostRegister on a range already registered fails; its error must not surface in the next kernel."""
+    from comfyui_sparse_attention.engine.pinned_pool import _cuda_register, _cuda_unregister
+
+    base = torch.empty(1 << 20, dtype=torch.uint8)
+    assert _cuda_register(base.data_ptr(), base.numel())
+    try:
+        assert not _cuda_register(base.data_ptr(), base.numel())
+        assert float((torch.ones(8, device=DEV) * 3).sum()) == 24.0
+    finally:
+        _cuda_unregister(base.data_ptr())
+    assert float((torch.ones(8, device=DEV) * 2).sum()) == 16.0

@@ -1,0 +1,188 @@
+"""Page-locked host buffers of exactly the size asked for, recycled by size, for the cache's host entries.
+
+torch's pinned allocator rounds every block up to a power of two: an fp8 residual of both CFG halves of one Wan 14B
+layer at 720p (738 MiB) takes 1 GiB, and a 32 GB host cache held 41.9 GiB of pinned memory for 31.9 GiB of entries
+(docs/benchmarks.md, "The small-VRAM preset on a 16 GB card, timed"). Host memory is what decides how many layers
+keep their residual on a small card, so large host entries live here instead: ordinary host memory page-locked with
+``cudaHostRegister``. The pool owns every buffer for its whole life:
+
+- ``empty`` hands out a view of a free buffer of the same byte count (else page-locks a new one); the copies that
+  read the buffer before it was released are finished first (events recorded at release).
+- ``release`` (the cache, when it forgets a host entry) makes the buffer free again; views that are still alive
+  keep the memory valid (torch holds the storage), they only must not be read after a new owner writes it, and the
+  cache never reads an entry it forgot.
+- ``trim`` (end of run) unregisters and frees the buffers no entry of that run used, after the device has finished
+  with them. Free buffers of other sizes are also freed before new memory is page-locked, so the pool never holds
+  more than the entries in use plus buffers waiting for an entry of their size.
+- A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
+  the next kernel launch check would raise in unrelated code; a tiny launch right after consumes it.
+
+Where CUDA, the runtime call or the memory is missing, ``empty`` returns None and the caller uses torch's pinned
+allocator (one log line).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MIN_BYTES = 4 << 20  # smaller host tensors stay with torch's allocator (its rounding costs little there)
+REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of the process (engines per device)
+
+
+@dataclass
+class _Buffer:
+    base: torch.Tensor  # uint8 (nbytes,) in ordinary host memory, page-locked while in the pool
+    in_use: bool = True
+    last_used: float = field(default_factory=time.monotonic)  # handed out or released (time.monotonic)
+    events: list = field(default_factory=list)  # recorded at release: the copies issued before it
+
+
+class PinnedPool:
+    """Exact-size page-locked host buffers (module docstring). Thread-safe (engines of several devices share it).
+
+    register(ptr, nbytes) -> bool and unregister(ptr) default to the CUDA runtime; tests pass their own."""
+
+    def __init__(self, register=None, unregister=None, min_bytes: int = MIN_BYTES):
+        self._register = register or _cuda_register
+        self._unregister = unregister or _cuda_unregister
+        self.min_bytes = min_bytes
+        self._buffers: dict[int, _Buffer] = {}  # base data_ptr -> buffer
+        self._lock = threading.Lock()
+        self._failed = False
+
+    # sizes
+    @property
+    def free_bytes(self) -> int:
+        """Bytes page-locked in buffers no entry holds now (reused before new memory is locked)."""
+        with self._lock:
+            return sum(b.base.numel() for b in self._buffers.values() if not b.in_use)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(b.base.numel() for b in self._buffers.values())
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor | None:
+        """An uninitialised CPU tensor of ``shape`` and ``dtype`` in page-locked memory of exactly its size, or None
+        (too small to matter, no CUDA, or the runtime refused: use torch's pinned allocator). ``device``: the CUDA
+        device whose current stream will write it (it waits there for the copies that read a recycled buffer)."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes < self.min_bytes or self._failed:
+            return None
+        with self._lock:
+            buf = next((b for b in self._buffers.values() if not b.in_use and b.base.numel() == nbytes), None)
+            if buf is None:
+                self._free_unused()  # mismatched free buffers go before new memory is locked
+                base = torch.empty(nbytes, dtype=torch.uint8)
+                if not self._register(base.data_ptr(), nbytes):
+                    self._failed = True
+                    log.info("sparse attention: page-locking host memory failed; host entries use torch's pinned "
+                             "allocator (its blocks are rounded up to a power of two)")
+                    return None
+                buf = _Buffer(base)
+                self._buffers[base.data_ptr()] = buf
+            else:
+                _wait(buf.events, device)
+                buf.events = []
+                buf.in_use, buf.last_used = True, time.monotonic()
+        return buf.base.view(dtype).view(tuple(int(s) for s in shape))
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in one of the pool's buffers (in use or free)."""
+        with self._lock:
+            return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
+
+    def release(self, t: torch.Tensor, streams=()) -> None:
+        """The tensor's buffer is free again (no-op for tensors the pool did not hand out). ``streams``: the CUDA
+        streams that may still be reading it (copies to the device, prefetches); events recorded on them now are
+        waited for before the buffer is written again."""
+        if t.device.type != "cpu":
+            return
+        ptr = t.untyped_storage().data_ptr()
+        with self._lock:
+            buf = self._buffers.get(ptr)
+            if buf is None or not buf.in_use:
+                return
+            buf.in_use, buf.last_used = False, time.monotonic()
+            buf.events = []
+            for s in streams:
+                ev = torch.cuda.Event()
+                ev.record(s)
+                buf.events.append(ev)
+
+    def trim(self, since: float) -> int:
+        """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
+        (a ``time.monotonic()`` reading: the start of the run that ends). The engines of several devices each trim
+        at their run's end without freeing what the others use. Returns the bytes freed."""
+        with self._lock:
+            return self._free_unused(before=since)
+
+    def _free_unused(self, before: float | None = None) -> int:
+        """Unregister and free the free buffers (only those last used before ``before``, when given)."""
+        freed = 0
+        for ptr, b in list(self._buffers.items()):
+            if b.in_use or (before is not None and b.last_used >= before):
+                continue
+            for ev in b.events:  # copies still reading it finish first: unregistering under a copy is undefined
+                ev.synchronize()
+            self._unregister(ptr)
+            freed += b.base.numel()
+            del self._buffers[ptr]
+        return freed
+
+
+def _wait(events, device) -> None:
+    """Order the next write of a recycled buffer after the copies that read it: on the device's current stream where
+    the event is that device's, else on the host."""
+    for ev in events:
+        ev_dev = getattr(ev, "device", None)
+        if device is not None and device.type == "cuda" and ev_dev is not None and ev_dev == device:
+            torch.cuda.current_stream(device).wait_event(ev)
+        else:
+            ev.synchronize()
+
+
+def _cuda_register(ptr: int, nbytes: int) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        rt = torch.cuda.cudart()
+        ok = rt.cudaHostRegister(ptr, nbytes, REGISTER_PORTABLE) == rt.cudaError.success
+    except Exception:  # noqa: BLE001 - a torch build without the runtime binding: torch's allocator instead
+        return False
+    if not ok:
+        clear_runtime_error()
+    return ok
+
+
+def _cuda_unregister(ptr: int) -> None:
+    try:
+        rt = torch.cuda.cudart()
+        ok = rt.cudaHostUnregister(ptr) == rt.cudaError.success
+    except Exception:  # noqa: BLE001 - the memory is freed either way; a stale registration only wastes locked pages
+        ok = False
+    if not ok:
+        log.debug("sparse attention: cudaHostUnregister failed")
+        clear_runtime_error()
+
+
+def clear_runtime_error() -> None:
+    """Consume the CUDA runtime's last error of this thread (torch binds no cudaGetLastError): a one-element launch
+    whose launch check reads and resets it. The errors of these calls are not sticky: the context stays usable."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except RuntimeError:
+        pass
+
+
+POOL = PinnedPool()

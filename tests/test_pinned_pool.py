@@ -1,0 +1,175 @@
+"""The pinned pool (engine/pinned_pool.py): exact-size page-locked host buffers recycled by size, and the cache
+giving its forgotten host entries' buffers back. On the CPU the page-locking is a recorded fake; the real runtime
+call runs in tests/test_gpu_kernels.py."""
+
+import gc
+import time
+
+import pytest
+import torch
+
+from comfyui_sparse_attention.engine import cache as cache_mod
+from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+from comfyui_sparse_attention.engine.pinned_pool import PinnedPool
+
+from test_small_cards import entry as cache_entry
+
+
+class FakeRuntime:
+    """Records page-locked ranges as cudaHostRegister / cudaHostUnregister would see them."""
+
+    def __init__(self, fail=False):
+        self.locked: dict[int, int] = {}
+        self.registered = 0
+        self.fail = fail
+
+    def register(self, ptr, nbytes):
+        if self.fail:
+            return False
+        assert ptr not in self.locked
+        self.locked[ptr] = nbytes
+        self.registered += 1
+        return True
+
+    def unregister(self, ptr):
+        assert ptr in self.locked, "unregistering memory that was never registered"
+        del self.locked[ptr]
+
+
+def pool_of(rt, min_bytes=1024):
+    return PinnedPool(rt.register, rt.unregister, min_bytes=min_bytes)
+
+
+def test_buffers_are_exactly_the_size_asked_for_and_recycled_by_size():
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    t = pool.empty((2, 3, 700, 5), torch.float8_e4m3fn)
+    assert t.shape == (2, 3, 700, 5) and t.dtype == torch.float8_e4m3fn and t.is_contiguous()
+    assert list(rt.locked.values()) == [2 * 3 * 700 * 5]  # no rounding up to a power of two
+    assert pool.owns(t) and pool.held_bytes == 21000 and pool.free_bytes == 0
+    t.view(torch.uint8).fill_(7)
+    pool.release(t[1:])  # a view of the buffer releases it as well
+    assert pool.free_bytes == 21000
+    again = pool.empty((6, 3500), torch.float8_e4m3fn)  # the same byte count, another shape: the same buffer
+    assert again.data_ptr() == t.data_ptr() and rt.registered == 1
+    scale = pool.empty((2, 3, 700), torch.float32)  # another size: new memory, exactly its bytes
+    assert rt.locked[scale.data_ptr()] == 2 * 3 * 700 * 4 and rt.registered == 2
+
+
+def test_small_tensors_and_a_refusing_runtime_leave_the_work_to_torch(caplog):
+    rt = FakeRuntime()
+    assert pool_of(rt, min_bytes=4096).empty((10, 10), torch.float32) is None and not rt.locked
+    refusing = FakeRuntime(fail=True)
+    pool = pool_of(refusing)
+    with caplog.at_level("INFO"):
+        assert pool.empty((1000, 10), torch.float32) is None
+    assert any("page-locking host memory failed" in r.message for r in caplog.records)
+    assert pool.empty((1000, 10), torch.float32) is None and pool.held_bytes == 0  # asked once only
+
+
+def test_free_buffers_of_another_size_go_before_new_memory_is_locked():
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    a = pool.empty((4000,), torch.uint8)
+    b = pool.empty((4000,), torch.uint8)
+    pool.release(a)
+    pool.empty((5000,), torch.uint8)  # a (free, 4000 bytes) is unregistered first; b (in use) stays
+    assert sorted(rt.locked.values()) == [4000, 5000] and b.data_ptr() in rt.locked
+    pool.release(b)
+    pool.release(b)  # twice: nothing more happens
+    pool.release(torch.zeros(4000, dtype=torch.uint8))  # not the pool's: nothing happens
+    assert pool.free_bytes == 4000
+
+
+def test_trim_frees_what_a_whole_run_did_not_use():
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    kept, idle = pool.empty((3000,), torch.uint8), pool.empty((2000,), torch.uint8)
+    pool.release(kept), pool.release(idle)
+    run = time.monotonic()  # the next run starts
+    reused = pool.empty((3000,), torch.uint8)
+    assert reused.data_ptr() == kept.data_ptr()
+    pool.release(reused)
+    assert pool.trim(since=run) == 2000 and list(rt.locked.values()) == [3000]  # the idle buffer goes
+    assert pool.trim(since=time.monotonic()) == 3000 and not rt.locked
+
+
+def test_engines_of_several_devices_keep_each_others_buffers_across_runs(monkeypatch):
+    """Two caches (one engine per GPU) share the pool and end their runs one after the other: after the first run
+    nothing is page-locked again."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    monkeypatch.setattr(cache_mod, "POOL", pool)
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    monkeypatch.setattr(Entry, "pinned", fake_pinned(pool))
+    caches = [SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True) for _ in range(2)]
+    counts = []
+    for run in range(3):
+        for i, cache in enumerate(caches):
+            for layer in range(3):
+                assert cache.put((layer, True, (), 4096), cache_entry(10 * run + 3 * i + layer, 0.1)) == "cpu"
+        for cache in caches:
+            cache.clear()
+        counts.append(rt.registered)
+    assert counts[0] == counts[1] == counts[2] > 0 and pool.free_bytes == pool.held_bytes
+
+
+def fake_pinned(pool):
+    """Entry.pinned with the pool's buffers (on the CPU, Entry.pinned copies plainly)."""
+    def pinned(self):
+        def cp(t):
+            c = pool.empty(t.shape, t.dtype)
+            return t.detach().clone() if c is None else c.copy_(t)
+        return self.map(cp)
+    return pinned
+
+
+@pytest.fixture
+def pooled_cache(monkeypatch):
+    """A SelectionCache module whose host copies come from a fake-locked pool."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    monkeypatch.setattr(cache_mod, "POOL", pool)
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    monkeypatch.setattr(Entry, "pinned", fake_pinned(pool))
+    return pool, rt
+
+
+def test_the_cache_gives_back_the_buffers_of_every_host_entry_it_forgets(pooled_cache):
+    pool, rt = pooled_cache
+    a, b = cache_entry(0, 0.30), cache_entry(1, 0.01)
+    res_bytes = a.residual.nbytes
+    cache = SelectionCache(device_budget=0, cpu_budget=a.nbytes + b.nbytes + 10, offload=True)
+    assert cache.put((3, True, (), 4096), a) == "cpu" and cache.put((7, True, (), 4096), b) == "cpu"
+    stored = cache.on_cpu[(3, True, (), 4096)]
+    assert pool.owns(stored.residual.data) and torch.equal(stored.residual.data, a.residual.data)
+    # a later anchor of the same layer: the old entry's buffers are recycled for the new one, data exact
+    a2 = cache_entry(2, 0.30)
+    assert cache.put((3, True, (), 4096), a2) == "cpu"
+    assert cache.on_cpu[(3, True, (), 4096)].residual.data.data_ptr() == stored.residual.data.data_ptr()
+    assert torch.equal(cache.get((3, True, (), 4096), "cpu").residual.data, a2.residual.data)
+    # a more important newcomer takes the lesser residual's room: that residual's buffer is free again
+    cache.cpu_budget = a.nbytes + b.selection.nbytes + a.nbytes // 2
+    assert cache.put((9, True, (), 4096), cache_entry(3, 0.50)) == "cpu"
+    assert cache.on_cpu[(7, True, (), 4096)].residual is None and cache.on_cpu[(3, True, (), 4096)].residual is None
+    assert pool.owns(cache.on_cpu[(9, True, (), 4096)].residual.data)
+    in_use = pool.held_bytes - pool.free_bytes
+    assert in_use == sum(t.numel() * t.element_size() for e in cache.on_cpu.values()
+                         for t in cache_mod._tensors(e) if pool.owns(t))
+    cache.drop((9, True, (), 4096))
+    cache.clear()  # end of the run: everything back, kept for the next run
+    assert pool.free_bytes == pool.held_bytes > 0 and res_bytes in rt.locked.values()
+    cache.put((3, True, (), 4096), cache_entry(4, 0.30))
+    cache.clear()
+    cache.clear()  # the next run's start: nothing stored since, nothing trimmed
+    assert res_bytes in rt.locked.values()
+
+
+def test_a_cache_dropped_without_clear_gives_its_buffers_back(pooled_cache):
+    pool, _ = pooled_cache
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    cache.put((0, True, (), 4096), cache_entry(0, 0.1))
+    assert pool.free_bytes < pool.held_bytes
+    del cache
+    gc.collect()
+    assert pool.free_bytes == pool.held_bytes > 0
