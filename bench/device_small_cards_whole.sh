@@ -24,8 +24,8 @@ if [[ " $parts " == *" wan13b "* ]]; then
 fi
 # DENSE: an e2e.json whose dense row to reuse (--reuse-dense), e.g. docs/bench-runs/e2e-card24-wan14b/e2e.json.
 # CARD (GB, default 24), HOST_GB (default 32), WAN14B_MODES (default block_topk@0.1) and WARMUP_LAYERS (default: the
-# preset's) set the Wan 14B part; the small-VRAM preset's setting on a 16 GB card: CARD=16 HOST_GB=16
-# WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 DENSE=docs/bench-runs/e2e-card16-wan14b/e2e.json.
+# preset's) set the Wan 14B part; the small-VRAM preset's setting on a 16 GB card: CARD=16 HOST_GB=32 (its cap; 16 as
+# a smaller host) WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 DENSE=docs/bench-runs/e2e-card16-wan14b/e2e.json.
 card=${CARD:-24}
 [[ " $parts " == *" wan14b "* ]] && part "wan14b-fp8-card$card" "${WAN14B_LIMIT:-400}" python3 bench/e2e.py \
   --out "$root/wan14b-fp8-card$card" --models wan14b --modes "${WAN14B_MODES:-block_topk@0.1}" --vram-gb "$card" \

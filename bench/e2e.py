@@ -399,7 +399,6 @@ class StepProbe:
             infos = [e.cache.info() for e in engines]
             row["cache"] = infos[0] if len(infos) == 1 else infos
             if engines:  # the page-locked pool of the engine's own modules (engine/pinned_pool.py), not torch's
-                import sys
                 pool = getattr(sys.modules[type(engines[0].cache).__module__], "POOL", None)
                 if pool is not None:
                     row.update(pool_pinned_gb=pool.held_bytes / gb, pool_free_gb=pool.free_bytes / gb)

@@ -90,7 +90,8 @@ class Entry:
             return c.pin_memory() if torch.cuda.is_available() else c
         try:
             out = self.map(cp)
-        except BaseException:  # host memory ran out midway: the buffers already taken are nobody's
+        except BaseException:  # host memory ran out midway: the buffers already taken are nobody's (their copies
+            # were issued on this device's current stream, where the next writer of a recycled buffer queues too)
             for c in taken:
                 POOL.release(c)
             raise
@@ -200,7 +201,7 @@ class SelectionCache:
         self._host_used: float | None = None  # when the first host entry since the last clear was stored
         # (time.monotonic); the pinned pool frees at clear what was not used since. A cache dropped without clear
         # gives its host entries' buffers back when it is collected.
-        weakref.finalize(self, _release_all, self.on_cpu)
+        weakref.finalize(self, _release_all, self.on_cpu).atexit = False  # at exit the process frees it all
 
     # sizes
     @property
@@ -528,10 +529,13 @@ def _layer_of(key):
 
 
 def _release_all(on_cpu: dict) -> None:
-    """A collected cache's host entries give their pooled buffers back (no copies of a dropped cache are pending)."""
+    """A collected cache (its patched model deleted) gives its host entries' buffers back and the pool frees what is
+    free: nothing keeps page-locked memory for a model that is gone. No events are recorded: a cache nobody holds
+    issues no copies, and its last ones ended with its last call."""
     for entry in on_cpu.values():
         for t in _tensors(entry):
             POOL.release(t)
+    POOL.trim(since=time.monotonic())
 
 
 def _tensors(entry: Entry):

@@ -1,19 +1,21 @@
 """Page-locked host buffers of exactly the size asked for, recycled by size, for the cache's host entries.
 
 torch's pinned allocator rounds every block up to a power of two: an fp8 residual of both CFG halves of one Wan 14B
-layer at 720p (738 MiB) takes 1 GiB, and a 32 GB host cache held 41.9 GiB of pinned memory for 31.9 GiB of entries
+layer at 720p (738 MiB) takes 1 GiB, and a 32 GB host cache held 44.4 GiB of pinned memory for 31.9 GiB of entries
 (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card, timed"). Host memory is what decides how many layers
 keep their residual on a small card, so large host entries live here instead: ordinary host memory page-locked with
 ``cudaHostRegister``. The pool owns every buffer for its whole life:
 
-- ``empty`` hands out a view of a free buffer of the same byte count (else page-locks a new one); the copies that
-  read the buffer before it was released are finished first (events recorded at release).
+- ``empty`` hands out a view of a free buffer of the same byte count, or up to 1/16 larger (else page-locks a new
+  one); the copies that read the buffer before it was released are finished first (events recorded at release).
 - ``release`` (the cache, when it forgets a host entry) makes the buffer free again; views that are still alive
   keep the memory valid (torch holds the storage), they only must not be read after a new owner writes it, and the
   cache never reads an entry it forgot.
 - ``trim`` (end of run) unregisters and frees the buffers no entry of that run used, after the device has finished
-  with them. Free buffers of other sizes are also freed before new memory is page-locked, so the pool never holds
-  more than the entries in use plus buffers waiting for an entry of their size.
+  with them; a collected cache gives its buffers back and frees what is free. Free buffers idle for a minute are
+  also freed before new memory is page-locked, so sizes that change mid-run do not pile up.
+- ``release`` finds the buffer by the tensor's storage: the cache releases only tensors of entries it holds, never a
+  stale view of a buffer recycled since.
 - A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
   the next kernel launch check would raise in unrelated code; a tiny launch right after consumes it.
 
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 MIN_BYTES = 4 << 20  # smaller host tensors stay with torch's allocator (its rounding costs little there)
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of the process (engines per device)
+FIT_SLACK = 1 / 16  # a free buffer up to this share larger serves a request (token lists vary a little per anchor)
+STALE_S = 60.0  # free buffers idle this long are freed before new memory is locked (other engines' recent ones stay)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class PinnedPool:
 
     @property
     def held_bytes(self) -> int:
+        """Bytes page-locked by the pool, in use or free."""
         with self._lock:
             return sum(b.base.numel() for b in self._buffers.values())
 
@@ -76,18 +81,22 @@ class PinnedPool:
         numel = 1
         for s in shape:
             numel *= int(s)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes < self.min_bytes or self._failed:
             return None
         with self._lock:
-            buf = next((b for b in self._buffers.values() if not b.in_use and b.base.numel() == nbytes), None)
+            fits = [b for b in self._buffers.values()
+                    if not b.in_use and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
+            buf = min(fits, key=lambda b: b.base.numel()) if fits else None
             if buf is None:
-                self._free_unused()  # mismatched free buffers go before new memory is locked
+                # free buffers idle for a while go before new memory is locked (bounded hoarding when sizes change);
+                # recent ones stay: the entry being stored, or another device's engine, is about to take them
+                self._free_unused(before=time.monotonic() - STALE_S)
                 base = torch.empty(nbytes, dtype=torch.uint8)
                 if not self._register(base.data_ptr(), nbytes):
                     self._failed = True
                     log.info("sparse attention: page-locking host memory failed; host entries use torch's pinned "
-                             "allocator (its blocks are rounded up to a power of two)")
+                             "allocator for the rest of the session (its blocks are rounded up to a power of two)")
                     return None
                 buf = _Buffer(base)
                 self._buffers[base.data_ptr()] = buf
@@ -95,7 +104,7 @@ class PinnedPool:
                 _wait(buf.events, device)
                 buf.events = []
                 buf.in_use, buf.last_used = True, time.monotonic()
-        return buf.base.view(dtype).view(tuple(int(s) for s in shape))
+        return buf.base[:nbytes].view(dtype).view(tuple(int(s) for s in shape))
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the pool's buffers (in use or free)."""
@@ -103,9 +112,10 @@ class PinnedPool:
             return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
 
     def release(self, t: torch.Tensor, streams=()) -> None:
-        """The tensor's buffer is free again (no-op for tensors the pool did not hand out). ``streams``: the CUDA
-        streams that may still be reading it (copies to the device, prefetches); events recorded on them now are
-        waited for before the buffer is written again."""
+        """The tensor's buffer is free again (no-op for tensors the pool did not hand out). t: a CPU tensor (any
+        shape and dtype) whose storage is a pool buffer. ``streams``: the CUDA streams that may still be reading it
+        (copies to the device, prefetches); events recorded on them now are waited for before the buffer is
+        written again."""
         if t.device.type != "cpu":
             return
         ptr = t.untyped_storage().data_ptr()

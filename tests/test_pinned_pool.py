@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from comfyui_sparse_attention.engine import cache as cache_mod
+from comfyui_sparse_attention.engine import cache as cache_mod, pinned_pool
 from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
 from comfyui_sparse_attention.engine.pinned_pool import PinnedPool
 
@@ -67,18 +67,34 @@ def test_small_tensors_and_a_refusing_runtime_leave_the_work_to_torch(caplog):
     assert pool.empty((1000, 10), torch.float32) is None and pool.held_bytes == 0  # asked once only
 
 
-def test_free_buffers_of_another_size_go_before_new_memory_is_locked():
+def test_idle_free_buffers_of_another_size_go_before_new_memory_is_locked(monkeypatch):
     rt = FakeRuntime()
     pool = pool_of(rt)
     a = pool.empty((4000,), torch.uint8)
     b = pool.empty((4000,), torch.uint8)
     pool.release(a)
-    pool.empty((5000,), torch.uint8)  # a (free, 4000 bytes) is unregistered first; b (in use) stays
-    assert sorted(rt.locked.values()) == [4000, 5000] and b.data_ptr() in rt.locked
+    pool.empty((5000,), torch.uint8)  # a was released just now: another engine may be about to take it, it stays
+    assert sorted(rt.locked.values()) == [4000, 4000, 5000]
+    monkeypatch.setattr(pinned_pool, "STALE_S", -1.0)  # as if a had been idle for longer than STALE_S
+    pool.empty((6000,), torch.uint8)  # a (free, idle) is unregistered first; b (in use) stays
+    assert sorted(rt.locked.values()) == [4000, 5000, 6000] and b.data_ptr() in rt.locked
     pool.release(b)
     pool.release(b)  # twice: nothing more happens
     pool.release(torch.zeros(4000, dtype=torch.uint8))  # not the pool's: nothing happens
     assert pool.free_bytes == 4000
+
+
+def test_a_slightly_larger_free_buffer_serves_a_request():
+    """Token lists change length a little from one anchor to the next: a free buffer up to 1/16 larger is reused
+    (the smallest that fits), a larger one is not."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    big, near = pool.empty((2000, 4), torch.uint8), pool.empty((1050, 4), torch.uint8)
+    pool.release(big), pool.release(near)
+    t = pool.empty((1000,), torch.int32)  # 4000 bytes: near (4200) fits, big (8000) is too large
+    assert t.data_ptr() == near.data_ptr() and t.shape == (1000,) and t.dtype == torch.int32 and rt.registered == 2
+    t.fill_(-1)
+    assert pool.free_bytes == 8000 and pool.held_bytes == 12200
 
 
 def test_trim_frees_what_a_whole_run_did_not_use():
@@ -166,10 +182,11 @@ def test_the_cache_gives_back_the_buffers_of_every_host_entry_it_forgets(pooled_
 
 
 def test_a_cache_dropped_without_clear_gives_its_buffers_back(pooled_cache):
-    pool, _ = pooled_cache
+    """Its patched model deleted: the buffers come back and the pool unlocks what is free."""
+    pool, rt = pooled_cache
     cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
     cache.put((0, True, (), 4096), cache_entry(0, 0.1))
-    assert pool.free_bytes < pool.held_bytes
+    assert 0 < pool.held_bytes and pool.free_bytes == 0
     del cache
     gc.collect()
-    assert pool.free_bytes == pool.held_bytes > 0
+    assert pool.held_bytes == 0 and not rt.locked
