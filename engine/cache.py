@@ -5,7 +5,7 @@ one call when memory allows and splits them when it runs low, so a chunk's rows 
 entry of a larger chunk that holds them (its batch rows, as views). An entry that does not fit the
 device budget lives in (pinned) CPU memory and is copied back when used; the copy for the key expected
 next (the order of the previous step) is started early on a side stream so it overlaps compute. When room
-runs out, the residuals that matter least are dropped and their selections kept (``put``); an entry whose
+runs out, the residuals of the lowest priority are dropped and their selections kept (``put``); an entry whose
 selection fits nowhere is not stored: the key is remembered as a fallback and counted. ``clear()`` frees
 everything (end of a run).
 """
@@ -33,8 +33,9 @@ class Entry:
     selection: object
     residual: Residual | None
     ready: object = None  # CUDA event after an asynchronous copy into this (CPU) entry, or None
-    importance: float = 0.0  # the anchor's relative error without the residual: when room runs out, the
-    # residuals of the least important entries are dropped first
+    importance: float = 0.0  # priority of keeping the residual: when room runs out, the residuals of the least
+    # important entries are dropped first (their layers run dense at reuse steps). The engine sets minus the anchor's
+    # relative error without the residual: the layers furthest from dense go dense first (engine.cache_entry)
 
     def wait(self) -> "Entry":
         """This entry once its asynchronous copy has landed (for readers on the host)."""
@@ -290,9 +291,9 @@ class SelectionCache:
         return where
 
     def _make_room(self, size: int, entry: Entry) -> bool:
-        """Drop the residuals of stored entries that matter less than ``entry``'s (smaller anchor error: their
-        layers lose least without it; their selections stay) until ``size`` bytes fit on the device or the
-        CPU side. False when nothing less important is left to drop (docs/decisions.md, small cards)."""
+        """Drop the residuals of stored entries less important than ``entry`` (lower ``importance``; their selections
+        stay) until ``size`` bytes fit on the device or the CPU side. False when nothing less important is left to
+        drop (docs/decisions.md, "Small cards")."""
         if entry.residual is None:
             return False
         lesser = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
