@@ -137,11 +137,11 @@ class PinnedPool:
         with self._lock:
             return self._free_unused(before=since)
 
-    def _free_unused(self, before: float | None = None) -> int:
-        """Unregister and free the free buffers (only those last used before ``before``, when given)."""
+    def _free_unused(self, before: float) -> int:
+        """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading)."""
         freed = 0
         for ptr, b in list(self._buffers.items()):
-            if b.in_use or (before is not None and b.last_used >= before):
+            if b.in_use or b.last_used >= before:
                 continue
             for ev in b.events:  # copies still reading it finish first: unregistering under a copy is undefined
                 ev.synchronize()
