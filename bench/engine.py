@@ -11,14 +11,17 @@ Host overhead: ``--overhead-reps`` reuse calls back to back (one synchronisation
 once as the bare kernel call ``selection.run(q, k, v, residual=...)`` on the same cache entry; the overhead is
 the share of the engine's wall time that the bare kernels do not account for. The host time of one engine call
 (until it returns, the GPU still working) is reported beside it: while it stays below the kernel's time the
-GPU never waits for Python.
+GPU never waits for Python. The GPU time of both calls alone (the host's launches queued behind a held-back GPU)
+gives the stricter share: the engine's wall time that the kernel's own GPU time does not account for.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -62,6 +65,28 @@ def back_to_back(fn, reps, rounds=5):
             walls.append((time.perf_counter() - t0) * 1e3 / reps)
             hosts.append(host * 1e3 / reps)
     return sorted(walls)[len(walls) // 2], sorted(hosts)[len(hosts) // 2]
+
+
+def gpu_only(fn, reps):
+    """Median GPU ms per call of ``fn`` with no host gaps: the GPU is held back (``torch.cuda._sleep``) while the host
+    enqueues ``reps`` calls, so the events around them time the device work alone (3 rounds after a warm-up)."""
+    times = []
+    for r in range(4):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(2e9))  # ~1 s at Hopper clocks: longer than the host needs to enqueue the calls
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        b.record()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        if host > 0.9:
+            log.warning("gpu_only: the host took %.2f s to enqueue %d calls; the GPU may have waited", host, reps)
+        if r:
+            times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[len(times) // 2]
 
 
 def profile_to(path: Path, fn) -> None:
@@ -110,6 +135,9 @@ def main():
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
+    ap.add_argument("--launch-ab", type=int, default=0, metavar="PAIRS",
+                    help="also time reuse and bare calls with kernels/fast_launch.py's direct relaunch on and off, "
+                    "alternating PAIRS times in this process")
     ap.add_argument("--host-profile", action="store_true", help="also write where the host time of reuse calls goes "
                     "(cProfile of --overhead-reps engine calls and as many bare kernel calls) to DIR/host-*.txt")
     ap.add_argument("--profile", action="store_true", help="also write the CUDA time per operator of one query "
@@ -154,7 +182,29 @@ def main():
                                             args.overhead_reps)
         overhead = dict(engine_call_wall_ms=engine_wall, engine_call_host_ms=engine_host,
                         kernel_call_wall_ms=bare_wall, kernel_call_host_ms=bare_host,
-                        host_overhead_pct=100 * max(0.0, engine_wall - bare_wall) / engine_wall)
+                        host_overhead_pct=100 * max(0.0, engine_wall - bare_wall) / engine_wall,
+                        engine_call_gpu_ms=gpu_only(reuse, args.overhead_reps),
+                        kernel_call_gpu_ms=gpu_only(lambda: selection.run(q1, k1, v1, residual=entry.residual),
+                                                    args.overhead_reps))
+        overhead["host_overhead_vs_gpu_pct"] = 100 * max(0.0, engine_wall - overhead["kernel_call_gpu_ms"]) / \
+            engine_wall
+        if args.launch_ab:  # kernels/fast_launch.py on and off, alternating in this process
+            fl = load("kernels.fast_launch")
+            ab = {"direct": [], "triton": []}
+            for _ in range(args.launch_ab):
+                for mode in ("direct", "triton"):
+                    os.environ["SPARSE_ATTN_FAST_LAUNCH"] = "1" if mode == "direct" else "0"
+                    ab[mode].append(back_to_back(reuse, args.overhead_reps)
+                                    + back_to_back(lambda: selection.run(q1, k1, v1, residual=entry.residual),
+                                                   args.overhead_reps))
+            os.environ.pop("SPARSE_ATTN_FAST_LAUNCH", None)
+            names = ("engine_call_wall_ms", "engine_call_host_ms", "kernel_call_wall_ms", "kernel_call_host_ms")
+            for mode, rows in ab.items():  # median and least over the pairs, and every pair's values
+                cols = list(zip(*rows))
+                overhead[f"launch_{mode}"] = dict(zip(names, (sorted(c)[len(c) // 2] for c in cols)))
+                overhead[f"launch_{mode}_least"] = dict(zip(names, (min(c) for c in cols)))
+                overhead[f"launch_{mode}_pairs"] = [dict(zip(names, r)) for r in rows]
+            overhead["launch_counts"] = fl.counts()
         if args.host_profile:
             out_dir = Path(args.out)
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,6 +231,11 @@ def main():
             del lse, groups
             toks = selection.kv_tokens()
             decode_ms = timed(lambda: selection.kv_tokens(), 5)
+            # the reuse kernel call with the fill of rows in no group (a decode pass of the residual), as before the
+            # selections said they cover every row (engine/selection.py, covers_all)
+            filled = dataclasses.replace(selection, covers_all=False)
+            phases["kernel_call_filled_ms"] = timed(lambda: filled.run(q1, k1, v1, residual=entry.residual), 5)
+            phases["kernel_call_unfilled_ms"] = timed(lambda: selection.run(q1, k1, v1, residual=entry.residual), 5)
             # the kernel on decoded int32 lists (the reuse path before the kernel decoded the int16 lists itself)
             phases["kernel_int32_lists_ms"] = timed(lambda: kern.token_sparse_attention(
                 q1, k1, v1, selection.q_groups, toks, selection.kv_counts, validate=False), 5)

@@ -7,7 +7,6 @@ synchronises the device mid-run) and ``time.perf_counter`` on other devices.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,35 @@ class LayerStats:
         return self.density_sum / self.calls if self.calls else 1.0
 
 
+class _Timed:
+    """The context of ``RunStats.timed``: a class rather than a generator, since a host-bound reuse call enters two
+    of them (docs/benchmarks.md, "Host overhead at 4 608 tokens")."""
+
+    __slots__ = ("stats", "layer", "phase", "device", "step", "t0", "stream", "start")
+
+    def __init__(self, stats: "RunStats", layer: int, phase: str, device: torch.device):
+        self.stats, self.layer, self.phase, self.device, self.step = stats, layer, phase, device, stats.step
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            # one current-stream lookup for both events; the enclosed work is enqueued on that stream
+            self.stream = torch.cuda.current_stream(self.device)
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(self.stream)
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            self.stats._pending.append((self.layer, self.step, self.phase, self.start, end))
+        else:
+            self.stats._add_seconds(self.layer, self.step, self.phase, time.perf_counter() - self.t0)
+        return False
+
+
 class RunStats:
     """Accumulates one sampling run's statistics; ``finish()`` resolves pending GPU timings."""
 
@@ -44,7 +72,10 @@ class RunStats:
         self.finished = False
 
     def layer(self, idx: int) -> LayerStats:
-        return self.layers.setdefault(idx, LayerStats())
+        s = self.layers.get(idx)
+        if s is None:
+            s = self.layers[idx] = LayerStats()
+        return s
 
     def add(self, layer: int, kind: str, density: float, fidelity: float | None = None,
             step: int | None = None) -> None:
@@ -67,24 +98,10 @@ class RunStats:
         if fidelity is not None:
             s.fidelity.append(fidelity)
 
-    @contextmanager
-    def timed(self, layer: int, phase: str, device: torch.device):
-        """Time the enclosed work under ``phase`` for ``layer`` (and for the current ``step``, when set)."""
-        step = self.step
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._pending.append((layer, step, phase, start, end))
-        else:
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._add_seconds(layer, step, phase, time.perf_counter() - t0)
+    def timed(self, layer: int, phase: str, device: torch.device) -> "_Timed":
+        """Time the enclosed work (``with stats.timed(...):``) under ``phase`` for ``layer`` (and for the current
+        ``step``, when set): CUDA events on a CUDA device, resolved at ``finish``; the host clock elsewhere."""
+        return _Timed(self, layer, phase, device)
 
     def _add_seconds(self, layer: int, step: int | None, phase: str, sec: float) -> None:
         self.layer(layer).seconds[phase] += sec

@@ -11,6 +11,7 @@ again in this process (the pointer kernel runs instead). docs/kernel_notes.md ha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -23,8 +24,9 @@ log = logging.getLogger(__name__)
 _broken: dict[str, str] = {}  # kernel kind -> first compile error
 
 
+@functools.lru_cache(maxsize=1)
 def triton_has_descriptors() -> bool:
-    """Triton exposes device-side tensor descriptors and ``set_allocator``."""
+    """Triton exposes device-side tensor descriptors and ``set_allocator`` (asked once: every launch asks)."""
     try:
         import triton
         import triton.language as tl

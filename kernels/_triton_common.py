@@ -103,16 +103,27 @@ def finish(acc, m_i, l_i):
     return out, lse
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in plain Python: ``triton.next_power_of_2`` is a Triton function
+    whose host call costs microseconds, and it runs at every launch of a host-bound reuse call."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, in plain Python (``triton.cdiv``'s host call costs microseconds: ``next_pow2``)."""
+    return -(-a // b)
+
+
 def head_dim_pad(d: int) -> int:
     """Head dims are padded inside the kernel (not in memory) to the next power of two (80, 96 -> 128)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def seq_bucket(n: int) -> int:
     """Autotune key bucket for a sequence length: next power of two, capped at 32768 (never one tuning
     per length; from 32k tokens on the best tiling no longer changes, so one tuning serves all long
     shapes and saves compile time)."""
-    return min(triton.next_power_of_2(max(1, n)), 32768)
+    return min(next_pow2(max(1, n)), 32768)
 
 
 LIST_BUCKET_CAP = 4096  # token lists of 4096 entries and more share one tuning (list_bucket)

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _hopper
-from ._triton_common import (LOG2E, add_residual, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
+from . import _hopper, fast_launch
+from ._triton_common import (LOG2E, add_residual, cdiv, finish, head_dim_pad, lazy_rescale, load_rows, loop_ahead,
                              mass_launch_args, mass_weight, online_softmax_step, pick, residual_launch_args,
                              residual_mode, seq_bucket, store_mass, store_residual_out, store_rows, tune_options)
 
@@ -281,7 +281,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
     mass: contiguous fp32 (B,H,Nq,2): read to weight ``res`` (sparse mode) or written (anchor, residual mode)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    nqb = triton.cdiv(nq, block_q)
+    nqb = cdiv(nq, block_q)
     n_rows = b * h * nqb
     dummy = out
     ro, ros = res_out if res_out is not None else (dummy, None)
@@ -296,7 +296,7 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
     else:
         grid = (n_rows,)
     _hopper.set_allocator(q.device)
-    kern[grid](
+    fast_launch.launch(kern, grid, (
         q, k, v, out, lse if lse is not None else dummy, *residual_launch_args(res, out)[:2], ro,
         ros if ros is not None else dummy, mass_launch_args(mass, out)[0],
         idx if idx is not None else dummy, cnt if cnt is not None else dummy,
@@ -304,12 +304,12 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         order if order is not None else dummy, counter,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:],
         *mass_launch_args(mass, out)[1:],
-        h, nq, nk, nqb, triton.cdiv(nk, block_k), idx.shape[-1] if idx is not None else 1,
-        cmp_idx.shape[-1] if cmp_idx is not None else 1, scale * LOG2E, n_rows, seq_bucket(nk),
+        h, nq, nk, nqb, cdiv(nk, block_k), idx.shape[-1] if idx is not None else 1,
+        cmp_idx.shape[-1] if cmp_idx is not None else 1, scale * LOG2E, n_rows, seq_bucket(nk)), dict(
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None and mode != MODE_RESIDUAL, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None)
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None))
     return out
 
 

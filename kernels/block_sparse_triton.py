@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _hopper
+from . import _hopper, fast_launch
 from ._checks import check_qkv, check_scale
 from ._residual import check_residual, contiguous_residual, residual_mass
-from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
+from ._triton_common import (LOG2E, add_residual, cdiv, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
                              lazy_rescale, load_rows, mass_launch_args, mass_weight, residual_launch_args,
                              residual_mode, seq_bucket, store_rows, tune_options)
 from .block_sparse_torch import check_block_lists
@@ -153,11 +153,11 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
             res=res, idx=idx, cnt=cnt, order=order, lse=lse, mass=mass))
         if done is not None:
             return (done, lse) if return_lse else done
-    _bsa_fwd[(b * h * n_qblk,)](
+    fast_launch.launch(_bsa_fwd, (b * h * n_qblk,), (
         q, k, v, out, *residual_launch_args(res, out)[:2], mass_launch_args(mass, out)[0],
         lse if lse is not None else out, idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], *mass_launch_args(mass, out)[1:],
-        h, nq, nk, n_qblk, triton.cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk),
+        h, nq, nk, n_qblk, cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk)), dict(
         HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k,
-        LAZY=lazy_rescale(), MASS=mass is not None, WRITE_LSE=return_lse)
+        LAZY=lazy_rescale(), MASS=mass is not None, WRITE_LSE=return_lse))
     return (out, lse) if return_lse else out

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_launch
 from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into, refuse_mass
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
@@ -120,18 +121,20 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
 
 
 def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts, *, scale=None, validate=True,
-                                   residual=None):
+                                   residual=None, fill_ungrouped=True):
     """Token-sparse attention over compact lists on the Triton kernel, which decodes them in registers (no int32
     copy of the lists per call); arguments as in the PyTorch twin ``token_sparse_attention_compact``: kv_low int16
-    (B,H,G,W), seg_ends int32 (B,H,G,S), kv_counts int32 (B,H,G)."""
+    (B,H,G,W), seg_ends int32 (B,H,G,S), kv_counts int32 (B,H,G). fill_ungrouped=False: rows in no group are
+    left unwritten (no residual decode pass, no zero fill)."""
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, width, _ = check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
-    return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual)
+    return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual, fill_ungrouped)
 
 
-def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual):
-    """The kernel over int32 token lists (seg_ends None) or compact int16 lists with their segment ends."""
+def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual, fill=True):
+    """The kernel over int32 token lists (seg_ends None) or compact int16 lists with their segment ends; ``fill``:
+    rows in no group get the residual (or 0), else they are left unwritten."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     why = triton_group_problem(c)
@@ -147,15 +150,17 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
     n_seg = 0 if seg_ends is None else seg.shape[-1]
     # queries in no group keep this: 0, or the residual (a decode pass, as cheap as the zero fill it replaces)
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    if res is None:
+    if not fill:
+        pass
+    elif res is None:
         out.zero_()
     else:
         decode_into(out, res)
     if g > 0:
-        _token_fwd[(g, b * h)](
+        fast_launch.launch(_token_fwd, (g, b * h), (
             q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, seg, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
-            scale * LOG2E, list_bucket(max(1, max_k)), HEAD_DIM=d, D_PAD=head_dim_pad(d),
-            RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(), N_SEG=n_seg, SEGMENT=SEGMENT,
-            AHEAD=loop_ahead())
+            scale * LOG2E, list_bucket(max(1, max_k))), dict(
+            HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(),
+            N_SEG=n_seg, SEGMENT=SEGMENT, AHEAD=loop_ahead()))
     return out
