@@ -43,7 +43,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         counts = torch.zeros((b, h, 0), dtype=torch.int32, device=dev)
         return TokenSelection(empty, torch.zeros((b, h, 0, 0), dtype=torch.int16, device=dev),
                               torch.zeros((b, h, 0, max(1, -(-n // SEGMENT))), dtype=torch.int32, device=dev), counts,
-                              dense_rows, 1.0)
+                              dense_rows, 1.0, covers_all=True)
     parts_g, ranges = [], []  # groups per sparse query segment, and the group range each one takes
     for i in sparse:
         g_seg = segment_groups(q, spans[i], cfg, backend)
@@ -80,7 +80,8 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     real_q = (groups >= 0).sum(-1).double()
     pairs = float((real_q * counts.double()).sum()) + b * h * n_dense * n
     density = pairs / (b * h * n * n)
-    return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density)
+    # every span is grouped whole (segment_groups partitions it) or listed in dense_rows: every row is written
+    return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density, covers_all=True)
 
 
 def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tensor:

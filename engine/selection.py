@@ -112,7 +112,9 @@ class TokenSelection:
     each token id minus 65536 * segment, shifted into int16, LOW_PAD past the count; seg_ends int32 (B, H, G, S):
     where each 65536-token segment's entries end in the (sorted) list; kv_counts int32 (B, H, G). Decoding is
     elementwise (no sort), half the bytes of int32 ids. dense_rows int64 (R,) query rows computed densely (text), or
-    None.
+    None. covers_all: every query row is in a group or in dense_rows (build_mc_sparse's selections are), so a reuse
+    call writes every row itself and the kernel's fill of rows in no group (a decode pass of the whole residual) is
+    skipped.
     """
 
     q_groups: torch.Tensor
@@ -121,6 +123,7 @@ class TokenSelection:
     kv_counts: torch.Tensor
     dense_rows: torch.Tensor | None
     density: float
+    covers_all: bool = False
 
     @staticmethod
     def compact(kv_tokens, kv_counts, n_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +159,7 @@ class TokenSelection:
         added in the kernel's epilogue), dense text rows."""
         out = kernels.token_sparse_attention_compact(q, k, v, self.q_groups, self.kv_low, self.seg_ends,
                                                      self.kv_counts, scale=scale, backend=backend, validate=False,
-                                                     residual=residual)
+                                                     residual=residual, fill_ungrouped=not self.covers_all)
         if self.dense_rows is not None and self.dense_rows.numel():
             rows = self.dense_rows
             out[:, :, rows] = kernels.attention_dense(q[:, :, rows], k, v, scale=scale, backend=backend)
@@ -227,7 +230,7 @@ class TokenSelection:
         if order is not None:
             out = [t.index_select(1, order) for t in out]
         return TokenSelection(*(t.contiguous() for t in out), rows,
-                              _head_mean(parts, lambda p: p.kv_counts.shape[1]))
+                              _head_mean(parts, lambda p: p.kv_counts.shape[1]), all(p.covers_all for p in parts))
 
     def head(self, b: int, h: int) -> "TokenSelection":
         """The selection of batch row ``b``, head ``h`` alone, shapes (1, 1, G, ...) (views): decoding it

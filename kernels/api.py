@@ -131,20 +131,23 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
 
 
 def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts, *, scale=None, backend="auto",
-                                   validate=True, residual=None):
+                                   validate=True, residual=None, fill_ungrouped=True):
     """``token_sparse_attention`` over the compact lists the engine caches (kv_low int16 (B,H,G,W), seg_ends int32
     (B,H,G,S), kv_counts int32 (B,H,G): kernels.compact_keep's format with its default segment size); the Triton
     kernel decodes them in registers, the twin decodes them first
-    (token_sparse_torch.token_sparse_attention_compact)."""
+    (token_sparse_torch.token_sparse_attention_compact). ``fill_ungrouped=False``: rows in no group are left
+    unwritten on the Triton path (their content is undefined; the caller writes them), which spares a pass over
+    the whole residual (or a zero fill) when the groups cover every row the caller does not write itself."""
     refuse_mass(residual, q)  # before the backend choice: the same error on every backend
     if choose(backend, q, _why_not(q, _group_size(q_groups)), "token_sparse_attention") == "triton":
         from . import token_sparse_triton
         q, k, v = _addressable(q, k, v)
         return token_sparse_triton.token_sparse_attention_compact(
             q, k, v, q_groups, kv_low, seg_ends, kv_counts, scale=scale, validate=validate,
-            residual=_addressable_residual(residual, q))
+            residual=_addressable_residual(residual, q), fill_ungrouped=fill_ungrouped)
     return token_sparse_torch.token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts,
-                                                             scale=scale, validate=validate, residual=residual)
+                                                             scale=scale, validate=validate, residual=residual,
+                                                             fill_ungrouped=fill_ungrouped)
 
 
 # Above this fraction of the (query, key) pairs the fused one-pass anchor is cheaper than one cuDNN dense call plus

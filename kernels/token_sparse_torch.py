@@ -135,12 +135,15 @@ def check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate=Tr
 
 def token_sparse_attention_compact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_groups: torch.Tensor,
                                    kv_low: torch.Tensor, seg_ends: torch.Tensor, kv_counts: torch.Tensor, *,
-                                   scale: float | None = None, validate: bool = True, residual=None):
+                                   scale: float | None = None, validate: bool = True, residual=None,
+                                   fill_ungrouped: bool = True):
     """``token_sparse_attention`` over compact lists, the format the engine caches (kernels.compact_keep with its
     default 65 536-token segments; lists of other segment sizes decode wrongly here): kv_low int16 (B, H, G, W) and
     seg_ends int32 (B, H, G, S) decode to each group's sorted KV tokens (column = low + 32768 + 65536 × the number of
     seg_ends at or below the slot); kv_counts int32 (B, H, G). Other arguments and the output as in
-    ``token_sparse_attention``. This twin decodes the lists, then runs it; the Triton kernel decodes in registers."""
+    ``token_sparse_attention``. This twin decodes the lists, then runs it; the Triton kernel decodes in registers.
+    fill_ungrouped=False allows rows in no group to be left undefined; this twin fills them anyway (what it costs
+    here is the gathers, not the fill)."""
     check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
     return token_sparse_attention(q, k, v, q_groups, decode_lists(kv_low, seg_ends, SEGMENT), kv_counts, scale=scale,
                                   validate=False, residual=residual)

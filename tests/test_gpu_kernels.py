@@ -732,3 +732,116 @@ def test_a_refused_page_lock_leaves_no_cuda_error_behind():
     finally:
         _cuda_unregister(base.data_ptr())
     assert float((torch.ones(8, device=DEV) * 2).sum()) == 16.0
+
+
+@pytest.mark.parametrize("path", ["tma", "persistent", "pointer", "token"])
+def test_fast_launch_relaunch_matches_tritons_own_path(monkeypatch, path):
+    """kernels/fast_launch.py: once a key was seen, the compiled kernel is relaunched directly with the new call's
+    tensors, and gives exactly what Triton's own launch gives; a misaligned q (what Triton specialises on) makes a
+    new key that goes through Triton's path, correct too."""
+    from comfyui_sparse_attention.kernels import block_sparse_triton, fast_launch
+    if path in ("tma", "persistent") and not _is_hopper():
+        pytest.skip("needs a Hopper GPU (TMA kernels)")
+    n, d, h = 8192, 128, 4
+    q0, k0, v0 = qkv(h, n, d, seed=31)
+    q1, k1, v1 = qkv(h, n, d, seed=32)
+    res = make_residual("fp8", q0.shape, seed=6)
+    if path == "token":
+        groups = K.group_queries(q0, 128)
+        sel = int(0.15 * n)
+        gen = torch.Generator(device=DEV).manual_seed(7)
+        toks = torch.sort(torch.topk(torch.rand(1, h, groups.shape[2], n, device=DEV, generator=gen), sel,
+                                     dim=-1).indices, -1).values.to(torch.int32).contiguous()
+        cnt = torch.full((1, h, groups.shape[2]), sel, dtype=torch.int32, device=DEV)
+
+        def call(q, k, v):
+            return K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="triton", residual=res)
+    else:
+        idx, cnt = skewed_lists(h, n // 128, n // 128, 10, seed=5)
+
+        def call(q, k, v):
+            return block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128,
+                                                              residual=res, path=path)
+    fast_launch.reset()
+    call(q0, k0, v0)  # tunes and compiles through Triton's path; the key is remembered
+    assert fast_launch.counts() == {"direct": 0, "normal": 1}
+    fast = call(q1, k1, v1)
+    assert fast_launch.counts() == {"direct": 1, "normal": 1}, "the seen key did not relaunch directly"
+    monkeypatch.setenv("SPARSE_ATTN_FAST_LAUNCH", "0")
+    own = call(q1, k1, v1)
+    assert torch.equal(fast, own)
+    monkeypatch.delenv("SPARSE_ATTN_FAST_LAUNCH")
+    buf = torch.empty(q1.numel() + 1, dtype=q1.dtype, device=DEV)
+    odd = buf[1:].view(q1.shape)  # 2 bytes off a 16-byte boundary
+    odd.copy_(q1)
+    before = fast_launch.counts()
+    shifted = call(odd, k1, v1)
+    assert fast_launch.counts()["normal"] == before["normal"] + 1
+    assert rel(shifted, own) <= 1e-3
+    assert torch.equal(call(odd, k1, v1), shifted) and fast_launch.counts()["direct"] == before["direct"] + 1
+
+
+def test_mc_reuse_writes_every_row_without_the_fill(monkeypatch):
+    """An mc_sparse selection covers every row (groups and dense text rows): its reuse call skips the kernel's
+    decode pass of the residual and gives exactly what the call with the pass gives."""
+    import dataclasses
+
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.kernels import token_sparse_triton
+    layout = TokenLayout(text_len=256, grid=(4, 32, 62))
+    q0, k0, v0 = qkv(4, 8192, 128, seed=41)
+    q1, k1, v1 = qkv(4, 8192, 128, seed=42)
+    eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.15, min_tokens=0, residual=True))
+    decodes = []
+    real = token_sparse_triton.decode_into
+    monkeypatch.setattr(token_sparse_triton, "decode_into", lambda out, res: decodes.append(1) or real(out, res))
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q0, k0, v0, CallContext(layer=0, step=0, layout=layout))
+        key = CallContext(layer=0, step=0, layout=layout).key(8192)
+        entry = eng.cache.on_device[key]
+        assert entry.selection.covers_all and entry.selection.dense_rows.numel() == 256
+        torch.full_like(q1, float("nan"))  # freed at once: the reuse call's output likely lands on NaN memory,
+        skipped = eng.attend(q1, k1, v1, CallContext(layer=0, step=1, layout=layout))  # so a row left out shows
+        assert not decodes and torch.isfinite(skipped).all()
+        filled = dataclasses.replace(entry.selection, covers_all=False).run(q1, k1, v1, residual=entry.residual)
+        assert decodes
+        eng.end_run()
+    assert torch.equal(skipped, filled)
+
+
+@pytest.mark.parametrize("path", ["pointer", "token"])
+def test_fast_launch_takes_each_calls_grid(path):
+    """A batch of 2 has a batch of 1's strides, so the direct relaunch's key is the same; the grid (which the
+    pointer and token kernels size by the batch, taking no B argument) must be the call's own: both batch rows
+    computed. (The TMA kernel takes its row count as an argument: a new key.)"""
+    from comfyui_sparse_attention.kernels import block_sparse_triton, fast_launch
+    n, d, h = 4096, 128, 2
+    one = qkv(h, n, d, seed=51)
+    two = tuple(torch.cat([t, u]) for t, u in zip(one, qkv(h, n, d, seed=52)))
+    if path == "token":
+        groups = K.group_queries(one[0], 128)
+        toks = torch.arange(0, n, 5, device=DEV, dtype=torch.int32).expand(1, h, groups.shape[2], -1).contiguous()
+        cnt = torch.full((1, h, groups.shape[2]), toks.shape[-1], dtype=torch.int32, device=DEV)
+
+        def call(q, k, v):
+            b = q.shape[0]
+            return K.token_sparse_attention(q, k, v, groups.expand(b, -1, -1, -1).contiguous(),
+                                            toks.expand(b, -1, -1, -1).contiguous(),
+                                            cnt.expand(b, -1, -1).contiguous(), backend="triton")
+    else:
+        idx, cnt = skewed_lists(h, n // 128, n // 128, 6, seed=9)
+
+        def call(q, k, v):
+            b = q.shape[0]
+            return block_sparse_triton.block_sparse_attention(
+                q, k, v, idx.expand(b, -1, -1, -1).contiguous(), cnt.expand(b, -1, -1).contiguous(), block_q=128,
+                block_k=128, path=path)
+    fast_launch.reset()
+    call(*one)
+    call(*one)
+    assert fast_launch.counts()["direct"] == 1
+    out = call(*two)
+    assert fast_launch.counts()["direct"] == 2, "the batch of 2 did not share the batch of 1's key"
+    assert torch.equal(out[:1], call(*one))
+    assert torch.equal(out[1:], call(*(t[1:] for t in two)))

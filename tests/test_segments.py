@@ -2,6 +2,7 @@
 per modality pair; selections that respect segment boundaries; calls whose token count does not fit their layout.
 CPU only; no ComfyUI needed."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -103,6 +104,26 @@ def test_mc_sparse_groups_stay_in_their_segment_and_keep_each_pairs_density():
             assert per[1] == per[2] == 32 and abs(per[3] - 256) <= 3
     out = sel.run(q, k, v, backend="torch")
     assert torch.allclose(out[:, :, :64], attention_dense(q, k, v)[:, :, :64], atol=1e-5)
+
+
+@pytest.mark.parametrize("grouping", ["pca", "cuboid"])
+def test_mc_sparse_selections_cover_every_row(grouping):
+    """build_mc_sparse marks its selections covers_all (a reuse call then skips the kernel's fill of rows in no
+    group: engine/selection.py): every row must be in exactly one query group or among the dense rows, whatever
+    the segments and whichever grouping."""
+    cfg = SparseConfig(method="mc_sparse", density=0.15, group_size=64, backend="torch", grouping=grouping,
+                       densities={"audio_to_audio": 1.0})  # the audio rows: a segment kept whole, so dense
+    q, k, v = qkv(N_AV + 5, seed=4)  # 5 trailing reference tokens: a segment that is not a whole group
+    _, lse = attention_dense(q, k, v, return_lse=True)
+    # and an empty audio segment in the middle; then one video segment with nothing sparse (every row dense)
+    layout = TokenLayout.of(*AV.segments[:2], Segment("audio", 0, label="none"), *AV.segments[2:], Segment("ref", 5))
+    for layout, density in ((layout, 0.15), (TokenLayout(grid=(1, 1, N_AV + 5)), 1.0)):
+        sel = build_mc_sparse(q, k, lse, layout, dataclasses.replace(cfg, density=density), backend="torch")
+        assert sel.covers_all and (density < 1.0) == (sel.q_groups.shape[2] > 0)
+        for h in range(q.shape[1]):
+            grouped = sel.q_groups[0, h][sel.q_groups[0, h] >= 0].long()
+            rows = torch.cat([grouped, sel.dense_rows]) if sel.dense_rows is not None else grouped
+            assert sorted(rows.tolist()) == list(range(N_AV + 5))
 
 
 def test_block_policies_budget_every_key_segment():

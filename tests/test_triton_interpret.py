@@ -669,14 +669,30 @@ for dtype in (torch.float16, torch.float32):
         out_r = K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, backend="triton", residual=res)
         errs[f"{dtype}-{n}"] = [rel_l2(out.double(), twin.double()), rel_l2(out_r.double(), twin_r.double()),
                                 bool(torch.isfinite(out).all())]
+# fill_ungrouped=False (the engine's selections that cover every row): no decode pass, the grouped rows the same
+from comfyui_sparse_attention.kernels import token_sparse_triton
+decodes = []
+real_decode = token_sparse_triton.decode_into
+token_sparse_triton.decode_into = lambda out, res: decodes.append(1) or real_decode(out, res)
+q, k, v, groups, low, ends, cnt = _compact_case(3000, 64, seed=3)
+res = (torch.randn(q.shape), None)
+filled = K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, backend="triton", residual=res)
+n_filled = len(decodes)
+left = K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, backend="triton", residual=res,
+                                        fill_ungrouped=False)
+same = all(torch.equal(left[0, h, groups[0, h][groups[0, h] >= 0].long()],
+                       filled[0, h, groups[0, h][groups[0, h] >= 0].long()]) for h in range(2))
+errs["unfilled"] = [n_filled, len(decodes) - n_filled, same]
 print("RESULT:" + json.dumps(errs))
 """
 
 
 def test_compact_token_kernel_decodes_lists_in_the_interpreter(child):
     """The token kernel over compact int16 lists (decoded in registers: one, two and three segments at 3 000, 70 000
-    and 140 000 tokens) equals the twin over the decoded int32 lists, with and without a residual."""
+    and 140 000 tokens) equals the twin over the decoded int32 lists, with and without a residual; with
+    fill_ungrouped=False it runs no decode pass and writes the grouped rows the same."""
     errs = child
+    assert errs.pop("unfilled") == [1, 0, True]  # fill_ungrouped=False: no decode pass, grouped rows unchanged
     assert len(errs) == 5
     for name, (plain, with_res, finite) in errs.items():
         tol = 1e-5 if "float32" in name else 2e-3
