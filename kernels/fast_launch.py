@@ -8,10 +8,11 @@ on), the constexprs and the current device. ``launch`` keys a memo on exactly th
 key (which tunes and compiles as before), remembers the compiled kernel with every argument Triton bound for it,
 and from then on calls the compiled kernel's launcher directly with the call's own tensors.
 
-The direct path is taken only where it is known to be equivalent: a compiled kernel that exposes its launcher, no
-launch hooks installed (profilers), no config pre-hook, and not under the interpreter. Anything else, or any
-surprise when the memo is built, keeps the normal path for that key (logged once). ``SPARSE_ATTN_FAST_LAUNCH=0``
-turns it off.
+The direct path is taken only where it is known to be equivalent: GPU tensors, not under the interpreter, a
+compiled kernel that exposes its launcher, no config pre-hook, no launch hook installed (profilers), no debug or
+instrumentation mode, no pre-run hook on the JIT function but the memo's own. Anything else keeps Triton's path (a
+kernel that cannot take the direct path is logged once). ``SPARSE_ATTN_FAST_LAUNCH=0`` turns it off.
+docs/kernel_notes.md, "v12", has the measurements.
 """
 
 from __future__ import annotations
@@ -154,11 +155,10 @@ def launch(kernel, grid, args: tuple, constexprs: dict):
 
     kernel: a ``triton.jit`` function, possibly under ``triton.autotune`` / ``triton.heuristics``, whose
     non-constexpr parameters come first; args: those positional arguments in order, tensors and scalars, the first
-    a tensor (the direct path runs for GPU tensors only);
-    constexprs: the constexprs the caller sets (the autotuner and heuristics add the rest); grid: a tuple (taken
-    from each call), or a callable of the bound arguments as Triton's that depends only on scalar arguments and
-    constexprs (resolved once per key). Returns the
-    compiled kernel (what the normal path returns on a launch through it)."""
+    a tensor (the direct path runs for GPU tensors only); constexprs: the constexprs the caller sets (the autotuner
+    and heuristics add the rest); grid: a tuple (taken from each call), or a callable of the bound arguments as
+    Triton's that depends only on scalar arguments and constexprs (resolved once per key). Returns the compiled
+    kernel (what Triton's path returns)."""
     if not enabled() or not on_gpu(args[0]):
         _counts["normal"] += 1
         return kernel[grid](*args, **constexprs)
