@@ -27,10 +27,10 @@ class _Compiled:
         self.launches.append(a)
 
 
-@pytest.fixture
-def toy(monkeypatch):
-    """An autotuned, heuristics-wrapped kernel whose JIT run calls the pre-run hooks as Triton's does and
-    returns a fake compiled kernel; ``calls`` counts runs of Triton's own path."""
+def _fake_triton(monkeypatch):
+    """A GPU-less stand-in for what the direct path reads (device, stream), and ``_toy``'s JIT run replaced by one
+    that calls the pre-run hooks as Triton's does and returns a fake compiled kernel; returns (compiled, calls), calls
+    the (grid, args, kwargs) of each run of Triton's own path."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("SPARSE_ATTN_FAST_LAUNCH", raising=False)
     monkeypatch.setattr(fast_launch, "on_gpu", lambda t: True)
@@ -45,6 +45,13 @@ def toy(monkeypatch):
         return compiled
 
     monkeypatch.setattr(_toy, "run", run)
+    return compiled, calls
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """An autotuned (one config), heuristics-wrapped ``_toy`` on the fake Triton: (kernel, compiled, calls)."""
+    compiled, calls = _fake_triton(monkeypatch)
     kernel = triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=4)], key=["n"])(
         triton.heuristics({"EVEN": lambda a: a["n"] % 64 == 0})(_toy))
     fast_launch.reset()
@@ -109,32 +116,19 @@ def test_a_callable_grid_is_resolved_from_the_bound_arguments(toy):
 def test_after_tuning_the_winning_configs_launch_is_the_one_remembered(monkeypatch):
     """With several configs the autotuner runs each (its benchmark), then the winner: the memo keeps the winner's
     arguments, and a direct launch leaves ``best_config`` as the autotuner's own run does."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("SPARSE_ATTN_FAST_LAUNCH", raising=False)
-    monkeypatch.setattr(fast_launch, "on_gpu", lambda t: True)
-    monkeypatch.setattr(fast_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(fast_launch, "current_stream", lambda device: 1234)
-    compiled, calls = _Compiled(), []
-
-    def run(*args, grid, warmup, **kwargs):
-        for hook in _toy.pre_run_hooks:
-            hook(*args, **kwargs)
-        calls.append(kwargs["BLOCK"])
-        return compiled
-
-    monkeypatch.setattr(_toy, "run", run)
+    compiled, calls = _fake_triton(monkeypatch)
     timings = {32: 2.0, 64: 1.0, 128: 3.0}  # BLOCK 64 wins
 
     def bench(fn, quantiles=None):
         fn()
-        return [timings[calls[-1]]] * 3
+        return [timings[calls[-1][2]["BLOCK"]]] * 3
 
     kernel = triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (32, 64, 128)], key=["n"],
                              do_bench=bench)(triton.heuristics({"EVEN": lambda a: a["n"] % 64 == 0})(_toy))
     fast_launch.reset()
     try:
         fast_launch.launch(kernel, (4,), _args(), {"MODE": 1})
-        assert calls[-1] == 64 and len(calls) > 3  # the benchmark ran every config, then the winner
+        assert calls[-1][2]["BLOCK"] == 64 and len(calls) > 3  # the benchmark ran every config, then the winner
         kernel.best_config = None
         fast_launch.launch(kernel, (4,), _args(), {"MODE": 1})
         assert compiled.launches[0][11:] == (128, 0.5, 64, True, 1)
