@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 call (nothing to carry): the GPU kernel tests (every kernel launches through kernels/fast_launch.py),
+# One H200 call (nothing to carry): the GPU kernel tests (the attention kernels launch through kernels/fast_launch.py),
 # then the host time of a reuse call with the direct relaunch and without it (SPARSE_ATTN_FAST_LAUNCH=0) alternating
 # in one process (bench/engine.py --launch-ab) at 4 608 tokens (24 heads, both methods) and 8 192 (block_topk),
 # with cProfile of each. PART=mc adds mc_sparse at Wan 14B (the reuse kernel call with and without the fill of rows
