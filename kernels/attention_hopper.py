@@ -296,14 +296,14 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
     else:
         grid = (n_rows,)
     _hopper.set_allocator(q.device)
+    res_args, mass_args = residual_launch_args(res, out), mass_launch_args(mass, out)
     fast_launch.launch(kern, grid, (
-        q, k, v, out, lse if lse is not None else dummy, *residual_launch_args(res, out)[:2], ro,
-        ros if ros is not None else dummy, mass_launch_args(mass, out)[0],
+        q, k, v, out, lse if lse is not None else dummy, *res_args[:2], ro,
+        ros if ros is not None else dummy, mass_args[0],
         idx if idx is not None else dummy, cnt if cnt is not None else dummy,
         cmp_idx if cmp_idx is not None else dummy, cmp_cnt if cmp_cnt is not None else dummy,
         order if order is not None else dummy, counter,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:],
-        *mass_launch_args(mass, out)[1:],
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *res_args[2:], *mass_args[1:],
         h, nq, nk, nqb, cdiv(nk, block_k), idx.shape[-1] if idx is not None else 1,
         cmp_idx.shape[-1] if cmp_idx is not None else 1, scale * LOG2E, n_rows, seq_bucket(nk)), dict(
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,

@@ -153,10 +153,11 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
             res=res, idx=idx, cnt=cnt, order=order, lse=lse, mass=mass))
         if done is not None:
             return (done, lse) if return_lse else done
+    res_args, mass_args = residual_launch_args(res, out), mass_launch_args(mass, out)
     fast_launch.launch(_bsa_fwd, (b * h * n_qblk,), (
-        q, k, v, out, *residual_launch_args(res, out)[:2], mass_launch_args(mass, out)[0],
+        q, k, v, out, *res_args[:2], mass_args[0],
         lse if lse is not None else out, idx, cnt, order, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], *mass_launch_args(mass, out)[1:],
+        *v.stride()[:3], *out.stride()[:3], *res_args[2:], *mass_args[1:],
         h, nq, nk, n_qblk, cdiv(nk, block_k), max_k, scale * LOG2E, seq_bucket(nk)), dict(
         HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), BLOCK_M=block_q, BLOCK_K=block_k,
         LAZY=lazy_rescale(), MASS=mass is not None, WRITE_LSE=return_lse))

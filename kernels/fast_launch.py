@@ -139,8 +139,9 @@ def _build(kernel, jit, grid, args, compiled, seen) -> object:
             _warned.add(name)
             log.info("sparse attention: %s launches through Triton's own path (%s)", name, why)
         return _UNSUPPORTED
-    # a callable grid is resolved once: it may read only the bound scalars and constexprs, all in the key
-    return _Entry(compiled, tuple(bound[n] for n in names[len(args):]), _grid3(grid(bound) if callable(grid) else grid),
+    # a callable grid is resolved once: it may read only the bound scalars and constexprs, all in the key; a tuple
+    # grid is each call's own (launch)
+    return _Entry(compiled, tuple(bound[n] for n in names[len(args):]), _grid3(grid(bound)) if callable(grid) else None,
                   best, jit)
 
 

@@ -150,16 +150,15 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
     n_seg = 0 if seg_ends is None else seg.shape[-1]
     # queries in no group keep this: 0, or the residual (a decode pass, as cheap as the zero fill it replaces)
     out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    if not fill:
-        pass
-    elif res is None:
+    if fill and res is None:
         out.zero_()
-    else:
+    elif fill:
         decode_into(out, res)
     if g > 0:
+        res_args = residual_launch_args(res, out)
         fast_launch.launch(_token_fwd, (g, b * h), (
-            q, k, v, out, *residual_launch_args(res, out)[:2], qg, tok, cnt, seg, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], *out.stride()[:3], *residual_launch_args(res, out)[2:], h, nq, nk, g, max(1, max_k),
+            q, k, v, out, *res_args[:2], qg, tok, cnt, seg, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *out.stride()[:3], *res_args[2:], h, nq, nk, g, max(1, max_k),
             scale * LOG2E, list_bucket(max(1, max_k))), dict(
             HEAD_DIM=d, D_PAD=head_dim_pad(d), RESIDUAL=residual_mode(res), GROUP=c, LAZY=lazy_rescale(),
             N_SEG=n_seg, SEGMENT=SEGMENT, AHEAD=loop_ahead()))

@@ -801,8 +801,9 @@ def test_mc_reuse_writes_every_row_without_the_fill(monkeypatch):
         key = CallContext(layer=0, step=0, layout=layout).key(8192)
         entry = eng.cache.on_device[key]
         assert entry.selection.covers_all and entry.selection.dense_rows.numel() == 256
-        torch.full_like(q1, float("nan"))  # freed at once: the reuse call's output likely lands on NaN memory,
-        skipped = eng.attend(q1, k1, v1, CallContext(layer=0, step=1, layout=layout))  # so a row left out shows
+        # a NaN tensor freed at once: the reuse call's output likely lands on its memory, so a row left out shows
+        torch.full_like(q1, float("nan"))
+        skipped = eng.attend(q1, k1, v1, CallContext(layer=0, step=1, layout=layout))
         assert not decodes and torch.isfinite(skipped).all()
         filled = dataclasses.replace(entry.selection, covers_all=False).run(q1, k1, v1, residual=entry.residual)
         assert decodes
