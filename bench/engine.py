@@ -138,6 +138,9 @@ def main():
     ap.add_argument("--launch-ab", type=int, default=0, metavar="PAIRS",
                     help="also time reuse and bare calls with kernels/fast_launch.py's direct relaunch on and off, "
                     "alternating PAIRS times in this process")
+    ap.add_argument("--replay-ab", type=int, default=0, metavar="PAIRS",
+                    help="also time reuse calls with kernels/replay.py on and off (the direct relaunch on), "
+                    "alternating PAIRS times in this process (--launch-ab adds Triton's own launch)")
     ap.add_argument("--host-profile", action="store_true", help="also write where the host time of reuse calls goes "
                     "(cProfile of --overhead-reps engine calls and as many bare kernel calls) to DIR/host-*.txt")
     ap.add_argument("--profile", action="store_true", help="also write the CUDA time per operator of one query "
@@ -188,22 +191,34 @@ def main():
                                                     args.overhead_reps))
         overhead["host_overhead_vs_gpu_pct"] = 100 * max(0.0, engine_wall - overhead["kernel_call_gpu_ms"]) / \
             engine_wall
-        if args.launch_ab:  # kernels/fast_launch.py on and off, alternating in this process
-            fl = load("kernels.fast_launch")
-            ab = {"direct": [], "triton": []}
-            for _ in range(args.launch_ab):
-                for mode in ("direct", "triton"):
-                    os.environ["SPARSE_ATTN_FAST_LAUNCH"] = "1" if mode == "direct" else "0"
-                    ab[mode].append(back_to_back(reuse, args.overhead_reps)
-                                    + back_to_back(lambda: selection.run(q1, k1, v1, residual=entry.residual),
-                                                   args.overhead_reps))
-            os.environ.pop("SPARSE_ATTN_FAST_LAUNCH", None)
-            names = ("engine_call_wall_ms", "engine_call_host_ms", "kernel_call_wall_ms", "kernel_call_host_ms")
-            for mode, rows in ab.items():  # median and least over the pairs, and every pair's values
-                cols = list(zip(*rows))
-                overhead[f"launch_{mode}"] = dict(zip(names, (sorted(c)[len(c) // 2] for c in cols)))
-                overhead[f"launch_{mode}_least"] = dict(zip(names, (min(c) for c in cols)))
-                overhead[f"launch_{mode}_pairs"] = [dict(zip(names, r)) for r in rows]
+        fl = load("kernels.fast_launch")
+        rp = load("kernels.replay")
+
+        def launch_mode(mode):
+            os.environ["SPARSE_ATTN_FAST_LAUNCH"] = "0" if mode == "triton" else "1"
+            rp.ENABLED = mode == "replay"
+        modes = (["replay"] * bool(args.replay_ab) + ["direct"] * bool(args.replay_ab or args.launch_ab)
+                 + ["triton"] * bool(args.launch_ab))
+        for mode in modes:  # each pair's calls after one warm-up round, so a replay has its plan (kernels/replay.py)
+            launch_mode(mode)
+            back_to_back(reuse, 8)
+        pairs = max(args.launch_ab, args.replay_ab)
+        ab = {mode: [] for mode in modes}
+        for _ in range(pairs if modes else 0):  # replay, the direct relaunch alone, Triton's launch: alternating
+            for mode in modes:
+                launch_mode(mode)
+                ab[mode].append(back_to_back(reuse, args.overhead_reps)
+                                + back_to_back(lambda: selection.run(q1, k1, v1, residual=entry.residual),
+                                               args.overhead_reps))
+        os.environ.pop("SPARSE_ATTN_FAST_LAUNCH", None)
+        rp.ENABLED = True
+        names = ("engine_call_wall_ms", "engine_call_host_ms", "kernel_call_wall_ms", "kernel_call_host_ms")
+        for mode, rows in ab.items():  # median and least over the pairs, and every pair's values
+            cols = list(zip(*rows))
+            overhead[f"launch_{mode}"] = dict(zip(names, (sorted(c)[len(c) // 2] for c in cols)))
+            overhead[f"launch_{mode}_least"] = dict(zip(names, (min(c) for c in cols)))
+            overhead[f"launch_{mode}_pairs"] = [dict(zip(names, r)) for r in rows]
+        if modes:
             overhead["launch_counts"] = fl.counts()
         if args.host_profile:
             out_dir = Path(args.out)

@@ -16,7 +16,7 @@ import logging
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class Entry:
     importance: float = 0.0  # priority of keeping the residual: when room runs out, the residuals of the least
     # important entries are dropped first (their layers run dense at reuse steps). The engine sets minus the anchor's
     # relative error without the residual: the layers furthest from dense go dense first (engine.cache_entry)
+    replay: object = field(default=None, repr=False, compare=False)  # the reuse calls' kernels.CallReplay, made by
+    # the engine for a device entry; it holds views of this entry's tensors, so it lives and dies with the entry
 
     def wait(self) -> "Entry":
         """This entry once its asynchronous copy has landed (for readers on the host)."""

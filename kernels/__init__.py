@@ -8,10 +8,11 @@ from .api import (attention_dense, block_anchor_attention, block_sparse_attentio
                   group_kv_mass, group_queries, pooled_block_scores, token_sparse_attention,
                   token_sparse_attention_compact)
 from .backend import BACKENDS, triton_available
+from .replay import CallReplay
 
 __all__ = [
-    "BACKENDS", "attention_dense", "block_anchor_attention", "block_sparse_attention", "block_sparse_on_triton",
-    "compact_keep", "group_kv_mass",
+    "BACKENDS", "CallReplay", "attention_dense", "block_anchor_attention", "block_sparse_attention",
+    "block_sparse_on_triton", "compact_keep", "group_kv_mass",
     "group_queries",
     "pooled_block_scores", "token_sparse_attention", "token_sparse_attention_compact", "triton_available",
 ]

@@ -97,14 +97,24 @@ def broken() -> dict[str, str]:
     return dict(_broken)
 
 
-def set_allocator(device: torch.device) -> None:
-    """Scratch for the in-kernel descriptors (128 bytes per program), allocated on ``device``."""
+@functools.lru_cache(maxsize=None)
+def scratch_setter(device: torch.device):
+    """A callable (one per device, kept) that installs the allocator of the in-kernel descriptors' scratch (128 bytes
+    per program) on ``device``: run before each TMA launch and each replay of one (kernels/fast_launch.py, ``before``),
+    since Triton's launcher reads the allocator installed last (another device's, in a process that drives two)."""
     import triton
 
     def alloc(size: int, alignment: int, stream):
         return torch.empty(size, dtype=torch.int8, device=device)
 
-    triton.set_allocator(alloc)
+    def install():
+        triton.set_allocator(alloc)
+    return install
+
+
+def set_allocator(device: torch.device) -> None:
+    """Scratch for the in-kernel descriptors (128 bytes per program), allocated on ``device``."""
+    scratch_setter(device)()
 
 
 def num_sms(device: torch.device) -> int:

@@ -295,7 +295,6 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
             return (min(n_rows, sms * meta["PROGS_PER_SM"]),)
     else:
         grid = (n_rows,)
-    _hopper.set_allocator(q.device)
     res_args, mass_args = residual_launch_args(res, out), mass_launch_args(mass, out)
     fast_launch.launch(kern, grid, (
         q, k, v, out, lse if lse is not None else dummy, *res_args[:2], ro,
@@ -309,7 +308,8 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         HEAD_DIM=d, D_PAD=head_dim_pad(d), BLOCK_M=block_q, BLOCK_K=block_k, MODE=mode,
         RESIDUAL=residual_mode(res), RES_OUT=(2 if res_fp8 else 1) if res_out is not None else 0,
         WRITE_LSE=lse is not None and mode != MODE_RESIDUAL, ORDERED=order is not None, PERSISTENT=persistent,
-        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None))
+        WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None),
+        before=_hopper.scratch_setter(q.device))
     return out
 
 

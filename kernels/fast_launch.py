@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 MEMO_LIMIT = 512  # keys per kernel; a process that sees more shapes starts the memo over
 _UNSUPPORTED = object()
 _warned: set[str] = set()
-_counts = {"direct": 0, "normal": 0}
+_counts = {"direct": 0, "normal": 0, "replayed": 0}
+_recording = threading.local()  # .launches: the list a ``recording()`` block appends each launch to
 
 
 def enabled() -> bool:
@@ -39,14 +40,15 @@ def enabled() -> bool:
 
 
 def counts() -> dict[str, int]:
-    """Launches through the direct path and through Triton's own, since the process started (or ``reset``)."""
+    """Launches through the direct path, through Triton's own, and replays of a recorded launch (``relaunch``), since
+    the process started (or ``reset``)."""
     return dict(_counts)
 
 
 def reset() -> None:
     """Forget every memo and zero the counts (tests, benchmarks timing both paths)."""
     _memos.clear()
-    _counts.update(direct=0, normal=0)
+    _counts.update(direct=0, normal=0, replayed=0)
 
 
 def _jit_of(kernel):
@@ -151,23 +153,27 @@ def _grid3(grid) -> tuple:
     return (g + (1, 1))[:3]
 
 
-def launch(kernel, grid, args: tuple, constexprs: dict):
+def launch(kernel, grid, args: tuple, constexprs: dict, before=None):
     """``kernel[grid](*args, **constexprs)``, relaunching the compiled kernel directly once this key was seen.
 
     kernel: a ``triton.jit`` function, possibly under ``triton.autotune`` / ``triton.heuristics``, whose
     non-constexpr parameters come first; args: those positional arguments in order, tensors and scalars, the first
     a tensor (the direct path runs for GPU tensors only); constexprs: the constexprs the caller sets (the autotuner
     and heuristics add the rest); grid: a tuple (taken from each call), or a callable of the bound arguments as
-    Triton's that depends only on scalar arguments and constexprs (resolved once per key). Returns the compiled
-    kernel (what Triton's path returns)."""
+    Triton's that depends only on scalar arguments and constexprs (resolved once per key); before: a callable run
+    before the launch on either path, and again before each replay of it (``relaunch``): the state the launch needs
+    (the TMA kernels' scratch allocator). Inside a ``recording()`` block each launch is appended to the block's list:
+    a ``Launch`` for a direct launch, None for one through Triton's path. Returns the compiled kernel (what Triton's
+    path returns)."""
+    if before is not None:
+        before()
+    rec = getattr(_recording, "launches", None)
     if not enabled() or not on_gpu(args[0]):
-        _counts["normal"] += 1
-        return kernel[grid](*args, **constexprs)
+        return _normal(kernel, grid, args, constexprs, rec)
     import triton
     knobs = getattr(triton, "knobs", None)
     if knobs is None or _tritons_path_needed(knobs):
-        _counts["normal"] += 1
-        return kernel[grid](*args, **constexprs)
+        return _normal(kernel, grid, args, constexprs, rec)
     device = current_device()
     held = _memos.get(id(kernel))
     if held is None:
@@ -184,14 +190,18 @@ def launch(kernel, grid, args: tuple, constexprs: dict):
         if entry.config is not None:  # as the autotuner's own run leaves it (kernels' last_config reads it)
             kernel.best_config = entry.config
         _counts["direct"] += 1
+        if rec is not None:
+            rec.append(Launch(kernel, entry, g, device, args, before))
         return k
-    _counts["normal"] += 1
     jit = _jit_of(kernel) if entry is None else None
     hooks = getattr(jit, "pre_run_hooks", None)
     if hooks is None:  # unsupported key, someone else's pre-run hook, or a Triton without pre-run hooks
         if entry is None:
             memo[key] = _UNSUPPORTED
-        return kernel[grid](*args, **constexprs)
+        return _normal(kernel, grid, args, constexprs, rec)
+    _counts["normal"] += 1
+    if rec is not None:
+        rec.append(None)
     me, seen = threading.get_ident(), []
 
     def capture(*a, **kw):  # the arguments of the JIT's own run: ours plus the tuned config and heuristics
@@ -209,3 +219,59 @@ def launch(kernel, grid, args: tuple, constexprs: dict):
             memo.clear()
         memo[key] = built
     return compiled
+
+
+def _normal(kernel, grid, args, constexprs, rec):
+    """Triton's own launch path (counted, and recorded as None in a ``recording()`` block)."""
+    _counts["normal"] += 1
+    if rec is not None:
+        rec.append(None)
+    return kernel[grid](*args, **constexprs)
+
+
+class Launch:
+    """A direct launch as ``recording()`` saw it: the kernel, its memo entry, the three grid sizes, the device, the
+    positional arguments and the ``before`` callable. ``relaunch`` repeats it with other arguments."""
+
+    __slots__ = ("kernel", "entry", "grid", "device", "args", "before")
+
+    def __init__(self, kernel, entry, grid, device, args, before):
+        self.kernel, self.entry, self.grid, self.device, self.args, self.before = \
+            kernel, entry, grid, device, args, before
+
+
+class recording:
+    """``with recording() as launches:``: every ``launch`` made by this thread inside the block is appended to
+    ``launches`` (a ``Launch``, or None for a launch through Triton's own path). Blocks nest; each sees its own."""
+
+    def __enter__(self) -> list:
+        self.outer = getattr(_recording, "launches", None)
+        _recording.launches = []
+        return _recording.launches
+
+    def __exit__(self, *exc):
+        _recording.launches = self.outer
+        return False
+
+
+def relaunch(done: Launch, args: tuple) -> bool:
+    """Launch ``done`` again with ``args`` in place of its arguments, which must have the same key (the same scalars,
+    tensor dtypes and 16-byte alignment; kernels/replay.py checks that), on the current stream of its device. False,
+    launching nothing, where the direct path may not run now (turned off, a launch hook or debug mode installed since,
+    another device current, a pre-run hook added to the JIT function)."""
+    if not enabled():
+        return False
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    entry = done.entry
+    if knobs is None or _tritons_path_needed(knobs) or entry.jit.pre_run_hooks or current_device() != done.device:
+        return False
+    if done.before is not None:
+        done.before()
+    k, g = entry.kernel, done.grid
+    k.run(g[0], g[1], g[2], current_stream(done.device), k.function, k.packed_metadata, None, None, None, *args,
+          *entry.tail)
+    if entry.config is not None:
+        done.kernel.best_config = entry.config
+    _counts["replayed"] += 1
+    return True

@@ -446,3 +446,30 @@ def test_offloaded_entries_are_prefetched_in_the_previous_steps_order():
     assert cache.counters["fetched"] == 4 and ("l2",) in cache.prefetched
     assert torch.equal(got1.residual.data, entries["l1"].residual.data)
     assert torch.equal(got.residual.data, entries["l0"].residual.data)
+
+
+def test_reuse_calls_of_a_stored_entry_go_through_its_replay(monkeypatch):
+    """The engine hands a stored device entry's reuse calls to that entry's kernels.CallReplay (kernels/replay.py),
+    keyed on the scale and backend; an anchor's new entry gets a new one; the output is the replay's."""
+    from comfyui_sparse_attention import kernels
+    seen = []
+
+    class Spy(kernels.CallReplay):
+        def run(self, fn, q, k, v, key=()):
+            seen.append((self, key))
+            return super().run(fn, q, k, v, key)
+    monkeypatch.setattr(kernels, "CallReplay", Spy)
+    layout = TokenLayout(text_len=0, grid=(2, 16, 16))
+    eng = SparseEngine(SparseConfig(method="block_topk", density=0.3, block_q=64, block_k=64, min_tokens=0,
+                                    anchor_steps="0,3"))
+    q, k, v = (torch.randn(1, 2, 512, 32) for _ in range(3))
+    eng.begin_run()
+    outs = []
+    for step in range(5):
+        outs.append(eng.attend(q, k, v, CallContext(layer=0, step=step, total_steps=5, layout=layout), scale=0.2))
+    entry = eng.cache.on_device[CallContext(layer=0, step=0, layout=layout).key(512)]
+    eng.end_run()
+    assert [key for _, key in seen] == [(0.2, "auto")] * 3
+    assert seen[0][0] is seen[1][0] and seen[2][0] is not seen[0][0] and seen[2][0] is entry.replay
+    ref = entry.selection.run(q, k, v, scale=0.2, residual=entry.residual)
+    assert torch.equal(outs[4], ref)

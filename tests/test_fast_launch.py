@@ -10,42 +10,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from comfyui_sparse_attention.kernels import fast_launch  # noqa: E402
-
-
-@triton.jit
-def _toy(X, Y, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr, MODE: tl.constexpr):
-    pass
-
-
-class _Compiled:
-    """Stands for Triton's CompiledKernel: its launcher records what it was given."""
-
-    def __init__(self):
-        self.function, self.packed_metadata, self.launches = "fn-handle", ("meta",), []
-
-    def run(self, *a):
-        self.launches.append(a)
-
-
-def _fake_triton(monkeypatch):
-    """A GPU-less stand-in for what the direct path reads (device, stream), and ``_toy``'s JIT run replaced by one
-    that calls the pre-run hooks as Triton's does and returns a fake compiled kernel; returns (compiled, calls), calls
-    the (grid, args, kwargs) of each run of Triton's own path."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("SPARSE_ATTN_FAST_LAUNCH", raising=False)
-    monkeypatch.setattr(fast_launch, "on_gpu", lambda t: True)
-    monkeypatch.setattr(fast_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(fast_launch, "current_stream", lambda device: 1234)
-    compiled, calls = _Compiled(), []
-
-    def run(*args, grid, warmup, **kwargs):
-        for hook in _toy.pre_run_hooks:
-            hook(*args, **kwargs)
-        calls.append((grid, args, kwargs))
-        return compiled
-
-    monkeypatch.setattr(_toy, "run", run)
-    return compiled, calls
+from fake_triton import Compiled as _Compiled, fake_triton as _fake_triton, toy_kernel as _toy  # noqa: E402
 
 
 @pytest.fixture
@@ -81,7 +46,7 @@ def test_a_seen_key_is_relaunched_directly_with_the_calls_own_tensors(toy):
     # the heuristic's EVEN and the caller's MODE
     assert launch[9:11][0] is args[0] and launch[10] is args[1]
     assert launch[11:] == (128, 0.5, 64, True, 1)
-    assert fast_launch.counts() == {"direct": 1, "normal": 1}
+    assert fast_launch.counts() == {"direct": 1, "normal": 1, "replayed": 0}
 
 
 @pytest.mark.parametrize("change", ["misaligned tensor", "dtype", "scalar", "constexpr"])
@@ -174,7 +139,7 @@ def test_triton_keeps_the_launch_when_the_direct_path_is_not_known_equivalent(to
     for _ in range(3):
         fast_launch.launch(kernel, (4,), _args(), {"MODE": 1})
     assert len(calls) == 3 and not compiled.launches
-    assert fast_launch.counts() == {"direct": 0, "normal": 3}
+    assert fast_launch.counts() == {"direct": 0, "normal": 3, "replayed": 0}
 
 
 def test_a_compiled_kernel_without_a_launcher_keeps_tritons_path(toy, monkeypatch, caplog):

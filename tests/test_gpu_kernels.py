@@ -764,9 +764,9 @@ def test_fast_launch_relaunch_matches_tritons_own_path(monkeypatch, path):
                                                               residual=res, path=path)
     fast_launch.reset()
     call(q0, k0, v0)  # tunes and compiles through Triton's path; the key is remembered
-    assert fast_launch.counts() == {"direct": 0, "normal": 1}
+    assert fast_launch.counts() == {"direct": 0, "normal": 1, "replayed": 0}
     fast = call(q1, k1, v1)
-    assert fast_launch.counts() == {"direct": 1, "normal": 1}, "the seen key did not relaunch directly"
+    assert fast_launch.counts() == {"direct": 1, "normal": 1, "replayed": 0}, "the seen key did not relaunch directly"
     monkeypatch.setenv("SPARSE_ATTN_FAST_LAUNCH", "0")
     own = call(q1, k1, v1)
     assert torch.equal(fast, own)
@@ -846,3 +846,33 @@ def test_fast_launch_takes_each_calls_grid(path):
     assert fast_launch.counts()["direct"] == 2, "the batch of 2 did not share the batch of 1's key"
     assert torch.equal(out[:1], call(*one))
     assert torch.equal(out[1:], call(*(t[1:] for t in two)))
+
+
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+def test_engine_reuse_calls_are_replayed_and_equal_the_call_itself(method):
+    """kernels/replay.py on the real kernels: an engine's reuse calls of a stored entry, with new q, k, v each step
+    (bf16, 8 192 tokens, no text rows), are replayed from the fourth on, and each equals the selection's own kernel
+    call bit for bit; an anchor makes a new entry, whose calls are recorded afresh."""
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.kernels import fast_launch, replay
+    if not replay.ENABLED:
+        pytest.skip("SPARSE_ATTN_REPLAY=0")
+    layout = TokenLayout(text_len=0, grid=(4, 32, 64))
+    n, h = 8192, 4
+    eng = SparseEngine(SparseConfig(method=method, density=0.15, min_tokens=0, residual=True, anchor_steps="0,9"))
+    with torch.inference_mode():
+        eng.begin_run()
+        for step in range(12):
+            ctx = CallContext(layer=0, step=step, total_steps=12, layout=layout)
+            q, k, v = qkv(h, n, 128, seed=60 + step)
+            before = fast_launch.counts()["replayed"]
+            out = eng.attend(q, k, v, ctx)
+            entry = eng.cache.on_device[ctx.key(n)]
+            replayed = fast_launch.counts()["replayed"] - before
+            if step in (0, 9):  # anchors
+                assert entry.replay is None and replayed == 0
+                continue
+            calls = step if step < 9 else step - 9  # reuse calls of this entry so far
+            assert replayed == (calls >= 4), f"step {step}: replayed {replayed} ({entry.replay.refused})"
+            assert torch.equal(out, entry.selection.run(q, k, v, residual=entry.residual)), f"step {step}"
+        eng.end_run()
