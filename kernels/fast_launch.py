@@ -256,7 +256,8 @@ class recording:
 
 def relaunch(done: Launch, args: tuple) -> bool:
     """Launch ``done`` again with ``args`` in place of its arguments, which must have the same key (the same scalars,
-    tensor dtypes and 16-byte alignment; kernels/replay.py checks that), on the current stream of its device. False,
+    tensor dtypes and 16-byte alignment; kernels/replay.py checks that), on the current stream of its device (recorded
+    as a ``Launch`` inside a ``recording()`` block). False,
     launching nothing, where the direct path may not run now (turned off, a launch hook or debug mode installed since,
     another device current, a pre-run hook added to the JIT function)."""
     if not enabled():
@@ -274,4 +275,7 @@ def relaunch(done: Launch, args: tuple) -> bool:
     if entry.config is not None:
         done.kernel.best_config = entry.config
     _counts["replayed"] += 1
+    rec = getattr(_recording, "launches", None)
+    if rec is not None:  # a replay inside a recorded call is one of its launches
+        rec.append(Launch(done.kernel, entry, g, done.device, tuple(args), done.before))
     return True

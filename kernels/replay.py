@@ -13,8 +13,8 @@ times (the first call's are held while the second runs, so a temporary of the se
 address) and whose scalars are equal, later calls whose q, k and v have the recorded shapes, strides, dtype, device
 and 16-byte alignment allocate the output as the call did and relaunch, nothing else. Anything else (another
 operator: a copy, a fill, a read of a value; two launches; a launch through Triton's own path; a different key or
-metadata) runs ``fn`` itself. What ``fn`` reads from the environment (kernels' tuning switches) is read when the
-plan is recorded; the engine keeps one ``CallReplay`` per cached entry, so a run's plans end with its entries.
+metadata; the switches of LAUNCH_ENV set otherwise than when the plan was recorded; a profiler's launch hook) runs
+``fn`` itself. The engine keeps one ``CallReplay`` per cached entry, so a run's plans end with its entries.
 """
 
 from __future__ import annotations
@@ -29,18 +29,25 @@ from . import fast_launch
 
 log = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("SPARSE_ATTN_REPLAY", "1") != "0"  # SPARSE_ATTN_REPLAY=0: every call runs ``fn`` itself
+ENABLED = os.environ.get("SPARSE_ATTN_REPLAY", "1") != "0"  # SPARSE_ATTN_REPLAY=0 (read at import): no replays
 ATTEMPTS = 4  # recordings that met Triton's own launch path (a first launch tunes and compiles) before giving up
-REPLANS = 8  # plans recorded again after a call of other layouts or key, before giving up
+REPLANS = 8  # plans dropped for a call of other layouts or key, before giving up
+RECORDS = 16  # recordings in all before giving up (a key or layout that changes at every call)
+# environment switches the kernels read at each launch (kernels/_hopper.py: the TMA kernels; kernels/_triton_common.py:
+# the loop and the rescaling): a plan is replayed only under the values it was recorded with
+# (tests/test_replay.py checks that every such switch the kernels read is listed)
+LAUNCH_ENV = ("SPARSE_ATTN_TMA", "SPARSE_ATTN_LOOP", "SPARSE_ATTN_RESCALE")
 
 _aten = torch.ops.aten
 _ALLOCATIONS = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
                           _aten.new_empty.default, _aten.new_empty_strided.default})
+_NOT_VIEWS = frozenset({_aten.lift_fresh.default})  # aliasing in its schema, but a tensor made from host data
 
 
 def _harmless(func) -> bool:
-    """An operator that neither reads nor writes a tensor's elements: an allocation or a view."""
-    return func in _ALLOCATIONS or getattr(func, "is_view", False)
+    """An operator that neither reads nor writes a tensor's elements: an allocation or a view (``is_view``: aliasing
+    arguments, none of them written)."""
+    return func in _ALLOCATIONS or (getattr(func, "is_view", False) and func not in _NOT_VIEWS)
 
 
 class _Operators(TorchDispatchMode):
@@ -66,67 +73,83 @@ def _held(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
+def _environment() -> tuple:
+    return tuple(os.environ.get(name) for name in LAUNCH_ENV)
+
+
 class _Record:
     """One recorded call: its launch with the positions of q, k, v and the output emptied (a record must not keep a
     call's activations alive), where those positions are, the other arguments' identity (tensors by memory, scalars by
-    type and value) and the layouts."""
+    type and value), the layouts and the launch switches. ``problem``: why such a call cannot be replayed, or None."""
 
-    def __init__(self, done: fast_launch.Launch, out: torch.Tensor, q, k, v):
-        self.out_layout = (out.shape, out.stride(), out.dtype, out.device)
+    def __init__(self, done: fast_launch.Launch, out: torch.Tensor, q, k, v, key):
+        roles = (q, k, v, out)
+        self.problem = None
+        if len({id(t) for t in roles}) < 4:  # a slot filled by two roles would be replayed with one of them
+            self.problem = "q, k, v and its output are not four tensors"
+        self.out_layout = _layout(out)
         self.slots = {0: [], 1: [], 2: [], 3: []}  # q, k, v, out -> positions in the launch's arguments
         # another tensor in the memory of q, k, v or the output (a view made by the call) would be replayed with the
         # recorded call's memory, which the next q may even occupy again: such a call is not replayed
-        calls = {t.untyped_storage().data_ptr() for t in (q, k, v, out)}
-        self.derived = False
+        calls = {t.untyped_storage().data_ptr() for t in roles}
         sig, kept = [], []
         for i, a in enumerate(done.args):
-            role = next((r for r, t in enumerate((q, k, v, out)) if a is t), None)
+            role = next((r for r, t in enumerate(roles) if a is t), None)
             if role is not None:
                 self.slots[role].append(i)
                 sig.append(role)
                 a = None
             elif isinstance(a, torch.Tensor):
-                self.derived = self.derived or a.untyped_storage().data_ptr() in calls
+                if a.untyped_storage().data_ptr() in calls and self.problem is None:
+                    self.problem = "it launches on a view of q, k, v or its output"
                 sig.append(_held(a))
             else:
                 sig.append((a.__class__, a))
             kept.append(a)
+        if self.problem is None and not all(self.slots.values()):
+            self.problem = "q, k, v or its output is not an argument of the launch"
         self.done = fast_launch.Launch(done.kernel, done.entry, done.grid, done.device, tuple(kept), done.before)
         self.sig = tuple(sig)
-        self.layouts = (_layout(q), _layout(k), _layout(v))
+        # what may legitimately differ from one recording to the next (then recording starts over)
+        self.context = (key, _layout(q), _layout(k), _layout(v), self.out_layout, _environment(), done.kernel,
+                        done.entry, done.grid, done.device, done.before)
 
-    def same(self, other: "_Record") -> bool:
-        d, e = self.done, other.done
-        return (d.entry is e.entry and d.kernel is e.kernel and d.grid == e.grid and d.device == e.device
-                and d.before is e.before and self.sig == other.sig and self.layouts == other.layouts
-                and self.out_layout == other.out_layout)
+    def comparable(self, other: "_Record") -> bool:
+        return len(self.context) == len(other.context) and all(
+            a is b or (type(a) is type(b) and a == b) for a, b in zip(self.context, other.context))
 
 
 class _Plan:
     """The launch of a recorded call, ready to run again for new q, k, v of the recorded layouts."""
 
-    __slots__ = ("done", "layouts", "template", "slots", "out_layout")
+    __slots__ = ("done", "layouts", "template", "slots", "out_layout", "environment")
 
     def __init__(self, rec: _Record):
-        self.done, self.layouts, self.out_layout = rec.done, rec.layouts, rec.out_layout
+        self.done, self.out_layout = rec.done, rec.out_layout
+        self.layouts = rec.context[1:4]
+        self.environment = rec.context[5]
         self.template = list(rec.done.args)
-        self.slots = tuple((role, tuple(pos)) for role, pos in rec.slots.items() if pos)
+        self.slots = tuple((role, tuple(pos)) for role, pos in rec.slots.items())
+
+    def fits(self, q, k, v) -> bool:
+        lq, lk, lv = self.layouts
+        return (_layout(q) == lq and _layout(k) == lk and _layout(v) == lv and q is not k and k is not v
+                and q is not v and _environment() == self.environment)
 
     def launch(self, q, k, v) -> torch.Tensor | None:
-        lq, lk, lv = self.layouts
-        if _layout(q) != lq or _layout(k) != lk or _layout(v) != lv:
-            return None
-        shape, stride, dtype, device = self.out_layout
+        """The output of the replayed launch, or None (nothing launched) where the direct path may not run now or the
+        output's allocation is not aligned as the recorded one was."""
+        shape, stride, dtype, device, aligned = self.out_layout
         out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        if (out.data_ptr() & 15 == 0) != aligned:
+            return None
         args = self.template.copy()
         given = (q, k, v, out)
         for role, positions in self.slots:
             t = given[role]
             for i in positions:
                 args[i] = t
-        if not fast_launch.relaunch(self.done, args):
-            return None
-        return out
+        return out if fast_launch.relaunch(self.done, args) else None
 
 
 class CallReplay:
@@ -140,6 +163,7 @@ class CallReplay:
         self.last: _Record | None = None
         self.attempts = 0
         self.replans = 0
+        self.records = 0
         self.refused: str | None = None  # why this call is never replayed, once known
 
     def run(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key=()) -> torch.Tensor:
@@ -147,26 +171,31 @@ class CallReplay:
 
         q, k, v: the tensors ``fn`` attends with ((B, H, N, D) in the kernels; any tensors here); key: everything
         else ``fn`` depends on that can change between calls (scale, backend), compared with ``==``."""
-        if self.plan is not None and key == self.key and ENABLED:
-            out = self.plan.launch(q, k, v)
-            if out is not None:
-                return out
+        plan = self.plan
+        if plan is not None and ENABLED and key == self.key and plan.fits(q, k, v):
+            out = plan.launch(q, k, v)
+            # None: a profiler's launch hook, another device current, ...: this call runs itself, the plan stays
+            return fn(q, k, v) if out is None else out
         self.calls += 1
         if self.refused is not None or not ENABLED or self.calls == 1 or not fast_launch.enabled() \
                 or not fast_launch.on_gpu(q):  # the first call may tune and compile: not recorded
             return fn(q, k, v)
-        if self.plan is not None:  # a call the plan does not fit: record afresh, a limited number of times
+        if plan is not None:  # a call the plan does not fit: record afresh, a limited number of times
             self.plan, self.last, self.replans = None, None, self.replans + 1
             if self.replans > REPLANS:
                 self._refuse("its calls keep changing layouts")
                 return fn(q, k, v)
-        out, rec = self._record(fn, q, k, v)
+        self.records += 1
+        if self.records > RECORDS:
+            self._refuse(f"{RECORDS} recordings made no plan")
+            return fn(q, k, v)
+        out, rec = self._record(fn, q, k, v, key)
         if rec is None:
             return out
-        if self.last is None or self.key != key:
+        if self.last is None or not self.last.comparable(rec):
             self.key, self.last = key, rec
-        elif self.last.same(rec):
-            self.plan, self.last = _Plan(rec), None
+        elif self.last.sig == rec.sig:
+            self.plan, self.last, self.attempts = _Plan(rec), None, 0
             log.debug("sparse attention: a reuse call is replayed from now on")
         else:
             self._refuse("its launch's other arguments differ between calls")
@@ -176,7 +205,7 @@ class CallReplay:
         self.refused, self.last = why, None
         log.debug("sparse attention: a reuse call is not replayed: %s", why)
 
-    def _record(self, fn, q, k, v):
+    def _record(self, fn, q, k, v, key):
         """(fn's output, the _Record of its one direct launch or None)."""
         watch = _Operators()
         with fast_launch.recording() as launches, watch:
@@ -194,12 +223,9 @@ class CallReplay:
         elif not isinstance(out, torch.Tensor):
             why = "it returns more than one tensor"
         else:
-            rec = _Record(launches[0], out, q, k, v)
-            if rec.derived:
-                why = "it launches on a view of q, k, v or its output"
-            elif rec.slots[0] and rec.slots[3]:
+            rec = _Record(launches[0], out, q, k, v, key)
+            if rec.problem is None:
                 return out, rec
-            else:
-                why = "q or its output is not an argument of the launch"
+            why = rec.problem
         self._refuse(why)
         return out, None

@@ -473,3 +473,24 @@ def test_reuse_calls_of_a_stored_entry_go_through_its_replay(monkeypatch):
     assert seen[0][0] is seen[1][0] and seen[2][0] is not seen[0][0] and seen[2][0] is entry.replay
     ref = entry.selection.run(q, k, v, scale=0.2, residual=entry.residual)
     assert torch.equal(outs[4], ref)
+
+
+def test_a_policy_that_selects_at_every_step_is_never_replayed(monkeypatch):
+    """select_every_step makes a new selection at each reuse call: replaying the anchor's would reuse a stale one."""
+    from comfyui_sparse_attention import kernels
+    made = []
+
+    class Spy(kernels.CallReplay):
+        def __init__(self):
+            made.append(self)
+            super().__init__()
+    monkeypatch.setattr(kernels, "CallReplay", Spy)
+    layout = TokenLayout(text_len=0, grid=(2, 16, 16))
+    eng = SparseEngine(SparseConfig(method="block_topk", density=0.3, block_q=64, block_k=64, min_tokens=0,
+                                    anchor_steps="0", select_every_step=True))
+    eng.begin_run()
+    for step in range(4):
+        q, k, v = (torch.randn(1, 2, 512, 32) for _ in range(3))
+        eng.attend(q, k, v, CallContext(layer=0, step=step, total_steps=4, layout=layout))
+    eng.end_run()
+    assert not made

@@ -217,3 +217,115 @@ def test_a_recording_keeps_no_call_tensor_alive(kern):
     del q, k, v, out
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def _planned(kern, fn=None, key=()):
+    """A CallReplay with a plan for ``fn`` (default: the plain call), after four calls: (replay, fn, runs)."""
+    kernel = kern[0]
+    runs = []
+    fn = fn or _call(kernel, runs=runs)
+    rep = replay.CallReplay()
+    for i in range(4):
+        rep.run(fn, *_qkv(i), key)
+    assert rep.plan is not None
+    return rep, fn, runs
+
+
+def test_q_k_or_v_passed_twice_is_never_replayed(kern):
+    """With k passed as v too, the launch's v positions would be filed under k: a later call with its own v would be
+    replayed with k there."""
+    kernel, compiled, calls = kern
+    rep, fn = replay.CallReplay(), _call(kernel)
+    for i in range(4):
+        q, k, _ = _qkv(i)
+        assert torch.equal(rep.run(fn, q, k, k), _expect(q, k, k))
+    assert rep.refused == "q, k, v and its output are not four tensors"
+    rep, fn, runs = _planned(kern)
+    q, k, _ = _qkv(7)
+    assert torch.equal(rep.run(fn, q, k, k), _expect(q, k, k))
+    assert fast_launch.counts()["replayed"] == 1  # the plan's own fourth call only
+
+
+def test_other_strides_of_the_same_shape_are_not_replayed(kern):
+    """The kernels take q's strides as scalars of the launch: a q of the recorded shape with other strides runs the
+    call itself."""
+    rep, fn, runs = _planned(kern)
+    replayed = fast_launch.counts()["replayed"]
+    q, k, v = _qkv(8)
+    q = q.t().contiguous().t()  # (2, 32) with strides (1, 2)
+    assert torch.equal(rep.run(fn, q, k, v), _expect(q, k, v))
+    assert fast_launch.counts()["replayed"] == replayed and len(runs) == 4
+
+
+def test_a_scalar_that_changes_at_every_call_is_never_replayed(kern):
+    kernel, compiled, calls = kern
+    rep, scales = replay.CallReplay(), iter(x / 16 for x in range(1, 100))
+
+    def fn(q, k, v):
+        out = torch.empty_like(q)
+        fast_launch.launch(kernel, (2,), (q, k, v, out, HELD, 32, next(scales)), {"MODE": 1})
+        return out
+    for i in range(24):
+        rep.run(fn, *_qkv(i))
+    assert fast_launch.counts()["replayed"] == 0 and rep.refused
+
+
+@pytest.mark.parametrize("why", ["another device current", "a launch hook", "a pre-run hook"])
+def test_where_the_direct_path_may_not_run_the_call_runs_itself_and_the_plan_stays(kern, monkeypatch, why):
+    kernel, compiled, calls = kern
+    rep, fn, runs = _planned(kern)
+    replayed = fast_launch.counts()["replayed"]
+    with monkeypatch.context() as m:
+        if why == "another device current":
+            m.setattr(fast_launch, "current_device", lambda: 1)
+        elif why == "a launch hook":
+            hook = triton.knobs.runtime.launch_enter_hook
+            if hasattr(hook, "calls"):
+                m.setattr(hook, "calls", [lambda *a, **k: None])
+            else:
+                m.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a, **k: None)
+        else:
+            m.setattr(attn_kernel, "pre_run_hooks", [lambda *a, **k: None])
+        q, k, v = _qkv(8)
+        assert torch.equal(rep.run(fn, q, k, v), _expect(q, k, v))
+        assert fast_launch.counts()["replayed"] == replayed and len(runs) == 4
+    assert rep.plan is not None and rep.refused is None
+    q, k, v = _qkv(9)
+    assert torch.equal(rep.run(fn, q, k, v), _expect(q, k, v))
+    assert fast_launch.counts()["replayed"] == replayed + 1
+
+
+def test_a_launch_switch_set_otherwise_runs_the_call_itself(kern, monkeypatch):
+    """The kernels read SPARSE_ATTN_LOOP, _RESCALE and _TMA at each launch: a plan recorded under other values is not
+    replayed (the call runs itself and is planned again)."""
+    rep, fn, runs = _planned(kern)
+    replayed = fast_launch.counts()["replayed"]
+    monkeypatch.setenv("SPARSE_ATTN_LOOP", "ahead")
+    q, k, v = _qkv(8)
+    assert torch.equal(rep.run(fn, q, k, v), _expect(q, k, v))
+    assert fast_launch.counts()["replayed"] == replayed and len(runs) == 4 and rep.plan is None
+
+
+def test_every_switch_the_kernels_read_at_a_launch_is_a_launch_switch():
+    """A switch read by the kernels (os.environ in kernels/) that no replay watches would be ignored by replays."""
+    import re
+    from pathlib import Path
+    root = Path(replay.__file__).parent
+    read = set()
+    for path in root.glob("*.py"):
+        read |= set(re.findall(r'os\.environ\.get\("(SPARSE_ATTN_\w+)"', path.read_text()))
+    # not read at launches: tuning persistence (_triton_common.tune_*), the direct path's own switch, this module's
+    assert read - {"SPARSE_ATTN_TUNE", "SPARSE_ATTN_FAST_LAUNCH", "SPARSE_ATTN_REPLAY"} == set(replay.LAUNCH_ENV)
+
+
+def test_an_output_that_is_not_the_launchs_is_never_replayed(kern):
+    kernel, compiled, calls = kern
+    rep, runs = replay.CallReplay(), []
+    inner = _call(kernel, runs=runs)
+
+    def fn(q, k, v):
+        inner(q, k, v)
+        return torch.empty_like(q)  # not what the launch wrote
+    for i in range(5):
+        rep.run(fn, *_qkv(i))
+    assert len(runs) == 5 and rep.refused == "q, k, v or its output is not an argument of the launch"
