@@ -571,6 +571,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    residuals_dropped=stats.cache.get("residual_dropped", 0),
                    dropped_residual_layers=stats.cache.get("dropped_residual_layers", []),
                    seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched,
+                   reuse_calls=tot["reuses"], replayed_calls=tot["replays"],
                    cache_info=dict(stats.cache))
         row["of_ceiling"] = row["speedup"] / row["ceiling_speedup"]
         emit(row)

@@ -210,14 +210,17 @@ class SparseEngine:
 
         def call(q_, k_, v_):  # the residual is added in the kernel's epilogue
             return selection.run(q_, k_, v_, scale=scale, backend=backend, residual=residual)
+        replays = None
         with self.stats.timed(ctx.layer, "attention", dev):
             if resident:  # the stored entry's own call, replayed once it is known to be one launch (kernels/replay.py)
                 if entry.replay is None:
                     entry.replay = kernels.CallReplay()
+                replays = entry.replay.replays
                 out = entry.replay.run(call, q, k, v, (scale, backend))
             else:
                 out = call(q, k, v)
-        self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step)
+        self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step,
+                       replayed=replays is not None and entry.replay.replays > replays)
         return out
 
     def _residual_dropped(self, key) -> bool:

@@ -21,6 +21,7 @@ class LayerStats:
     anchors: int = 0
     reuses: int = 0
     fallbacks: int = 0
+    replays: int = 0  # reuse calls replayed (kernels/replay.py)
     density_sum: float = 0.0
     fidelity: list = field(default_factory=list)
     seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
@@ -78,8 +79,9 @@ class RunStats:
         return s
 
     def add(self, layer: int, kind: str, density: float, fidelity: float | None = None,
-            step: int | None = None) -> None:
-        """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback); step: the run step."""
+            step: int | None = None, replayed: bool = False) -> None:
+        """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback); step: the run step;
+        replayed: a reuse call that was replayed (kernels/replay.py)."""
         if step is not None:
             per = self.steps.setdefault(step, {})
             per[kind] = per.get(kind, 0) + 1
@@ -92,6 +94,7 @@ class RunStats:
             s.anchors += 1
         elif kind == "reuse":
             s.reuses += 1
+            s.replays += replayed
         elif kind == "fallback":
             s.fallbacks += 1
             s.dense += 1
@@ -135,7 +138,7 @@ class RunStats:
         for part in parts:
             for idx, s in part.layers.items():
                 acc = out.layer(idx)
-                for name in ("calls", "dense", "anchors", "reuses", "fallbacks", "density_sum"):
+                for name in ("calls", "dense", "anchors", "reuses", "fallbacks", "replays", "density_sum"):
                     setattr(acc, name, getattr(acc, name) + getattr(s, name))
                 acc.fidelity.extend(s.fidelity)
                 for phase, sec in s.seconds.items():
@@ -172,6 +175,7 @@ class RunStats:
             anchors=sum(s.anchors for s in self.layers.values()),
             reuses=sum(s.reuses for s in self.layers.values()),
             fallbacks=sum(s.fallbacks for s in self.layers.values()),
+            replays=sum(s.replays for s in self.layers.values()),
             density=(sum(s.density_sum for s in self.layers.values()) / calls) if calls else 1.0,
             fidelity_mean=(sum(fid) / len(fid)) if fid else None,
             fidelity_max=max(fid) if fid else None,
@@ -196,7 +200,8 @@ class RunStats:
         return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), step_seconds=self.step_totals(),
                     layers={
             i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,
-                    density=s.density, fidelity=(sum(s.fidelity) / len(s.fidelity)) if s.fidelity else None,
+                    replays=s.replays, density=s.density,
+                    fidelity=(sum(s.fidelity) / len(s.fidelity)) if s.fidelity else None,
                     seconds=dict(s.seconds)) for i, s in sorted(self.layers.items())})
 
     def summary_line(self) -> str:
@@ -207,6 +212,7 @@ class RunStats:
         cache = (f"cache peak {c.get('peak_device_bytes', 0) / 2**20:.0f} MiB GPU / "
                  f"{c.get('peak_cpu_bytes', 0) / 2**20:.0f} MiB CPU" if c else "cache n/a")
         return (f"sparse attention: {t['calls']} calls ({t['dense']} dense, {t['anchors']} anchor, "
-                f"{t['reuses']} reuse, {t['fallbacks']} fallback), density {t['density']:.3f}, anchor rel-L2 {fid}, "
+                f"{t['reuses']} reuse ({t['replays']} replayed), {t['fallbacks']} fallback), "
+                f"density {t['density']:.3f}, anchor rel-L2 {fid}, "
                 f"selection {sec['selection']:.2f}s attention {sec['attention']:.2f}s "
                 f"transfer {sec['transfer']:.2f}s store {sec['store']:.2f}s, {cache}")

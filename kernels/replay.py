@@ -164,6 +164,7 @@ class CallReplay:
         self.attempts = 0
         self.replans = 0
         self.records = 0
+        self.replays = 0  # calls replayed so far
         self.refused: str | None = None  # why this call is never replayed, once known
 
     def run(self, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key=()) -> torch.Tensor:
@@ -174,8 +175,10 @@ class CallReplay:
         plan = self.plan
         if plan is not None and ENABLED and key == self.key and plan.fits(q, k, v):
             out = plan.launch(q, k, v)
-            # None: a profiler's launch hook, another device current, ...: this call runs itself, the plan stays
-            return fn(q, k, v) if out is None else out
+            if out is None:  # a profiler's launch hook, another device current, ...: this call runs itself
+                return fn(q, k, v)
+            self.replays += 1
+            return out
         self.calls += 1
         if self.refused is not None or not ENABLED or self.calls == 1 or not fast_launch.enabled() \
                 or not fast_launch.on_gpu(q):  # the first call may tune and compile: not recorded

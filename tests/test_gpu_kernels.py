@@ -875,4 +875,5 @@ def test_engine_reuse_calls_are_replayed_and_equal_the_call_itself(method):
             calls = step if step < 9 else step - 9  # reuse calls of this entry so far
             assert replayed == (calls >= 4), f"step {step}: replayed {replayed} ({entry.replay.refused})"
             assert torch.equal(out, entry.selection.run(q, k, v, residual=entry.residual)), f"step {step}"
-        eng.end_run()
+        stats = eng.end_run()
+    assert stats.totals()["replays"] == 5  # steps 4-8 (the second entry's two reuse calls are recorded)
