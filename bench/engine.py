@@ -193,6 +193,7 @@ def main():
             engine_wall
         fl = load("kernels.fast_launch")
         rp = load("kernels.replay")
+        replay_was = rp.ENABLED
 
         def launch_mode(mode):
             os.environ["SPARSE_ATTN_FAST_LAUNCH"] = "0" if mode == "triton" else "1"
@@ -211,7 +212,7 @@ def main():
                                 + back_to_back(lambda: selection.run(q1, k1, v1, residual=entry.residual),
                                                args.overhead_reps))
         os.environ.pop("SPARSE_ATTN_FAST_LAUNCH", None)
-        rp.ENABLED = True
+        rp.ENABLED = replay_was
         names = ("engine_call_wall_ms", "engine_call_host_ms", "kernel_call_wall_ms", "kernel_call_host_ms")
         for mode, rows in ab.items():  # median and least over the pairs, and every pair's values
             cols = list(zip(*rows))
