@@ -225,6 +225,8 @@ def main():
             out_dir = Path(args.out)
             out_dir.mkdir(parents=True, exist_ok=True)
             host_profile_to(out_dir / f"host-{method}-engine.txt", reuse, args.overhead_reps)
+            # a run start and an anchor call, 10 times (the entry and selection read below stay alive in this scope)
+            host_profile_to(out_dir / f"host-{method}-anchor.txt", anchor, 10)
             host_profile_to(out_dir / f"host-{method}-bare.txt",
                             lambda: selection.run(q1, k1, v1, residual=entry.residual), args.overhead_reps)
         phases = {}

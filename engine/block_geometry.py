@@ -13,6 +13,7 @@ block's audio window follows the video's time.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -132,11 +133,32 @@ class BlockPlan:
     dense_pair: torch.Tensor
 
 
+PLANS_KEPT = 32  # block plans kept per process (one per token count, layout, block size, density and device)
+_plans: OrderedDict = OrderedDict()
+
+
 def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> BlockPlan:
     """The block plan of n tokens under ``layout`` with blocks cfg.block_q x cfg.block_k. Each query block keeps,
     per key segment, the density of its modality pair (the largest over the modalities the block holds) times
     the segment's blocks (at least one); ``scale`` multiplies every density below 1 (the hybrid policy's static
-    half)."""
+    half).
+
+    The plan depends on the geometry and the configuration alone, not on q or k, and every layer's anchor asks for
+    the same one: it is built once and kept (its ~160 small operations were most of a block_topk anchor's host time
+    at a few thousand tokens; docs/benchmarks.md, "The block plan kept"). Callers must not write into its tensors."""
+    key = (n, layout, cfg.block_q, cfg.block_k, tuple(map(tuple, cfg.densities.table(cfg.density))), cfg.sink_blocks,
+           cfg.temporal_weight, torch.device(device), scale)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _build_plan(n, layout, cfg, device, scale)
+        if len(_plans) > PLANS_KEPT:
+            _plans.popitem(last=False)
+    else:
+        _plans.move_to_end(key)
+    return plan
+
+
+def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> BlockPlan:
     tm = token_map(n, layout, device)
     bq, bk = blocks_of(tm, cfg.block_q), blocks_of(tm, cfg.block_k)
     table = torch.tensor(cfg.densities.table(cfg.density), dtype=torch.float32, device=device)

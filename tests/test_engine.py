@@ -494,3 +494,35 @@ def test_a_policy_that_selects_at_every_step_is_never_replayed(monkeypatch):
         eng.attend(q, k, v, CallContext(layer=0, step=step, total_steps=4, layout=layout))
     eng.end_run()
     assert not made
+
+
+def test_the_block_plan_is_built_once_per_geometry_and_configuration():
+    """engine/block_geometry.block_plan keeps its plans: the same arguments give the same plan object (equal to one
+    built afresh); another density, layout, block size or token count gives another."""
+    from comfyui_sparse_attention.engine import block_geometry as bg
+    layout = TokenLayout(text_len=16, grid=(4, 16, 16))
+    cfg = SparseConfig(method="block_topk", density=0.3, block_q=64, block_k=64)
+    plan = bg.block_plan(1040, layout, cfg, "cpu")
+    assert bg.block_plan(1040, layout, cfg, torch.device("cpu")) is plan
+    fresh = bg._build_plan(1040, layout, cfg, "cpu", 1.0)
+    for name in ("forced", "near", "owner", "counts", "dense_pair"):
+        assert torch.equal(getattr(plan, name), getattr(fresh, name)), name
+    others = [bg.block_plan(1040, layout, cfg.replace(density=0.1), "cpu"),
+              bg.block_plan(1040, TokenLayout(text_len=16, grid=(4, 32, 8)), cfg, "cpu"),
+              bg.block_plan(1040, layout, cfg.replace(block_k=128), "cpu"),
+              bg.block_plan(1040, layout, cfg, "cpu", scale=0.5),
+              bg.block_plan(2064, TokenLayout(text_len=16, grid=(8, 16, 16)), cfg, "cpu")]
+    assert all(o is not plan for o in others)
+    assert not torch.equal(others[0].counts, plan.counts)
+
+
+def test_the_kept_block_plans_are_bounded(monkeypatch):
+    from comfyui_sparse_attention.engine import block_geometry as bg
+    monkeypatch.setattr(bg, "PLANS_KEPT", 2)
+    monkeypatch.setattr(bg, "_plans", bg.OrderedDict())
+    cfg = SparseConfig(method="block_topk", density=0.3, block_q=64, block_k=64)
+    layouts = [TokenLayout(text_len=0, grid=(1, 8, 8 * i)) for i in (1, 2, 3)]
+    first = bg.block_plan(64, layouts[0], cfg, "cpu")
+    bg.block_plan(128, layouts[1], cfg, "cpu")
+    bg.block_plan(192, layouts[2], cfg, "cpu")
+    assert len(bg._plans) == 2 and bg.block_plan(64, layouts[0], cfg, "cpu") is not first
