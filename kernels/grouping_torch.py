@@ -56,13 +56,26 @@ def _level_positions(n_pad: int, c: int, dev: torch.device) -> list[list[tuple[i
     return levels
 
 
+def _project(x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """x (S, L, D) . vec (S, D) -> (S, L): ``einsum("sld,sd->sl")`` as the one batched matmul einsum makes of it,
+    without einsum's ten permutes and views around it (host time: at a few thousand tokens the grouping is
+    host-bound; docs/benchmarks.md, "The block plan kept"). Bit for bit einsum's result."""
+    return torch.bmm(x, vec.unsqueeze(-1)).squeeze(-1)
+
+
+def _back(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (S, L, D) weighted by w (S, L), summed over L -> (S, D): ``einsum("sld,sl->sd")`` as one batched matmul
+    (bit for bit einsum's result, as ``_project``)."""
+    return torch.bmm(x.transpose(1, 2), w.unsqueeze(-1)).squeeze(-1)
+
+
 def _leading_direction(xc: torch.Tensor) -> torch.Tensor:
     """Leading principal direction of each segment's centred points xc fp32 (S, L, D) (padding slots zeroed):
     power iteration started from the point farthest from the mean. Returns fp32 (S, D), unit norm."""
     far = torch.linalg.vector_norm(xc, dim=-1).argmax(1)  # deterministic start
     vec = xc[torch.arange(xc.shape[0], device=xc.device), far]
     for _ in range(POWER_ITERS):
-        vec = torch.einsum("sld,sl->sd", xc, torch.einsum("sld,sd->sl", xc, vec))
+        vec = _back(xc, _project(xc, vec))
         vec = vec / vec.norm(dim=-1, keepdim=True).clamp(min=1e-30)
     return vec
 
@@ -87,7 +100,7 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
         else:
             xc = (x - (x * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp(min=1.0)) * w
         vec = _leading_direction(xc)
-        proj = torch.einsum("sld,sd->sl", xc, vec)
+        proj = _project(xc, vec)
     else:
         if w is None:
             mean = x.mean(1)
@@ -101,7 +114,7 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
         # (x - mean) . vec without writing x - mean (the mean's term is one constant per segment). fp32: group_queries
         # turns autocast off; under TF32 matmuls, which neither ComfyUI release turns on, a mean much larger than
         # the spread would cost the uncentred product x . vec precision
-        proj = torch.einsum("sld,sd->sl", x, vec) - (mean * vec).sum(-1, keepdim=True)
+        proj = _project(x, vec) - (mean * vec).sum(-1, keepdim=True)
     if real is not None:
         proj = proj.masked_fill(~real, float("inf"))
     return torch.argsort(proj, dim=1, stable=True)
@@ -115,7 +128,7 @@ def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
     holds ``group_size`` queries. Batched over B*H; deterministic; only the last group is padded.
     q: (B, H, N, D) any float dtype. Returns int32 (B, H, ceil(N/group_size), group_size): query
     indices per group, -1 padding the last group.
-    Ops: gather, einsum (batched matmuls), norm, argsort(stable=True), index assignment — on q's device
+    Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():

@@ -51,3 +51,14 @@ def test_mc_sparse_with_no_image_tokens_goes_dense_not_wrong():
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert t["anchors"] == 1 and t["reuses"] == 1
     assert all(rel_l2(o, dense) < 1e-5 for o in outs)
+
+
+def test_the_grouping_products_are_einsums_batched_matmuls_bit_for_bit():
+    """kernels/grouping_torch.py's _project and _back replace two einsums by the batched matmul einsum itself makes
+    (for host time); the grouping must not change by a bit."""
+    from comfyui_sparse_attention.kernels import grouping_torch as g
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 300, 64, generator=gen)
+    vec, w = torch.randn(5, 64, generator=gen), torch.randn(5, 300, generator=gen)
+    assert torch.equal(g._project(x, vec), torch.einsum("sld,sd->sl", x, vec))
+    assert torch.equal(g._back(x, w), torch.einsum("sld,sl->sd", x, w))
