@@ -133,7 +133,9 @@ class BlockPlan:
     dense_pair: torch.Tensor
 
 
-PLANS_KEPT = 32  # block plans kept per process (one per token count, layout, block size, density and device)
+PLANS_KEPT = 32  # block plans kept per process (one per token count, layout, block size, density and device) ...
+PLAN_BYTES_KEPT = 64 << 20  # ... and at most this many bytes of them besides the newest (a plan at Wan 14B 720p
+# with 64-token blocks holds ~7 MB of device memory, mostly the static nearness map)
 _plans: OrderedDict = OrderedDict()
 
 
@@ -151,11 +153,16 @@ def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> 
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _build_plan(n, layout, cfg, device, scale)
-        if len(_plans) > PLANS_KEPT:
+        while len(_plans) > 1 and (len(_plans) > PLANS_KEPT or sum(map(_plan_bytes, _plans.values())) >
+                                   PLAN_BYTES_KEPT + _plan_bytes(plan)):
             _plans.popitem(last=False)
     else:
         _plans.move_to_end(key)
     return plan
+
+
+def _plan_bytes(plan: "BlockPlan") -> int:
+    return sum(t.numel() * t.element_size() for t in (plan.forced, plan.near, plan.owner, plan.counts, plan.dense_pair))
 
 
 def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> BlockPlan:

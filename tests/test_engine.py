@@ -526,3 +526,18 @@ def test_the_kept_block_plans_are_bounded(monkeypatch):
     bg.block_plan(128, layouts[1], cfg, "cpu")
     bg.block_plan(192, layouts[2], cfg, "cpu")
     assert len(bg._plans) == 2 and bg.block_plan(64, layouts[0], cfg, "cpu") is not first
+
+
+def test_the_kept_block_plans_are_bounded_in_bytes(monkeypatch):
+    """Plans hold device memory between runs: beyond PLAN_BYTES_KEPT besides the newest, the oldest go."""
+    from comfyui_sparse_attention.engine import block_geometry as bg
+    monkeypatch.setattr(bg, "_plans", bg.OrderedDict())
+    cfg = SparseConfig(method="block_topk", density=0.3, block_q=64, block_k=64)
+    layouts = [TokenLayout(text_len=0, grid=(1, 64, 8 * i)) for i in (1, 2, 3)]
+    plans = [bg.block_plan(512 * i, layouts[i - 1], cfg, "cpu") for i in (1, 2)]
+    monkeypatch.setattr(bg, "PLAN_BYTES_KEPT", bg._plan_bytes(plans[1]))
+    newest = bg.block_plan(1536, layouts[2], cfg, "cpu")
+    assert [id(p) for p in bg._plans.values()] == [id(plans[1]), id(newest)]
+    monkeypatch.setattr(bg, "PLAN_BYTES_KEPT", 0)
+    bg.block_plan(512, layouts[0], cfg, "cpu")
+    assert len(bg._plans) == 1  # the newest alone, whatever its size
