@@ -146,8 +146,9 @@ def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> 
     half).
 
     The plan depends on the geometry and the configuration alone, not on q or k, and every layer's anchor asks for
-    the same one: it is built once and kept (its ~160 small operations were most of a block_topk anchor's host time
-    at a few thousand tokens; docs/benchmarks.md, "The block plan kept"). Callers must not write into its tensors."""
+    the same one: it is built once and kept, within PLANS_KEPT and PLAN_BYTES_KEPT (its 184 small operations were
+    most of a block_topk anchor's host time at a few thousand tokens; docs/benchmarks.md, "The block plan kept").
+    Callers must not write into its tensors."""
     key = (n, layout, cfg.block_q, cfg.block_k, tuple(map(tuple, cfg.densities.table(cfg.density))), cfg.sink_blocks,
            cfg.temporal_weight, torch.device(device), scale)
     plan = _plans.get(key)
