@@ -110,13 +110,13 @@ class _Record:
             self.problem = "q, k, v or its output is not an argument of the launch"
         self.done = fast_launch.Launch(done.kernel, done.entry, done.grid, done.device, tuple(kept), done.before)
         self.sig = tuple(sig)
+        self.layouts, self.environment = (_layout(q), _layout(k), _layout(v)), _environment()
         # what may legitimately differ from one recording to the next (then recording starts over)
-        self.context = (key, _layout(q), _layout(k), _layout(v), self.out_layout, _environment(), done.kernel,
-                        done.entry, done.grid, done.device, done.before)
+        self.context = (key, self.layouts, self.out_layout, self.environment, done.kernel, done.entry, done.grid,
+                        done.device, done.before)
 
     def comparable(self, other: "_Record") -> bool:
-        return len(self.context) == len(other.context) and all(
-            a is b or (type(a) is type(b) and a == b) for a, b in zip(self.context, other.context))
+        return all(a is b or (type(a) is type(b) and a == b) for a, b in zip(self.context, other.context))
 
 
 class _Plan:
@@ -125,9 +125,8 @@ class _Plan:
     __slots__ = ("done", "layouts", "template", "slots", "out_layout", "environment")
 
     def __init__(self, rec: _Record):
-        self.done, self.out_layout = rec.done, rec.out_layout
-        self.layouts = rec.context[1:4]
-        self.environment = rec.context[5]
+        self.done, self.out_layout, self.layouts, self.environment = rec.done, rec.out_layout, rec.layouts, \
+            rec.environment
         self.template = list(rec.done.args)
         self.slots = tuple((role, tuple(pos)) for role, pos in rec.slots.items())
 
