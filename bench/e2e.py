@@ -443,6 +443,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device, weights=args.weights,
                                                              offload=args.vram_gb > 0)
     total = args.total_steps or total
+    preset_name = args.preset or preset_name
     preset = presets.load_preset(preset_name)
     if args.warmup_layers >= 0:  # a variant of the preset: its first N layers dense (the preset's own count otherwise)
         preset = preset.replace(warmup_layers=args.warmup_layers)
@@ -554,7 +555,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # --warmup-layers given
-        row = dict(model=name, mode=f"{method}@{dens}", variant=variant, warmup_layers=c.warmup_layers,
+        row = dict(model=name, mode=f"{method}@{dens}", variant=variant, preset=preset_name,
+                   warmup_layers=c.warmup_layers,
                    step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
                    later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,
                    profiled_step=args.profile_step if args.profile_step >= 0 else None,
@@ -641,6 +643,8 @@ def main():
                     "reuse step after a later anchor, as a preset's run has them); overrides --anchors-timed")
     ap.add_argument("--whole-run", action="store_true", help="time every step of the preset's run (its warm-up, "
                     "anchors and reuse steps over --total-steps) instead of a pattern and a projection")
+    ap.add_argument("--preset", default="", help="time this preset's settings and schedule instead of the model's "
+                    "own preset (e.g. wan21_t2v_14b_quality); --modes still names the method and density")
     ap.add_argument("--warmup-layers", type=int, default=-1, help="run the preset with its first N layers dense "
                     "instead of its own warmup_layers (a variant to time; default: the preset's)")
     ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "

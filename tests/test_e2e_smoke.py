@@ -264,3 +264,17 @@ def test_step_probe_profiles_step_zero_and_closes_a_running_profile(bench_import
     late(0)  # starts the profiler for step 1, which never comes
     late.close()
     assert (tmp_path / "profile-late.txt").exists() and late.prof is None
+
+
+def test_e2e_times_another_presets_whole_run(tmp_path):
+    """--preset times that preset's schedule and settings on the model (here the quality variant: no dense step,
+    anchors at 0, 10 %, 23 %, 40 % and 63 % of a 10-step run), and the row names the preset."""
+    env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
+                           "--models", "wan13b", "--preset", "wan21_t2v_14b_quality", "--modes", "block_topk@0.15",
+                           "--whole-run", "--total-steps", "10"],
+                          cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert row["preset"] == "wan21_t2v_14b_quality" and row["pattern"] == "AAArArArrr"
+    assert len(row["step_times_s"]) == 10 and row["warmup_layers"] == 1
