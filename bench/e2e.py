@@ -555,7 +555,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
         variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # --warmup-layers given
-        row = dict(model=name, mode=f"{method}@{dens}", variant=variant, preset=preset_name,
+        row = dict(model=name, mode=f"{method}@{dens}", variant=variant, preset=args.preset or None,  # --preset
                    warmup_layers=c.warmup_layers,
                    step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
                    later_anchor_s=t_later, anchor_times_s=a_times, reuse_times_s=r_times, pattern=pattern,
@@ -617,7 +617,8 @@ def render(rows, meta) -> str:
         if "skipped" in r:
             lines.append(f"| {r['model']} | {r['mode']} | skipped: {r['skipped']} |||||||||||")
             continue
-        mode = r["mode"] + (f" ({r['variant']})" if r.get("variant") else "")
+        tags = [r[k] for k in ("variant", "preset") if r.get(k)]
+        mode = r["mode"] + (f" ({', '.join(tags)})" if tags else "")
         lines.append(f"| {r['model']} | {mode} | {f(r.get('dense_s'), '.3f')} | {f(r.get('anchor_s'), '.3f')} | "
                      f"{f(r['step_s'], '.3f')} | {f(r.get('steady_speedup'), '.2f')} | {r['projected_s']:.1f}"
                      f"{' (timed whole run)' if r.get('whole_run') else ''} | "
@@ -644,7 +645,8 @@ def main():
     ap.add_argument("--whole-run", action="store_true", help="time every step of the preset's run (its warm-up, "
                     "anchors and reuse steps over --total-steps) instead of a pattern and a projection")
     ap.add_argument("--preset", default="", help="time this preset's settings and schedule instead of the model's "
-                    "own preset (e.g. wan21_t2v_14b_quality); --modes still names the method and density")
+                    "own preset (e.g. wan21_t2v_14b_quality), on every model of --models; --modes still names the "
+                    "method and density")
     ap.add_argument("--warmup-layers", type=int, default=-1, help="run the preset with its first N layers dense "
                     "instead of its own warmup_layers (a variant to time; default: the preset's)")
     ap.add_argument("--profile-step", type=int, default=-1, help="profile this step of the timed ones (0-based) with "
@@ -670,6 +672,8 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     patch_mod, presets, eng = comfy_setup(cpu=device.type == "cpu", vram_gb=args.vram_gb)
+    if args.preset and args.preset not in presets.list_presets():
+        ap.error(f"--preset: no preset named {args.preset!r} (presets/*.yaml: {', '.join(presets.list_presets())})")
     clock = Clock(args.budget_s)
     alloc = f", allocator {torch.cuda.get_allocator_backend()}" if device.type == "cuda" else ""
     meta = (f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"

@@ -18,8 +18,8 @@ that under-states the speed-up). The e2e rows ran the Wan 14B preset's configura
 select_every_step or residual off get their method's costs (flag "method costs"). Rows record how many of the
 model's layers they kept dense (``warmup_layers``; rows written before it was recorded ran the preset's 1 of 40):
 for each (method, density) a row with the Wan 14B preset's own count (presets/wan21_t2v_14b.yaml) wins over a
-newer row with another count (bench/e2e.py --warmup-layers variants), and a projection priced from rows with
-another count is flagged "layers".
+newer row with another count (bench/e2e.py --warmup-layers variants) or run with another preset's settings
+(bench/e2e.py --preset), and a projection priced from rows with another count is flagged "layers".
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class StepCosts:
                             used.append(run)
                         continue
                     layers = _layers_of(r)
-                    if "@" not in str(r.get("mode")) or layers is None or (layers == want) != matching:
+                    own = r.get("preset") in (None, PRESET.stem)  # rows of another preset (--preset): second pass
+                    if "@" not in str(r.get("mode")) or layers is None or (layers == want and own) != matching:
                         continue
                     method, dens = r["mode"].split("@")
                     later = r["later_anchor_s"] if len(r.get("anchor_times_s") or []) > 1 else None  # later anchor

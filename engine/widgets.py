@@ -73,9 +73,10 @@ def _int(v) -> int:
 
 WIDGETS: tuple[Widget, ...] = (
     Widget("method", "combo", ("method",), options=method_names,
-           tooltip="mc_sparse: token-level selection for groups of similar queries, exact at anchor steps (best "
-                   "quality). block_topk: pooled block scores. hybrid: local windows + top-k blocks. static: fixed "
-                   "local windows. dense: no sparsity."),
+           tooltip="mc_sparse: token-level selection for groups of similar queries, exact at anchor steps (most "
+                   "quality per density without the mass-weighted residual; costly anchors). block_topk: pooled "
+                   "block scores (every video and image preset). hybrid: local windows + top-k blocks. static: "
+                   "fixed local windows. dense: no sparsity."),
     Widget("density", "float", ("density",), minimum=0.01, maximum=1.0, step=0.01,
            tooltip="Fraction of image/video keys each query attends (text stays dense). Lower is faster; "
                    "0.08-0.25 is typical."),

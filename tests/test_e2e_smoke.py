@@ -278,3 +278,8 @@ def test_e2e_times_another_presets_whole_run(tmp_path):
     _, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
     assert row["preset"] == "wan21_t2v_14b_quality" and row["pattern"] == "AAArArArrr"
     assert len(row["step_times_s"]) == 10 and row["warmup_layers"] == 1
+    assert "block_topk@0.15 (wan21_t2v_14b_quality)" in (tmp_path / "e2e.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path / "bad"), "--tiny",
+                          "--models", "wan13b", "--preset", "no_such_preset"],
+                         cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "no preset named 'no_such_preset'" in bad.stderr

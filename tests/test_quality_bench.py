@@ -219,6 +219,28 @@ def test_costs_prefer_the_presets_dense_layer_count_and_flag_others(tmp_path):
         preset_warmup_layers(bad)
 
 
+def test_costs_prefer_the_wan_presets_rows_over_another_presets(tmp_path):
+    """A row timed with another preset's settings (bench/e2e.py --preset) is priced only where no row of the Wan 14B
+    preset's own configuration measured that mode, even when it is newer and kept as many layers dense."""
+    from quality_costs import StepCosts
+
+    own = write_e2e(tmp_path / "own" / "e2e.json", "device X, 2026-12-01 10:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.15", warmup_layers=0, dense_s=10.0, anchor_s=12.0, step_s=4.0)])
+    other = write_e2e(tmp_path / "other" / "e2e.json", "device X, 2026-12-04 10:00", [
+        dict(model="wan14b", mode="dense", dense_s=10.0, step_s=10.0),
+        dict(model="wan14b", mode="block_topk@0.15", preset="wan21_t2v_14b_small_vram", warmup_layers=0,
+             dense_s=10.0, anchor_s=20.0, step_s=9.0),
+        dict(model="wan14b", mode="block_topk@0.25", preset="wan21_t2v_14b_quality", warmup_layers=0,
+             dense_s=10.0, anchor_s=14.0, step_s=6.0),
+        dict(model="wan14b", mode="block_topk@0.1", preset="wan21_t2v_14b", warmup_layers=0,
+             dense_s=10.0, anchor_s=11.0, step_s=3.0)])
+    c = StepCosts.from_e2e([own, other], warmup_layers=0)
+    assert c.costs("block_topk", 0.15) == (12.0, 4.0, None)  # the older row of the preset's own configuration
+    assert c.costs("block_topk", 0.25) == (14.0, 6.0, None)  # the only row of that mode
+    assert c.costs("block_topk", 0.1) == (11.0, 3.0, None)   # a row naming the Wan 14B preset is its own
+
+
 def test_projection_counts_steps_as_the_engine_does(costs, tmp_path):
     from quality_costs import StepCosts
     from quality_grid import engine_setting, sol_setting

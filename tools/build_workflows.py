@@ -50,8 +50,8 @@ WORKFLOWS = {
     "video_wan2_2_14b_t2v": ("video_wan2_2_14B_t2v", "Wan 2.2 14B T2V (high- and low-noise models)",
                              {"high_noise": "wan22_14b_high_noise", "low_noise": "wan22_14b_low_noise"},
                              "Each expert model is patched with its preset; both samplers count steps in the whole "
-                             "run, so warm-up and anchors land where the shared schedule puts them (20 steps: "
-                             "dense 0-1, anchors 2 and 10). At 720p attention dominates the step."),
+                             "run, so anchors land where the shared schedule puts them (20 steps: no dense step, "
+                             "anchors 0, 4 and 10). At 720p attention dominates the step."),
     "video_hunyuan_video_1.5_720p_t2v": ("video_hunyuan_video_1.5_720p_t2v", "HunyuanVideo 1.5 720p T2V",
                                          {"": "hunyuan_video_1.5"},
                                          "Block top-k at density 0.08 on both the 720p and the super-resolution "
