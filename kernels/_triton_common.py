@@ -6,6 +6,7 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -262,24 +263,64 @@ def load_group(QG, Q, G, H, sqb, sqh, sqn, d, HEAD_DIM: tl.constexpr, D_PAD: tl.
 
 
 # Residual modes of the fused epilogue (constexpr RESIDUAL): none, data in the model's dtype, fp8 data with
-# an fp32 per-row scale (kernels/_residual.py states the semantics).
-RES_NONE, RES_MODEL, RES_FP8 = 0, 1, 2
+# an fp32 per-row scale (kernels/_residual.py states the semantics), and the same fp8 data read as its bytes and
+# decoded in software, for GPUs where Triton has no e4m3 type (``fp8_typed``).
+RES_NONE, RES_MODEL, RES_FP8, RES_FP8_BYTES = 0, 1, 2, 3
+
+
+def fp8_typed_on(capability: tuple[int, int] | None, hip: bool = False) -> bool:
+    """Whether Triton types float8_e4m3fn data ('fp8e4nv') on a GPU of this compute capability: NVIDIA 8.9 and
+    later (Ada, Hopper, Blackwell). On Ampere and Turing it refuses to compile a kernel taking such a pointer
+    (docs/kernel_notes.md, "v14"); ROCm names its fp8 types otherwise. None: not a GPU (the interpreter)."""
+    if capability is None:
+        return True
+    return not hip and tuple(capability) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_typed_device(index: int) -> bool:
+    return fp8_typed_on(torch.cuda.get_device_capability(index), torch.version.hip is not None)
+
+
+def fp8_typed(t: torch.Tensor) -> bool:
+    """``fp8_typed_on`` for the device of ``t`` (a CPU tensor: the interpreter, which types fp8)."""
+    if t.device.type != "cuda":
+        return True
+    return _fp8_typed_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def residual_mode(res) -> int:
     """RESIDUAL constexpr for a checked residual pair (or None)."""
     if res is None:
         return RES_NONE
-    return RES_MODEL if res[1] is None else RES_FP8
+    if res[1] is None:
+        return RES_MODEL
+    return RES_FP8 if fp8_typed(res[0]) else RES_FP8_BYTES
 
 
 def residual_launch_args(res, out: torch.Tensor) -> tuple:
-    """(data, scale, 3 data strides, 3 scale strides) for the kernels; ``out`` stands in when absent."""
+    """(data, scale, 3 data strides, 3 scale strides) for the kernels; ``out`` stands in when absent. fp8 data goes
+    as its bytes (a uint8 view) where Triton cannot type it (``residual_mode`` then says RES_FP8_BYTES)."""
     if res is None:
         return (out, out, 0, 0, 0, 0, 0, 0)
     data, scale = res
     sc = scale if scale is not None else out
+    if residual_mode(res) == RES_FP8_BYTES:
+        data = data.view(torch.uint8)
     return (data, sc, *data.stride()[:3], *(sc.stride()[:3] if scale is not None else (0, 0, 0)))
+
+
+@triton.jit
+def e4m3_from_bytes(x):
+    """float8_e4m3fn values from their bytes x (uint8), as fp32: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m x 2**-9), 0x7F / 0xFF are NaN (e4m3fn has no infinity)."""
+    b = x.to(tl.int32)
+    mag = b & 0x7F
+    # a normal value's bits moved into fp32's fields: exponent e + 120 (= e - 7 + 127), mantissa m << 20
+    normal = ((mag + 960) << 20).to(tl.float32, bitcast=True)
+    val = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)
+    val = tl.where(mag == 0x7F, float("nan"), val)
+    return tl.where(b >= 128, -val, val)
 
 
 @triton.jit
@@ -287,11 +328,12 @@ def add_residual(out, R, RS, b, h, rows, row_ok, srb, srh, srn, ssb, ssh, ssn, d
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, RESIDUAL: tl.constexpr, w=1.0,
                  MASS: tl.constexpr = False):
     """out [M, D_PAD] fp32 plus the residual rows ``rows`` of head (b, h): data (RESIDUAL 1), or fp8 data
-    times its per-row scale (RESIDUAL 2), decoded in registers; with MASS, each row's residual times w [M] (from
-    ``mass_weight``). Rows outside ``row_ok`` add 0."""
+    times its per-row scale (RESIDUAL 2; 3 reads its bytes and decodes them in software), decoded in registers;
+    with MASS, each row's residual times w [M] (from ``mass_weight``). Rows outside ``row_ok`` add 0."""
     if RESIDUAL != 0:
-        r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
-        if RESIDUAL == 2:
+        r = load_rows(R + b * srb + h * srh, rows, srn, row_ok, d, HEAD_DIM, D_PAD, True)
+        r = e4m3_from_bytes(r) if RESIDUAL == 3 else r.to(tl.float32)
+        if RESIDUAL >= 2:
             s = tl.load(RS + b * ssb + h * ssh + rows * ssn, mask=row_ok, other=0.0)
             r = r * s[:, None]
         if MASS:

@@ -698,6 +698,91 @@ def test_compact_token_kernel_decodes_lists_in_the_interpreter(child):
         tol = 1e-5 if "float32" in name else 2e-3
         assert finite and plain <= tol and with_res <= tol, (name, plain, with_res)
 
+FP8_BYTES_CHILD = PREAMBLE + r"""
+import triton, triton.language as tl
+from sparse_ref import structured_qkv, random_block_lists
+from comfyui_sparse_attention.kernels import (_triton_common as C, anchor_torch, block_sparse_torch,
+                                              block_sparse_triton, dense_torch, token_sparse_torch,
+                                              token_sparse_triton)
+from comfyui_sparse_attention.kernels._residual import encode_residual
+out = {}
+
+@triton.jit
+def decode_kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, C.e4m3_from_bytes(tl.load(X + i)))
+
+codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+got = torch.empty(256, dtype=torch.float32)
+decode_kernel[(1,)](codes, got, N=256)
+want = codes.view(torch.float8_e4m3fn).float()
+nan = torch.isnan(want)
+out["decode"] = dict(same_nan=bool(torch.equal(nan, torch.isnan(got))),
+                     exact=bool(torch.equal(got[~nan], want[~nan])),
+                     same_sign=bool(torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))))
+
+def both(fn):
+    # the same call with fp8 typed (as on Ada / Hopper) and read as bytes (as on Ampere): equal bit for bit
+    modes = {}
+    for typed in (True, False):
+        C.fp8_typed = lambda t, typed=typed: typed
+        modes[typed] = fn()
+    return modes[True], modes[False]
+
+def compare(typed, raw, ref):
+    # where the twin is finite: the NaN code decodes to NaN only in the bytes path here (the interpreter's own fp8
+    # load does not give NaN for it; the hardware's does), so the NaN row is compared with the twin alone
+    fin = torch.isfinite(ref)
+    return dict(equal=bool(torch.equal(typed[fin], raw[fin])),
+                same_nan=bool(torch.equal(torch.isnan(raw), torch.isnan(ref))),
+                err=float((raw.double() - ref.double())[fin].abs().max()))
+
+for dtype in (torch.float16, torch.float32):
+    q, k, v = structured_qkv(1, 2, 130, 64, dtype=dtype, seed=3)
+    idx, cnt = random_block_lists(1, 2, 3, 3, 3, seed=2, empty_rows=(1,), full_rows=(0,))
+    g = torch.Generator().manual_seed(5)
+    res = encode_residual(torch.randn(q.shape, generator=g) * 0.3, "fp8", q.dtype)
+    # a NaN (an inf in the model's v at the anchor), two subnormals and a zero in one row
+    res[0].view(torch.uint8)[0, 0, 0, :4] = torch.tensor([0x7F, 0x01, 0x81, 0x00], dtype=torch.uint8)
+    kw = dict(block_q=64, block_k=64)
+    typed, raw = both(lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, residual=res,
+                                                                         path="pointer", **kw))
+    ref = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, residual=res, **kw)
+    out[f"bsa-{dtype}"] = compare(typed, raw, ref)
+    dense, dlse = dense_torch.attention_dense(q, k, v, return_lse=True)
+    mres = anchor_torch.block_residual(q, k, v, idx, cnt, dense, dlse, residual_precision="fp8", return_mass=True,
+                                       **kw)
+    typed, raw = both(lambda: block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, residual=mres,
+                                                                         path="pointer", **kw))
+    ref = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, residual=mres, **kw)
+    out[f"bsa-mass-{dtype}"] = compare(typed, raw, ref)
+    groups = torch.arange(128, dtype=torch.int32).reshape(1, 1, 2, 64).expand(1, 2, 2, 64).contiguous()
+    toks = torch.arange(40, dtype=torch.int32).expand(1, 2, 2, 40).contiguous()
+    tcnt = torch.tensor([[[40, 0], [17, 40]]], dtype=torch.int32)
+    typed, raw = both(lambda: token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, tcnt, residual=res))
+    ref = token_sparse_torch.token_sparse_attention(q, k, v, groups, toks, tcnt, residual=res)
+    out[f"token-{dtype}"] = compare(typed, raw, ref)
+C.fp8_typed = lambda t: False
+out["mode"] = C.residual_mode(res)
+print("RESULT:" + json.dumps(out))
+"""
+
+
+def test_fp8_residual_read_as_bytes_where_triton_has_no_fp8_type(child):
+    """On Ampere and Turing, Triton compiles no kernel that takes float8_e4m3fn data (docs/kernel_notes.md, "v14"):
+    the kernels read the residual's bytes and decode them in software. Every one of the 256 codes decodes as torch
+    decodes it (NaN, subnormals, signed zero), and the block-sparse (plain and mass-weighted) and token kernels
+    give the same output bit for bit as with the typed fp8 load, and their twins' within rounding."""
+    r = child
+    assert r["decode"] == dict(same_nan=True, exact=True, same_sign=True)
+    assert r["mode"] == 3
+    for name in ("bsa", "bsa-mass", "token"):
+        for dtype in ("torch.float16", "torch.float32"):
+            e = r[f"{name}-{dtype}"]
+            assert e["equal"] and e["same_nan"], (name, dtype, e)
+            assert e["err"] <= (5e-3 if dtype == "torch.float16" else 1e-5), (name, dtype, e)
+
+
 
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
@@ -717,4 +802,6 @@ CHILDREN = {
         (COMPACT_TOKEN_CHILD, 600, {}),
     "test_block_sparse_triton_path_under_inference_mode_in_interpreter":
         (INFERENCE_CHILD, 600, {}),
+    "test_fp8_residual_read_as_bytes_where_triton_has_no_fp8_type":
+        (FP8_BYTES_CHILD, 600, {}),
 }

@@ -1,9 +1,13 @@
-"""Compile the kernels' autotune candidates for sm_90 without a GPU and report their resources.
+"""Compile the kernels' autotune candidates for a GPU architecture without a GPU and report their resources.
 
-    python tools/compile_report.py [--kernels hopper,token,mass] [--head-dims 128,64] [--loop plain,ahead] [--mass]
+    python tools/compile_report.py [--arch 90] [--kernels hopper,pointer,token,mass] [--head-dims 128,64]
+                                   [--loop plain,ahead] [--mass]
 
-For each candidate: registers, spill bytes (ptxas -v), shared memory, and whether the loads became TMA
-copies and the dots wgmma, from Triton's own ptxas/cuobjdump. Use the device's Triton version for
+For each candidate: registers, spill bytes (ptxas -v), shared memory against the architecture's limit per
+program, and whether the loads became TMA copies and the dots wgmma, from Triton's own ptxas. ``--arch``: the
+compute capability as a number (90 Hopper; 80 A100, 86 RTX 30xx, 89 RTX 40xx, 120 RTX 50xx, which run the
+pointer kernels: ``hopper`` is sm_90 only). Residuals are typed as the engine passes them there: fp8 data, as
+bytes where Triton has no fp8 type (kernels/_triton_common.py, ``fp8_typed_on``). Use the device's Triton version for
 figures that match it (e.g. ``pip install --target /tmp/t36 triton==3.6.0`` and ``PYTHONPATH=/tmp/t36``).
 docs/kernel_notes.md records the results and what they decided.
 """
@@ -21,11 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _pack import load  # noqa: E402
 
-SMEM_LIMIT = 232448  # bytes of shared memory one sm_90 program may use
+# bytes of shared memory one program may use (CUDA's per-block opt-in maximum), by compute capability
+SMEM_LIMITS = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_one(fn, types, constexprs, divisible, config):
-    """Compile ``fn`` (a JITFunction) for sm_90; returns a dict of resources (or an error)."""
+def compile_one(fn, types, constexprs, divisible, config, arch: int = 90):
+    """Compile ``fn`` (a JITFunction) for compute capability ``arch`` (90: sm_90a); returns a dict of resources (or
+    an error)."""
     import triton
     from triton.backends.compiler import GPUTarget
     names = fn.arg_names
@@ -37,14 +43,16 @@ def compile_one(fn, types, constexprs, divisible, config):
     if getattr(config, "maxnreg", None):
         opts["maxnreg"] = config.maxnreg
     try:
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+        c = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     except Exception as exc:
         return dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(c.asm["ptx"])
-        log = subprocess.run([str(bin_dir / "ptxas"), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
+        gpu = "sm_90a" if arch == 90 else f"sm_{arch}" + ("a" if arch >= 100 else "")
+        ptxas = bin_dir / ("ptxas-blackwell" if arch >= 100 and (bin_dir / "ptxas-blackwell").exists() else "ptxas")
+        log = subprocess.run([str(ptxas), "-v", "--gpu-name", gpu, str(ptx), "-o", os.devnull],
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
@@ -61,11 +69,15 @@ def jit_of(fn):
     return fn
 
 
-def cases(kinds, head_dims, loops=("plain",), mass=False):
+def cases(kinds, head_dims, loops=("plain",), mass=False, arch=90):
     """(label, jit function, types, constexprs, divisible args, config) of every candidate, for each loop mode of
     ``loops`` (kernels/_triton_common.py, loop_ahead); with ``mass`` the block-sparse and anchor candidates read /
-    write the residual's mass (kernels/_residual.py)."""
+    write the residual's mass (kernels/_residual.py). ``arch``: the compute capability compiled for; the residual
+    the pointer and token kernels read is fp8, typed or as bytes as the engine passes it there."""
     ah, tt, mt = load("kernels.attention_hopper"), load("kernels.token_sparse_triton"), load("kernels.mass_triton")
+    bs, dn, tc = load("kernels.block_sparse_triton"), load("kernels.dense_triton"), load("kernels._triton_common")
+    typed = tc.fp8_typed_on((arch // 10, arch % 10))
+    res_mode, res_type = (tc.RES_FP8, "*fp8e4nv") if typed else (tc.RES_FP8_BYTES, "*u8")
     ptr = {n: "*bf16" for n in ("Q", "K", "V", "Out", "R", "RO")}
     ptr.update({n: "*i32" for n in ("KV_IDX", "KV_CNT", "CMP_IDX", "CMP_CNT", "ORDER", "COUNTER", "QG", "TOK", "CNT")})
     ptr.update({"Lse": "*fp32", "LSE": "*fp32", "RS": "*fp32", "ROS": "*fp32", "OUT": "*fp32", "qk_scale": "fp32",
@@ -75,7 +87,7 @@ def cases(kinds, head_dims, loops=("plain",), mass=False):
     for d, loop in ((d, loop) for d in head_dims for loop in loops):
         pad = max(16, 1 << (d - 1).bit_length())
         tag = ("" if loop == "plain" else f" {loop}") + (" mass" if mass else "")
-        if "hopper" in kinds:
+        if "hopper" in kinds and arch == 90:
             for kind, configs, mode, extra in (("sparse", ah.SPARSE_CONFIGS, 0, {}),
                                                ("persistent", ah.PERSISTENT_CONFIGS, 0, dict(PERSISTENT=True)),
                                                ("dense", ah.DENSE_CONFIGS, 1, dict(WRITE_LSE=True)),
@@ -89,38 +101,51 @@ def cases(kinds, head_dims, loops=("plain",), mass=False):
                     ce.update(extra)
                     types = {**ptr, "RO": "*fp8e4nv"} if ce["RES_OUT"] == 2 else ptr  # the engine stores fp8 R
                     yield f"{kind} D{d}{tag}", jit_of(ah._attn_tma), types, ce, div, c
+        if "pointer" in kinds:  # the kernels of GPUs without TMA (kernels/_hopper.py)
+            for c in bs._CONFIGS:  # a reuse call: the engine's fp8 residual, weighted by the mass with ``mass``
+                ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=res_mode, BLOCK_M=128, BLOCK_K=128,
+                          BLOCK_N=c.kwargs["BLOCK_N"], EVEN_K=False, LAZY=False, MASS=mass, WRITE_LSE=False)
+                yield f"pointer sparse D{d}{tag}", jit_of(bs._bsa_fwd), {**ptr, "R": res_type}, ce, div, c
+            for c in dn._CONFIGS:  # the dense call and its LSE
+                ce = dict(HEAD_DIM=d, D_PAD=pad, WRITE_LSE=True, BLOCK_M=c.kwargs["BLOCK_M"],
+                          BLOCK_N=c.kwargs["BLOCK_N"], EVEN_N=False, LAZY=False)
+                yield f"pointer dense D{d}{tag}", jit_of(dn._dense_fwd), ptr, ce, div, c
         if "token" in kinds:
             for n_seg, tok in ((0, "*i32"), (2, "*i16")):  # int32 lists; the engine's compact int16 lists
                 for c in tt._CONFIGS:
-                    ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0, GROUP=128, BLOCK_N=c.kwargs["BLOCK_N"], LAZY=False,
-                              N_SEG=n_seg, SEGMENT=65536, AHEAD=loop == "ahead")
+                    ce = dict(HEAD_DIM=d, D_PAD=pad, RESIDUAL=0 if arch == 90 else res_mode, GROUP=128,
+                              BLOCK_N=c.kwargs["BLOCK_N"], LAZY=False, N_SEG=n_seg, SEGMENT=65536,
+                              AHEAD=loop == "ahead")
                     yield (f"token{' compact' if n_seg else ''} D{d}{tag}", jit_of(tt._token_fwd),
-                           {**ptr, "TOK": tok, "SEG": "*i32"}, ce, div + ["SEG"], c)
+                           {**ptr, "TOK": tok, "SEG": "*i32", "R": res_type}, ce, div + ["SEG"], c)
         if "mass" in kinds and loop == "plain":  # pass 2 has one loop
             for c in mt.CONFIGS:
-                ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=True, EVEN_N=False, **c.kwargs)
+                ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=arch == 90, EVEN_N=False, **c.kwargs)
                 yield f"mass D{d}", jit_of(mt._mass_fwd), ptr, ce, div, c
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default="hopper,token,mass")
+    ap.add_argument("--arch", type=int, default=90, choices=sorted(SMEM_LIMITS),
+                    help="compute capability to compile for (90 = sm_90a)")
+    ap.add_argument("--kernels", default="hopper,pointer,token,mass")
     ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--loop", default="plain", help="loop modes to compile, comma-separated: plain, ahead")
     ap.add_argument("--mass", action="store_true", help="block-sparse and anchor candidates with the residual's mass")
     args = ap.parse_args()
     import triton
-    print(f"Triton {triton.__version__}, target sm_90")
+    limit = SMEM_LIMITS[args.arch]
+    print(f"Triton {triton.__version__}, target sm_{args.arch}, shared memory limit {limit} bytes per program")
     print(f"{'kernel':22s} {'config':52s} {'regs':>5s} {'spill':>6s} {'shared':>7s} tma wgmma")
     for label, fn, types, ce, div, c in cases(args.kernels.split(","), [int(x) for x in args.head_dims.split(",")],
-                                              args.loop.split(","), args.mass):
+                                              args.loop.split(","), args.mass, args.arch):
         cfg = ", ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f", w{c.num_warps} s{c.num_stages}" + (
             f" maxnreg {c.maxnreg}" if getattr(c, "maxnreg", None) else "")
-        r = compile_one(fn, types, ce, div, c)
+        r = compile_one(fn, types, ce, div, c, args.arch)
         if "error" in r:
             print(f"{label:22s} {cfg:52s} FAILED {r['error']}")
             continue
-        over = "  > shared limit" if r["shared"] > SMEM_LIMIT else ""
+        over = "  > shared limit" if r["shared"] > limit else ""
         print(f"{label:22s} {cfg:52s} {r['regs']:5d} {r['spill']:6d} {r['shared']:7d} {str(r['tma'])[0]:>3s} "
               f"{str(r['wgmma'])[0]:>5s}{over}", flush=True)
 
