@@ -25,8 +25,10 @@ def preset_title(name: str, directory: Path = PRESET_DIR) -> str:
 
 
 def load_preset(name: str, overrides: dict | None = None, directory: Path = PRESET_DIR) -> SparseConfig:
-    """The validated SparseConfig of preset ``name`` with ``overrides`` applied."""
-    path = directory / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"preset {name!r} not found in {directory} (have: {', '.join(list_presets(directory))})")
-    return SparseConfig.from_yaml(path, overrides=overrides)
+    """The validated SparseConfig of preset ``name`` (a file stem of ``directory``, never a path: a name from a
+    workflow or the server's API reads no other file) with ``overrides`` applied."""
+    names = list_presets(directory)
+    if not isinstance(name, str) or name not in names:
+        raise ValueError(f"preset {str(name)[:60]!r} is not one of the presets in {directory} "
+                         f"(have: {', '.join(names)})")
+    return SparseConfig.from_yaml(directory / f"{name}.yaml", overrides=overrides)

@@ -18,6 +18,7 @@ from ..engine import AnchorSchedule, SparseConfig, parse_layers
 from ..engine import calibrate as cal
 from ..engine.layer_density import layer_densities_text
 from ..engine.policy import method_names
+from ..engine.presets import list_presets, load_preset
 from ..engine.recording import load_recording
 from .record import install as install_recorder
 from .record import model_signature
@@ -25,6 +26,8 @@ from .record import model_signature
 log = logging.getLogger(__name__)
 CATEGORY = "model_patches/sparse_attention"
 DEFAULT_STEPS = "10%, 25%, 50%, 75%"
+NO_BASE = "none (engine defaults)"
+DEFAULT_BASE = "balanced"  # the presets' schedule: a calibrated preset without one would anchor once per run
 _reserved: set[str] = set()  # recording paths handed out in this process (files appear only after sampling)
 _lock = threading.Lock()
 
@@ -96,7 +99,7 @@ class SparseAttentionRecord(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, layers="", steps=DEFAULT_STEPS, **_):
+    def validate_inputs(cls, layers="", steps=DEFAULT_STEPS):  # ComfyUI checks the inputs not named here
         try:
             _layers(layers)
             _steps(steps)
@@ -153,6 +156,12 @@ class SparseAttentionCalibrate(io.ComfyNode):
                                 "calibration runs after the recording is written."),
                 io.Model.Input("model", optional=True, tooltip="Optional: the model the densities are for; a "
                                "recording of another model is refused."),
+                io.Combo.Input("base_preset", options=[NO_BASE] + list_presets(), default=DEFAULT_BASE,
+                               optional=True,
+                               tooltip="The preset whose other settings (warm-up, anchor steps, dense layers, "
+                                       "residual weighting, ...) the written preset keeps and the measurement "
+                                       "follows; its warm-up and dense layers are left out of the allocation. "
+                                       f"'{NO_BASE}': the engine's defaults (one anchor for the whole run)."),
             ],
             outputs=[io.String.Output(display_name="layer_densities",
                                       tooltip="For the Sparse Attention node's layer_densities input."),
@@ -165,7 +174,7 @@ class SparseAttentionCalibrate(io.ComfyNode):
 
     @classmethod
     def execute(cls, recording, method, density, block_size, residual_caching, anchor_steps, filename_prefix,
-                samples=None, model=None, scope="model") -> io.NodeOutput:
+                samples=None, model=None, scope="model", base_preset=DEFAULT_BASE) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
         import folder_paths
@@ -180,8 +189,9 @@ class SparseAttentionCalibrate(io.ComfyNode):
         if model is not None:
             _check_model(rec, model)
         size = int(block_size)
-        base = SparseConfig(method=method, density=density, block_q=size, block_k=size, group_size=size,
-                            residual=bool(residual_caching))
+        base = _base_config(base_preset).replace(method=method, density=density, block_q=size, block_k=size,
+                                                 group_size=size, residual=bool(residual_caching),
+                                                 layer_densities=())
         anchors = None
         if anchor_steps and anchor_steps.strip():
             try:
@@ -196,7 +206,8 @@ class SparseAttentionCalibrate(io.ComfyNode):
             progress=lambda done, total: bar.update_absolute(done, total))
         alloc = allocs[0]
         preset = output_path(filename_prefix or "sparse_attention/calibrated", "yaml")
-        command = f"Sparse Attention Calibrate ({method}, density {density:g}, block size {size}, scope {scope})"
+        command = (f"Sparse Attention Calibrate ({method}, density {density:g}, block size {size}, scope {scope}, "
+                   f"base preset {base_preset})")
         cal.write_preset(preset, cal.preset_text(alloc, rec, cal.plain_fields(base), command=command))
         png = preset.with_suffix(".png")
         drew = cal.plot(curves, allocs, png)
@@ -207,6 +218,16 @@ class SparseAttentionCalibrate(io.ComfyNode):
         image = _image(png) if drew else _bars(alloc)
         log.info("sparse attention: calibrated %s at density %g on %s -> %s", method, density, rec.path.name, preset)
         return io.NodeOutput(layer_densities_text(alloc.factors), str(preset), report, image)
+
+
+def _base_config(name: str) -> SparseConfig:
+    """The Calibrate node's base settings: preset ``name``'s, or the engine's defaults for NO_BASE."""
+    if name == NO_BASE:
+        return SparseConfig()
+    try:
+        return load_preset(name)
+    except ValueError as exc:
+        raise ValueError(f"Sparse Attention Calibrate: base_preset: {exc}") from None
 
 
 def _check_model(rec, model) -> None:

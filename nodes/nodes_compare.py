@@ -32,9 +32,9 @@ class SparseAttentionCompare(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, amplify=4.0, **_):
-        if not amplify > 0:
-            return f"amplify: must be a positive number, got {amplify!r}"
+    def validate_inputs(cls, amplify=4.0):  # ComfyUI checks the inputs not named here
+        if isinstance(amplify, bool) or not isinstance(amplify, (int, float)) or not 0.1 <= amplify <= 100.0:
+            return f"amplify: must lie in [0.1, 100], got {str(amplify)[:60]}"
         return True
 
     @classmethod

@@ -86,10 +86,12 @@ class SparseAttentionPreset(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, preset="balanced", density_override=0.0, **_):
+    def validate_inputs(cls, preset="balanced", density_override=0.0):
+        # ComfyUI leaves the inputs named here to this check (no list or range check of its own), and none other
         try:
+            _density_override(density_override)
             if preset != AUTO_PRESET:
-                load_preset(preset, {"density": density_override} if density_override > 0 else None)
+                load_preset(preset, _density_override(density_override))
         except ValueError as exc:
             return str(exc)
         return True
@@ -100,9 +102,17 @@ class SparseAttentionPreset(io.ComfyNode):
             dm = model.get_model_object("diffusion_model")
             preset = family_of(dm).preset_for(dm)
             log.info("sparse attention: preset %s for this %s model", preset, family_of(dm).name)
-        cfg = load_preset(preset, {"density": density_override} if density_override > 0 else None)
+        cfg = load_preset(preset, _density_override(density_override))
         patched, _ = install(model, cfg)
         return io.NodeOutput(patched)
+
+
+def _density_override(value) -> dict | None:
+    """The preset overrides of the Preset node's ``density_override`` (0: none); ValueError outside [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"density_override: must be 0 (the preset's density) or a fraction in (0, 1], got "
+                         f"{str(value)[:60]}")
+    return {"density": float(value)} if value > 0 else None
 
 
 class SparseAttentionReport(io.ComfyNode):

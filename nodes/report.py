@@ -24,6 +24,12 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
              f"{cfg.density:.3f}, anchors {cfg.anchor_steps.describe()}, warm-up {warmup_text(cfg.warmup_steps)} "
              f"steps / {cfg.warmup_layers} layers, residual {'on' if cfg.residual else 'off'}",
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
+    if not t["calls"] and patch.fallbacks:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items()))
+        lines.insert(1, f"NOTHING RAN SPARSE: every self-attention call ran the model's own dense attention ({why})"
+                     + (f". Below min_tokens ({cfg.min_tokens}) a sparse call is not faster than a dense one "
+                        "(docs/benchmarks.md, \"Host overhead at 4 608 tokens\"); larger images or videos make "
+                        "longer sequences" if any("min_tokens" in k for k in patch.fallbacks) else ""))
     lines += _run_lines(patch.clock, stats)
     lines += _layout_lines(getattr(patch, "layouts", {}))
     dropped = stats.cache.get("dropped_residual_layers") or []
@@ -58,9 +64,11 @@ def _run_lines(clock, stats) -> list[str]:
     if clock is None:
         return []
     steps = stats.step_kinds()
-    first = min(steps) if steps else clock.offset
     total = "unknown" if clock.total is None else str(clock.total)
-    line = f"run: {total} steps, from {clock.source}; this sampler ran steps {first}-{first + max(0, len(steps) - 1)}"
+    if steps:
+        line = f"run: {total} steps, from {clock.source}; this sampler ran steps {min(steps)}-{max(steps)}"
+    else:
+        line = f"run: {total} steps, from {clock.source}; no call of this sampler reached the engine"
     if clock.total is None:
         line += " (steps counted; shares of the run in the schedule could not be resolved and were left out)"
     return [line, "steps (D dense, A anchor, r reuse): " + (stats.schedule_line() or "-")]

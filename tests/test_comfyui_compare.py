@@ -25,9 +25,10 @@ def test_compare_node_reports_psnr_and_the_difference():
         except ValueError as exc:
             err = str(exc)
         emit(dict(text=text, diff=list(diff.shape), dmax=float(diff.max()), ui=bool(out.ui),
-                  inputs=[i.id for i in schema.inputs], bad=N.validate_inputs(amplify=0.0), err=err))
+                  inputs=[i.id for i in schema.inputs], bad=N.validate_inputs(amplify=0.0),
+                  big=N.validate_inputs(amplify=500.0), ok=N.validate_inputs(amplify=4.0), err=err))
     """)
     assert r["text"].startswith("PSNR") and "SSIM" in r["text"] and r["ui"]
     assert r["diff"] == [4, 24, 32, 3] and 0.1 < r["dmax"] <= 1.0
     assert r["inputs"] == ["image_a", "image_b", "amplify"]
-    assert "amplify" in r["bad"] and "differ in shape" in r["err"]
+    assert "amplify" in r["bad"] and "amplify" in r["big"] and r["ok"] is True and "differ in shape" in r["err"]

@@ -68,6 +68,9 @@ for family in {families!r}:
     r["report_image"] = list(rep[1].shape)
     r["validate_bad"] = SparseAttention.validate_inputs(method="mc_sparse", density=0.3, anchor_steps="ten")
     r["preset_ok"] = SparseAttentionPreset.validate_inputs(preset="wan21_t2v_1.3b", density_override=0.0)
+    # ComfyUI leaves the named inputs to the node's check: a name is a preset of the list, never a path
+    r["preset_refused"] = [SparseAttentionPreset.validate_inputs(preset=p, density_override=d) for p, d in (
+        ("../presets/flux", 0.0), ({tests!r} + "/../presets/flux", 0.0), ("flux", -5.0), ("flux", 1.5))]
     results[family] = r
 emit(results)
 """
@@ -127,6 +130,9 @@ def test_nodes_execute_validate_and_report(results, family):
     assert "calls" in r["report_text"] and r["report_image"] == [1, 256, 512, 3]
     assert isinstance(r["validate_bad"], str) and "anchor_steps" in r["validate_bad"]
     assert r["preset_ok"] is True
+    path, absolute, negative, above = r["preset_refused"]
+    assert "not one of the presets" in path and "not one of the presets" in absolute
+    assert "density_override" in negative and "density_override" in above
 
 
 def test_family_layouts_steps_and_layer_numbers():

@@ -32,6 +32,22 @@ def test_bad_preset_names_file_and_field(tmp_path: Path):
     (tmp_path / "broken.yaml").write_text("title: x\nsparse:\n  density: 3\n")
     with pytest.raises(ValueError, match=r"broken\.yaml: density"):
         load_preset("broken", directory=tmp_path)
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="not one of the presets"):
         load_preset("nope", directory=tmp_path)
     assert load_preset("wan21_t2v_14b", {"density": 0.1}).density == 0.1
+
+
+def test_a_preset_name_is_never_a_path(tmp_path: Path):
+    """Names come from workflows and the server's API: a path (relative or absolute) to any YAML file is refused
+    before it is read, so no other file's keys show in an error."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.yaml").write_text("title: x\nsparse:\n  api_token: 1\n")
+    inside = tmp_path / "presets"
+    inside.mkdir()
+    (inside / "ok.yaml").write_text("title: ok\nsparse:\n  density: 0.2\n")
+    for name in ("../outside/secret", str(outside / "secret"), "ok/../../outside/secret", "", None):
+        with pytest.raises(ValueError, match="not one of the presets") as err:
+            load_preset(name, directory=inside)
+        assert "api_token" not in str(err.value)
+    assert load_preset("ok", directory=inside).density == 0.2

@@ -69,6 +69,23 @@ r["plot_shape"] = list(plot.shape)
 cfg = SparseConfig.from_yaml(preset)
 r["preset_method"], r["preset_density"] = cfg.method, cfg.density
 r["preset_factors"] = [list(f) if isinstance(f, tuple) else f for _, f in cfg.layer_densities]
+# the written preset keeps its base preset's schedule (default "balanced"), or the engine's with "none"
+from comfyui_sparse_attention.engine.presets import load_preset
+r["preset_anchors"] = cfg.anchor_steps.text()
+r["balanced_anchors"] = load_preset("balanced").anchor_steps.text()
+r["preset_residual_weighting"] = cfg.residual_weighting
+r["balanced_weighting"] = load_preset("balanced").residual_weighting
+_, preset_n, _, _ = result(SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "",
+                                                            "calib/none", None, rec_model,
+                                                            base_preset="none (engine defaults)"))
+r["none_anchors"] = SparseConfig.from_yaml(preset_n).anchor_steps.text()
+r["default_anchors"] = SparseConfig().anchor_steps.text()
+try:
+    SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "", "calib/b", None, rec_model,
+                                     base_preset="../secret")
+    r["bad_base"] = "no error"
+except ValueError as exc:
+    r["bad_base"] = str(exc)
 # scope "layer": every layer keeps its share, only its heads trade density
 _, preset_l, report_l, _ = result(SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "",
                                                                    "calib/layer", None, rec_model, scope="layer"))
@@ -164,6 +181,11 @@ def test_calibrate_node_feeds_the_sparse_attention_node(results):
     assert r["preset_exists"] and r["report_head"] == "# Density calibration"
     assert r["plot_shape"][0] == 1 and r["plot_shape"][-1] == 3
     assert r["preset_method"] == "mc_sparse" and r["preset_density"] == 0.3
+    # the base preset's schedule, so the preset copied into presets/ runs as measured
+    assert r["preset_anchors"] == r["balanced_anchors"] != r["default_anchors"]
+    assert r["preset_residual_weighting"] == r["balanced_weighting"]
+    assert r["none_anchors"] == r["default_anchors"]
+    assert "base_preset" in r["bad_base"] and "../secret" in r["bad_base"]
     flat = [x for f in r["preset_factors"] for x in (f if isinstance(f, list) else [f, f])]
     # the density set stays the average (the allocation holds the computed pairs equal, so up to group rounding)
     assert sum(flat) / len(flat) == pytest.approx(1.0, abs=0.02)

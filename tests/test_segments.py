@@ -260,6 +260,22 @@ def test_a_call_that_does_not_fit_its_layout_runs_dense_and_is_reported(caplog):
     assert "model family unknown (comfy.ldm.newmodel.model.M): the pack assumes" in text
 
 
+def test_a_run_with_every_call_below_min_tokens_says_nothing_ran_sparse():
+    """An image at a size under min_tokens (Qwen-Image at 1328², Hunyuan3D's latent set) never reaches the engine:
+    the report says so in its second line, not "0 calls" and steps "0-0"."""
+    flux = BY_NAME["flux"].bind(_Model("comfy.ldm.flux.model", patch_size=2))
+    patch = SparseAttentionPatch(SparseConfig(group_size=64, backend="torch"), family=flux)  # min_tokens 8192
+    _run_patch(patch, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)] * 2)
+    text, _ = render_report(patch, -1)
+    line = text.splitlines()[1]
+    assert line.startswith("NOTHING RAN SPARSE") and "sequences shorter than min_tokens: 2" in line
+    assert "min_tokens (8192)" in line
+    assert "no call of this sampler reached the engine" in text and "ran steps" not in text
+    sparse = SparseAttentionPatch(SparseConfig(min_tokens=0, group_size=64, backend="torch"), family=flux)
+    _run_patch(sparse, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)])
+    assert "NOTHING RAN SPARSE" not in render_report(sparse, -1)[0]
+
+
 def test_forward_keeps_minimax_segments_from_the_conditioning():
     class Packed:  # the segment table MiniMax H3 puts in its conditioning
         segments = [(0, 7, "text"), (7, 27, "audio"), (27, 171, "video")]
