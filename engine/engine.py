@@ -135,8 +135,12 @@ class SparseEngine:
             return ANCHOR
         last = self._anchored_at.get(found[0])
         schedule = cfg.anchor_steps
-        if ctx.step < max(last or 0, self._seen_at.get(key, 0)):
-            due = True  # this key's steps went back (a run restarted without begin_run): select afresh
+        if ctx.step < max(last or 0, self._seen_at.get(key, 0)) - 1:
+            # this key's steps went back (a run restarted without begin_run): select afresh. One step back is no
+            # restart: a sampler that looks two sigmas ahead within a step (heunpp2 evaluates at sigma i, i + 1
+            # and i + 2, and each evaluation belongs to the step of its sigma, docs/method.md, "Schedule") starts
+            # its next step one step behind its last call (docs/decisions.md, "Step caches")
+            due = True
         elif last is None:
             due = schedule.is_anchor(ctx.step, warmup, ctx.total_steps)
         else:  # an anchor step that no call reached (a step cache skipped it) makes this step the anchor

@@ -18,9 +18,11 @@ INFO_KEY = "sparse_attention_forward"
 def step_index(transformer_options: dict) -> tuple[int, int | None]:
     """(step, total_steps) of this model call within the sampling run.
 
-    The current sigma is located in the run's schedule ``sample_sigmas`` (descending): an exact match
-    gives its index; an intermediate sigma of a multi-evaluation sampler (heun, dpm_2, …) belongs to the
-    step it lies in. Without a schedule: step 0.
+    The current sigma is located in the run's schedule ``sample_sigmas``: an exact match gives its index; an
+    intermediate sigma of a multi-evaluation sampler (heun, dpm_2, …) belongs to the step it lies in. The
+    schedule usually descends; a rising one (ComfyUI's FlipSigmas, for inversion / unsampling) is run from its
+    first sigma too, so its steps count forward from its start, where the warm-up belongs (docs/method.md,
+    "Schedule"). Without a schedule: step 0.
     """
     sigmas = transformer_options.get("sigmas")
     sched = transformer_options.get("sample_sigmas")
@@ -30,7 +32,10 @@ def step_index(transformer_options: dict) -> tuple[int, int | None]:
     vals = [float(x) for x in sched.reshape(-1)]
     total = max(1, len(vals) - 1)
     tol = 1e-5 * max(1.0, abs(s))
-    count = sum(1 for x in vals if x >= s - tol)
+    if vals[-1] > vals[0]:  # rising: the steps whose sigma is at or below this one
+        count = sum(1 for x in vals if x <= s + tol)
+    else:  # descending: the steps whose sigma is at or above this one
+        count = sum(1 for x in vals if x >= s - tol)
     return min(max(0, count - 1), total - 1), total
 
 

@@ -255,7 +255,7 @@ class SparseAttentionPatch:
         """OUTER_SAMPLE wrapper: one sampling run; place it in the whole denoising run and check the schedule
         against it (before any step runs), open its state in the run's own options, free and report after."""
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        clock = self._locate(executor, sigmas)
+        clock = self._locate(executor, sigmas, args[2] if len(args) > 2 else kwargs.get("sampler"))
         self._check_schedule(clock)
         run = SamplingRun(self.cfg, clock)
         options = _run_options(executor)
@@ -280,13 +280,14 @@ class SparseAttentionPatch:
                 self.runs += 1
             log.info(stats.summary_line())
 
-    def _locate(self, executor, sigmas) -> RunClock:
-        """The run clock of this sampler (nodes/run_clock.py)."""
+    def _locate(self, executor, sigmas, sampler=None) -> RunClock:
+        """The run clock of this sampler (nodes/run_clock.py); ``sampler`` (ComfyUI's KSAMPLER) tells a split of a
+        schedule that drops its penultimate sigma (uni_pc, dpm_2) from a plain one."""
         try:
             ms = executor.class_obj.model_patcher.get_model_object("model_sampling")
         except Exception:  # noqa: BLE001 - a guider without a model patcher: the sampler's own steps
             ms = None
-        return clock_for(sigmas, ms)
+        return clock_for(sigmas, ms, sampler=sampler)
 
     def _check_schedule(self, clock: RunClock) -> None:
         """Reject, before sampling, anchor steps that lie beyond a run whose length is known exactly."""

@@ -62,10 +62,39 @@ PRIORITY = ("simple", "normal", "beta", "karras", "exponential", "linear_quadrat
             "sgm_uniform")
 
 
-def match_schedule(values: list[float], ms) -> RunClock | None:
+def drops_penultimate(sampler) -> bool:
+    """Whether ComfyUI's KSampler runs ``sampler`` (a KSAMPLER, the OUTER_SAMPLE wrapper's ``sampler``) on a
+    schedule computed one step longer whose penultimate sigma it drops (uni_pc, uni_pc_bh2, dpm_2,
+    dpm_2_ancestral: comfy/samplers.py, ``KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS``). Known by the sampler's
+    function, as ComfyUI's ``sampler_object`` makes it for those names; False when it cannot tell."""
+    fn = getattr(sampler, "sampler_function", None)
+    if fn is None:
+        return False
+    try:
+        import comfy.samplers as cs
+
+        names = getattr(cs.KSampler, "DISCARD_PENULTIMATE_SIGMA_SAMPLERS", ())
+    except Exception:  # noqa: BLE001 - outside ComfyUI
+        return False
+    for name in names:
+        try:
+            if getattr(cs.sampler_object(name), "sampler_function", None) is fn:
+                return True
+        except Exception:  # noqa: BLE001 - a name this ComfyUI cannot make
+            continue
+    return False
+
+
+def match_schedule(values: list[float], ms, prefer_dropped: bool = False) -> RunClock | None:
     """The slice ``values`` found in one of ComfyUI's schedules for ``ms``, as a RunClock, or None. A prefix
     can fit several schedules (e.g. sgm_uniform at T steps and normal at T + 1): the most common scheduler
-    among those that fit at the two shortest lengths wins."""
+    among those that fit at the two shortest lengths wins.
+
+    ``prefer_dropped``: the sampler is one KSampler runs with the penultimate sigma dropped (``drops_penultimate``).
+    The first part of a split of such a run (KSamplerAdvanced 0-10 of 20 with uni_pc) is a prefix of the
+    (T + 1)-step schedule both as it is and with its penultimate sigma dropped (T steps); the dropped one is the
+    run KSampler made, and the one the second part (which ends at 0) is placed in, so it wins the tie and both
+    parts count their steps in the same T-step run (docs/method.md, "Schedule")."""
     part = torch.tensor(values, dtype=torch.float32)
     n = len(values)
     ends = values[-1] == 0.0
@@ -89,13 +118,16 @@ def match_schedule(values: list[float], ms) -> RunClock | None:
 
     def rank(item):
         base = item[1].split(" ")[0]
-        return (PRIORITY.index(base) if base in PRIORITY else len(PRIORITY), " " in item[1], item[2])
+        dropped = item[1].endswith(" (penultimate dropped)")
+        return (PRIORITY.index(base) if base in PRIORITY else len(PRIORITY), dropped != prefer_dropped, item[2])
     start, name, total = min(found, key=rank)
     return RunClock(start, total, f"the {total}-step '{name}' schedule this sampler is part of")
 
 
-def clock_for(sigmas, ms) -> RunClock:
-    """RunClock of a sampler running ``sigmas`` (1-D tensor, descending) with model sampling object ``ms``."""
+def clock_for(sigmas, ms, sampler=None) -> RunClock:
+    """RunClock of a sampler running ``sigmas`` (1-D tensor, descending) with model sampling object ``ms``.
+    ``sampler``: the KSAMPLER that runs them, when known (it settles a tie of split schedules,
+    ``match_schedule``'s ``prefer_dropped``)."""
     if not isinstance(sigmas, torch.Tensor) or sigmas.numel() < 2:
         return RunClock()
     values = [float(x) for x in sigmas.reshape(-1)]
@@ -106,7 +138,7 @@ def clock_for(sigmas, ms) -> RunClock:
         whole = locate_run(values, coords)
         if whole.exact:
             return whole
-        found = match_schedule(values, ms)
+        found = match_schedule(values, ms, prefer_dropped=drops_penultimate(sampler))
         return found if found is not None else whole
     except Exception as exc:  # noqa: BLE001 - an unusual sampling object: the sampler's own steps
         log.debug("sparse attention: cannot place the sampler in its run (%s)", exc)
