@@ -15,8 +15,11 @@ newer ComfyUI runs come from the templates that release pins (NEWER below, e.g. 
 
 For each template below, every model loader's MODEL output (UNETLoader, CheckpointLoaderSimple,
 ImageOnlyCheckpointLoader; top level and inside subgraphs) is re-routed through a "Sparse Attention
-(Preset)" node with the preset chosen for that loader's model file, and a Note explaining the settings
-is added. Model file names and every other setting stay the template's, so users' files match.
+(Preset)" node with the preset chosen for that loader's model file (and, where the preset depends on the
+step count, for the steps of the sampler the loader's model reaches: e.g. Wan 2.2's 4-step LoRA group and
+its 20-step group), and a Note explaining the settings is added. The node takes its loader's mode (a
+loader in a bypassed or muted group stays so) and is placed near the loader where it covers no other node
+and no group title. Model file names and every other setting stay the template's, so users' files match.
 """
 
 from __future__ import annotations
@@ -33,25 +36,41 @@ LOADERS = {"UNETLoader", "CheckpointLoaderSimple", "ImageOnlyCheckpointLoader"}
 NODE = "SparseAttn_Preset"
 log = logging.getLogger("build_workflows")
 
-# output name: (template, title, {substring of the model file: preset}, expected speed-up note)
+# output name: (template, title, {substring of the model file: preset}, expected speed-up note). A preset may be
+# {sampler steps: preset, None: default}: the loader's preset then follows the steps of the sampler its model reaches
+# (sampler_steps), so each sampler group of a template gets the preset made for its step count.
 WORKFLOWS = {
     "image_flux1_dev_t2i": ("flux_dev_checkpoint_example", "Flux.1-dev text-to-image", {"": "flux"},
                             "At 1024² (4 608 tokens) attention is a small part of the step and min_tokens keeps it "
                             "dense; raise the resolution (2 MP and up) to see a speed-up."),
     "image_qwen_image_t2i": ("image_qwen_image", "Qwen-Image text-to-image", {"": "qwen_image"},
-                             "Block top-k at density 0.08, three anchors and the residual weighted by the mass (the "
-                             "lowest density that keeps >= 30 dB at 20-50 steps on the pack's quality testbed); gains "
-                             "grow with resolution."),
+                             "At the template's 1328×1328 (83×83 = 6 889 image tokens plus the prompt's, about 7 000 "
+                             "in all) every self-attention call is under min_tokens (8 192) and the node leaves "
+                             "attention dense: below 8 192 tokens a sparse call is not faster than dense (the pack's "
+                             "docs/benchmarks.md, \"Host overhead at 4 608 tokens\"). It starts to act once image "
+                             "and prompt tokens reach 8 192, about 2 MP (e.g. 1472×1472: 8 464 image tokens); there "
+                             "it runs block top-k at density 0.08 with three anchors and the residual weighted by the "
+                             "mass (the lowest density that keeps >= 30 dB at 20-50 steps on the pack's quality "
+                             "testbed)."),
     "video_wan2_1_t2v_1.3b": ("text_to_video_wan", "Wan 2.1 T2V 1.3B 480p", {"": "wan21_t2v_1.3b"},
                               "Block top-k at density 0.08 on every layer with the residual weighted by the mass, no "
                               "dense step, anchors at 0, 20 % and 53 % of the run: 31.4 dB at 30 steps on the pack's "
                               "quality testbed; attention at reuse steps runs ~4-5x faster than dense "
                               "(docs/quality.md, docs/benchmarks.md)."),
     "video_wan2_2_14b_t2v": ("video_wan2_2_14B_t2v", "Wan 2.2 14B T2V (high- and low-noise models)",
-                             {"high_noise": "wan22_14b_high_noise", "low_noise": "wan22_14b_low_noise"},
-                             "Each expert model is patched with its preset; both samplers count steps in the whole "
-                             "run, so anchors land where the shared schedule puts them (20 steps: no dense step, "
-                             "anchors 0, 4 and 10). At 720p attention dominates the step."),
+                             {"high_noise": {4: "wan22_14b_4step", 8: "wan22_14b_8step", None: "wan22_14b_high_noise"},
+                              "low_noise": {4: "wan22_14b_4step", 8: "wan22_14b_8step", None: "wan22_14b_low_noise"}},
+                             "The enabled group (Lightx2v 4-step LoRA, 4 steps: high-noise sampler steps 0-2, "
+                             "low-noise 2-4) patches both experts with **wan22_14b_4step**: anchors at step 0 and at "
+                             "step 2 (the low-noise sampler's first step), reuse at steps 1 and 3 (37.4 dB on the "
+                             "pack's quality testbed at 4 steps, projected 1.36x at Wan 14B 720p). The bypassed "
+                             "20-step group (box-select it and press Ctrl+B to run it) patches the high-noise model "
+                             "with **wan22_14b_high_noise** and the low-noise model with **wan22_14b_low_noise**: both "
+                             "samplers count steps in the whole run, no dense step, anchors at steps 0, 4 and 10 "
+                             "(10 is the low-noise sampler's first step; 32.9 dB on the testbed at 20 steps, "
+                             "projected 2.09x). Changing a group's step count? Pick the matching preset "
+                             "(wan22_14b_8step for a 4+4 split). At the template's 640×640×81 (33 600 tokens) every "
+                             "self-attention call runs sparse."),
     "video_hunyuan_video_1.5_720p_t2v": ("video_hunyuan_video_1.5_720p_t2v", "HunyuanVideo 1.5 720p T2V",
                                          {"": "hunyuan_video_1.5"},
                                          "Block top-k at density 0.08 on both the 720p and the super-resolution "
@@ -59,7 +78,14 @@ WORKFLOWS = {
                                          "quality testbed); EasyCache stays in the chain."),
     "3d_hunyuan3d_2_image_to_model": ("3d_hunyuan3d_image_to_model", "Hunyuan3D 2.0 image-to-model",
                                       {"": "hunyuan3d_2"},
-                                      "One anchor at step 1 (the 3-D setting of the MC-Sparse paper)."),
+                                      "At the template's resolution 3072 the sequence is 3 072 latents plus 1 370 "
+                                      "conditioning tokens = 4 442, under min_tokens (8 192): the node leaves "
+                                      "attention dense, since below 8 192 tokens a sparse call is not faster than "
+                                      "dense (the pack's docs/benchmarks.md, \"Host overhead at 4 608 tokens\"; "
+                                      "sparse made the run 0.53-0.78x of dense at these sizes). It starts to act "
+                                      "from resolution 6 822 (6 822 + 1 370 = 8 192 tokens), with one dense step and "
+                                      "one anchor at step 1 (the 3-D setting of the MC-Sparse paper; not measured "
+                                      "for quality)."),
     "video_minimax_h3_t2v": ("video_minimax_h3_t2v", "MiniMax H3 text-to-video with audio", {"": "minimax_h3"},
                              "The template samples 20 steps (preset minimax_h3); with its turbo_mode switch on "
                              "(8-step LoRA) pick minimax_h3_turbo_8step, with the 4-step LoRA "
@@ -99,17 +125,125 @@ def _set_origin(ln, node_id, slot):
         ln[1], ln[2] = node_id, slot
 
 
-def insert_presets(doc: dict, presets: dict[str, str]) -> list[str]:
+# where a sampler (or scheduler) keeps its step count among its widget values
+STEPS_WIDGET = {"KSampler": 2, "KSamplerAdvanced": 3, "BasicScheduler": 1}
+TITLE_H = 30  # a node's title bar, drawn above its pos
+GROUP_TITLE_H = 34  # a group's title bar, at the top of its bounding box
+GAP = 10  # free space kept around an inserted node
+NODE_SIZE = (320, 110)
+
+
+def _xy(v, default=(0, 0)):
+    v = default if v is None else v
+    return list(v.values()) if isinstance(v, dict) else list(v)
+
+
+def sampler_steps(g: dict, node_id) -> set[int]:
+    """Step counts of the samplers (or schedulers) that node_id's MODEL output reaches, through any chain of
+    MODEL-passing nodes (LoRAs, ModelSampling*, caches, reroutes), in graph g."""
+    nodes = {n["id"]: n for n in g.get("nodes", [])}
+    links = {_link_fields(ln)[0]: _link_fields(ln) for ln in g.get("links", [])}
+    steps, seen, todo = set(), set(), [node_id]
+    while todo:
+        nid = todo.pop()
+        if nid in seen or nid not in nodes:
+            continue
+        seen.add(nid)
+        node = nodes[nid]
+        if node["type"] in STEPS_WIDGET and nid != node_id:
+            values = node.get("widgets_values") or []
+            i = STEPS_WIDGET[node["type"]]
+            if isinstance(values, list) and i < len(values) and isinstance(values[i], int):
+                steps.add(values[i])
+            continue
+        for out in node.get("outputs", []):
+            if out.get("type") in ("MODEL", "*"):
+                todo += [links[lid][3] for lid in out.get("links") or [] if lid in links]
+    return steps
+
+
+def choose_preset(presets: dict, model_file: str, steps: set[int]) -> str | None:
+    """The preset for a loader of model_file whose model reaches samplers of the given step counts."""
+    preset = next((p for key, p in presets.items() if key and key in model_file), presets.get(""))
+    if isinstance(preset, dict):
+        preset = preset.get(next(iter(steps)) if len(steps) == 1 else None, preset.get(None))
+    return preset
+
+
+def _rect(pos, size, title=TITLE_H):
+    x, y = _xy(pos)
+    w, h = _xy(size, (200, 100))
+    return x, y - title, x + w, y + h
+
+
+def _hits(a, b):
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _inside(a, b):
+    return b[0] <= a[0] and b[1] <= a[1] and a[2] <= b[2] and a[3] <= b[3]
+
+
+def obstacles(g: dict, skip=()) -> list[tuple]:
+    """Boxes (x0, y0, x1, y1) a new node must not cover in graph g: every node with its title bar, every group's
+    title bar and a subgraph's input and output nodes."""
+    boxes = [_rect(n.get("pos"), n.get("size")) for n in g.get("nodes", []) if n["id"] not in skip]
+    for grp in g.get("groups", []):
+        x, y, w, _ = grp["bounding"]
+        boxes.append((x, y, x + w, y + GROUP_TITLE_H))
+    for io in ("inputNode", "outputNode"):
+        if isinstance(g.get(io), dict) and g[io].get("bounding"):
+            x, y, w, h = g[io]["bounding"]
+            boxes.append((x, y, x + w, y + h))
+    return boxes
+
+
+def free_position(g: dict, near: dict, size=NODE_SIZE, reach: int = 1600, step: int = 10) -> list[float]:
+    """A position for a node of the given size near node ``near`` in graph g where it covers no node and no group
+    title. Candidates on a grid around ``near`` are ranked: inside every group that holds ``near`` first (so that
+    bypassing or moving the group takes the new node along), then inside its outermost group, then not straddling
+    a group's border, then by distance to ``near`` (below, right, left, above on ties)."""
+    boxes = obstacles(g)
+    lo = _rect(near.get("pos"), near.get("size"))
+    groups = [(gx, gy + GROUP_TITLE_H, gx + gw, gy + gh) for gx, gy, gw, gh in (grp["bounding"] for grp in
+                                                                                g.get("groups", []))]
+    holding = [b for b in groups if _inside(lo, b)]
+    outer = max(holding, key=lambda b: (b[2] - b[0]) * (b[3] - b[1]), default=None)
+    w, h = size
+    x0, y0 = round(lo[0] / step) * step, round(lo[1] / step) * step
+    cands = []
+    for dx in range(-reach, reach + 1, step):
+        for dy in range(-reach, reach + 1, step):
+            x, y = x0 + dx, y0 + TITLE_H + dy
+            r = (x, y - TITLE_H, x + w, y + h)
+            gap_x = max(lo[0] - r[2], r[0] - lo[2], 0)
+            gap_y = max(lo[1] - r[3], r[1] - lo[3], 0)
+            side = 0 if r[1] >= lo[3] else 1 if r[0] >= lo[2] else 2 if r[2] <= lo[0] else 3
+            key = (not all(_inside(r, b) for b in holding), outer is not None and not _inside(r, outer),
+                   any(_hits(r, b) and not _inside(r, b) for b in groups if b not in holding),
+                   round((gap_x ** 2 + gap_y ** 2) ** 0.5), side, abs(dx), abs(dy))
+            cands.append((key, x, y, r))
+    cands.sort(key=lambda c: c[0])
+    for _, x, y, r in cands:
+        padded = (r[0] - GAP, r[1] - GAP, r[2] + GAP, r[3] + GAP)
+        if not any(_hits(padded, b) for b in boxes):
+            return [x, y]
+    raise SystemExit(f"no free place near node {near['id']}")
+
+
+def insert_presets(doc: dict, presets: dict) -> list[str]:
     """Insert a preset node after every model loader; returns the presets used (in order)."""
     next_node, next_link = _max_ids(doc)
     used = []
     for g, is_sub in _graphs(doc):
-        for loader in [n for n in g.get("nodes", []) if n["type"] in LOADERS]:
+        # top to bottom, so the upper loader takes the nearer free place
+        for loader in sorted((n for n in g.get("nodes", []) if n["type"] in LOADERS),
+                             key=lambda n: (_xy(n.get("pos"))[1], _xy(n.get("pos"))[0])):
             out_slot = next((i for i, o in enumerate(loader.get("outputs", [])) if o.get("type") == "MODEL"), None)
             if out_slot is None or not loader["outputs"][out_slot].get("links"):
                 continue
             model_file = str((loader.get("widgets_values") or [""])[0]).lower()
-            preset = next((p for key, p in presets.items() if key and key in model_file), presets.get(""))
+            preset = choose_preset(presets, model_file, sampler_steps(g, loader["id"]))
             if preset is None:
                 continue
             next_node += 1
@@ -119,11 +253,9 @@ def insert_presets(doc: dict, presets: dict[str, str]) -> list[str]:
             for ln in g["links"]:
                 if _link_fields(ln)[0] in old:
                     _set_origin(ln, node_id, 0)
-            pos = loader.get("pos", [0, 0])
-            pos = list(pos.values()) if isinstance(pos, dict) else list(pos)
             node = {
-                "id": node_id, "type": NODE, "pos": [pos[0] + 20, pos[1] + 140], "size": [320, 110], "flags": {},
-                "order": loader.get("order", 0) + 1, "mode": 0,
+                "id": node_id, "type": NODE, "pos": free_position(g, loader), "size": list(NODE_SIZE), "flags": {},
+                "order": loader.get("order", 0) + 1, "mode": loader.get("mode", 0),
                 "inputs": [{"name": "model", "type": "MODEL", "link": link_id}],
                 "outputs": [{"name": "MODEL", "type": "MODEL", "links": old}],
                 "properties": {"Node name for S&R": NODE, "cnr_id": "comfyui-sparse-attention", "ver": "0.1.0"},
@@ -154,7 +286,10 @@ def add_note(doc: dict, title: str, presets: list[str], expect: str) -> None:
             "setting. Add **Sparse Attention Report** after the sampler to see the density achieved and how close "
             f"anchor steps were to dense attention.\n\n**Expected:** {expect}\n\nWithout an NVIDIA GPU the same "
             "methods run on PyTorch (slower than dense there).")
-    doc["nodes"].append({"id": node_id, "type": "MarkdownNote", "pos": [-700, -700], "size": [520, 320], "flags": {},
+    boxes = obstacles(doc)
+    x = next(x for x in range(-700, -20000, -20)  # the usual place, or left of it until it covers nothing
+             if not any(_hits((x - GAP, -700 - TITLE_H - GAP, x + 520 + GAP, -700 + 320 + GAP), b) for b in boxes))
+    doc["nodes"].append({"id": node_id, "type": "MarkdownNote", "pos": [x, -700], "size": [520, 320], "flags": {},
                          "order": 0, "mode": 0, "inputs": [], "outputs": [], "title": "Sparse Attention",
                          "properties": {}, "widgets_values": [text]})
 
