@@ -56,6 +56,28 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+MIN_CAPABILITY = (8, 0)  # Triton's own floor for NVIDIA GPUs (Ampere)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_problem(index: int) -> str | None:
+    """Why an NVIDIA device is too old for the kernels, or None (ROCm devices are left to Triton)."""
+    if torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < MIN_CAPABILITY:
+        # compiled for sm_75 the pointer kernels spill ~130 KB a thread and need more shared memory than a Turing
+        # program may have; ptxas takes minutes on each (docs/kernel_notes.md, "v14")
+        return f"compute capability {major}.{minor}: the Triton kernels need 8.0 (Ampere) or later"
+    return None
+
+
+def capability_problem(t: torch.Tensor) -> str | None:
+    """``_capability_problem`` for the CUDA device of ``t``."""
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability_problem(index)
+
+
 def triton_problem(backend: str, t: torch.Tensor, why_not: str | None) -> str | None:
     """Why the Triton kernel cannot run for ``t`` under ``backend`` ("auto" or "triton"; ``why_not`` the primitive's
     own reason or None), or None when it can. Nothing logged, nothing raised."""
@@ -64,6 +86,10 @@ def triton_problem(backend: str, t: torch.Tensor, why_not: str | None) -> str | 
     # "auto" takes Triton only on CUDA; an explicit "triton" also runs CPU tensors under TRITON_INTERPRET=1
     if not (t.is_cuda if backend == "auto" else triton_device_ok(t)):
         return f"tensors are on {t.device}, the Triton kernels need CUDA"
+    if t.is_cuda:
+        old = capability_problem(t)
+        if old is not None:
+            return old
     if not triton_available():
         return "Triton is not installed or failed to import"
     return None

@@ -88,3 +88,27 @@ def test_reuse_kernels_compile_for_consumer_gpus_and_one_candidate_does_not_spil
     for kind, r in picked.items():
         assert "error" not in r, (ARCHS[arch], kind, r)
         assert r["shared"] <= limit and r["spill"] <= 64, (ARCHS[arch], kind, r)
+
+
+@pytest.mark.parametrize("capability,on_triton", [((7, 5), False), ((6, 1), False), ((8, 0), True), ((8, 6), True)])
+def test_gpus_before_ampere_run_the_pytorch_backend(monkeypatch, capability, on_triton):
+    """Triton supports NVIDIA GPUs from compute capability 8.0; compiled for sm_75 the kernels spill ~130 KB a thread
+    and exceed a Turing program's shared memory, so a T4 or an RTX 20xx takes the PyTorch backend (logged once)."""
+    import types
+
+    import torch
+    from comfyui_sparse_attention.kernels import backend
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    backend._capability_problem.cache_clear()
+    try:
+        t = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+        problem = backend.triton_problem("auto", t, None)
+        assert (problem is None) == on_triton, problem
+        if not on_triton:
+            assert f"compute capability {capability[0]}.{capability[1]}" in problem
+            assert backend.choose("auto", t, None, "block_sparse_attention") == "torch"
+            with pytest.raises(ValueError, match="need 8.0"):
+                backend.choose("triton", t, None, "block_sparse_attention")
+    finally:
+        backend._capability_problem.cache_clear()
