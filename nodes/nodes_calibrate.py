@@ -173,6 +173,14 @@ class SparseAttentionCalibrate(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, anchor_steps=""):  # before the recording run, not after it; ComfyUI checks the rest
+        try:
+            _anchor_steps(anchor_steps)
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
     def execute(cls, recording, method, density, block_size, residual_caching, anchor_steps, filename_prefix,
                 samples=None, model=None, scope="model", base_preset=DEFAULT_BASE) -> io.NodeOutput:
         import comfy.model_management
@@ -192,13 +200,7 @@ class SparseAttentionCalibrate(io.ComfyNode):
         base = _base_config(base_preset).replace(method=method, density=density, block_q=size, block_k=size,
                                                  group_size=size, residual=bool(residual_caching),
                                                  layer_densities=())
-        anchors = None
-        if anchor_steps and anchor_steps.strip():
-            try:
-                anchors = [int(x) for x in anchor_steps.replace(";", ",").split(",") if x.strip()]
-            except ValueError:
-                raise ValueError(f"Sparse Attention Calibrate: anchor_steps: cannot read {anchor_steps!r} (recorded "
-                                 "step numbers, e.g. '3, 10')") from None
+        anchors = _anchor_steps(anchor_steps)
         bar = comfy.utils.ProgressBar(1)
         device = comfy.model_management.get_torch_device()
         curves, allocs, pairs, seconds = cal.calibrate(
@@ -218,6 +220,17 @@ class SparseAttentionCalibrate(io.ComfyNode):
         image = _image(png) if drew else _bars(alloc)
         log.info("sparse attention: calibrated %s at density %g on %s -> %s", method, density, rec.path.name, preset)
         return io.NodeOutput(layer_densities_text(alloc.factors), str(preset), report, image)
+
+
+def _anchor_steps(text) -> list[int] | None:
+    """The Calibrate node's anchor_steps: recorded step numbers ('3, 10'), or None for '' (consecutive steps)."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.replace(";", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"Sparse Attention Calibrate: anchor_steps: cannot read {text[:60]!r} (recorded step "
+                         "numbers, e.g. '3, 10'; not shares of the run)") from None
 
 
 def _base_config(name: str) -> SparseConfig:

@@ -141,6 +141,7 @@ except ValueError as exc:
     r["other_model"] = str(exc)
 r["validate_bad"] = SparseAttentionRecord.validate_inputs(layers="x-y", steps="0")
 r["validate_bad_steps"] = SparseAttentionRecord.validate_inputs(layers="", steps="")
+r["calibrate_validate"] = [SparseAttentionCalibrate.validate_inputs(anchor_steps=a) for a in ("10%", "3, 10", "")]
 emit(r)
 """
 
@@ -207,3 +208,5 @@ def test_size_cap_and_refusals(results):
     assert "qkv_" in r["other_model"] and "another model" in r["other_model"]
     assert "layers" in r["validate_bad"]
     assert "steps" in r["validate_bad_steps"]
+    bad, ok, empty = r["calibrate_validate"]
+    assert "anchor_steps" in bad and "10%" in bad and ok is True and empty is True
