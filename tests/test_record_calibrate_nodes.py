@@ -80,24 +80,20 @@ _, preset_n, _, _ = result(SparseAttentionCalibrate.execute(r["path"], "mc_spars
                                                             base_preset="none (engine defaults)"))
 r["none_anchors"] = SparseConfig.from_yaml(preset_n).anchor_steps.text()
 r["default_anchors"] = SparseConfig().anchor_steps.text()
-try:
-    SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "", "calib/b", None, rec_model,
-                                     base_preset="../secret")
-    r["bad_base"] = "no error"
-except ValueError as exc:
-    r["bad_base"] = str(exc)
+def calibrate_error(prefix, **kw):
+    try:
+        SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "", prefix, None, rec_model, **kw)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+r["bad_base"] = calibrate_error("calib/b", base_preset="../secret")
 # scope "layer": every layer keeps its share, only its heads trade density
 _, preset_l, report_l, _ = result(SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "",
                                                                    "calib/layer", None, rec_model, scope="layer"))
 r["layer_scope_factors"] = [list(f) if isinstance(f, tuple) else f
                             for _, f in SparseConfig.from_yaml(preset_l).layer_densities]
 r["layer_scope_in_report"] = "scope layer" in report_l
-try:
-    SparseAttentionCalibrate.execute(r["path"], "mc_sparse", 0.3, "64", True, "", "calib/bad", None, rec_model,
-                                     scope="everywhere")
-    r["bad_scope"] = "no error"
-except ValueError as exc:
-    r["bad_scope"] = str(exc)
+r["bad_scope"] = calibrate_error("calib/bad", scope="everywhere")
 node = result(SparseAttention.execute(model, "mc_sparse", 0.3, "64", "64", 0, 0, "", "", True, True, 0, "torch",
                                       dens))[0]
 o = C.sample(node, latent, pos, neg, steps=4)
