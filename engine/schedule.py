@@ -243,12 +243,16 @@ class Coordinate:
     of(sigma) -> coordinate (larger for larger sigma); top: the coordinate of the model's largest sigma;
     bottom(spacing): the coordinate of the smallest non-zero sigma of a whole schedule with that spacing.
     ComfyUI's "simple" scheduler is even in the index of the model's sigma table (bottom = spacing - 1);
-    "normal" and "sgm_uniform" are even in the model's timestep (bottom = timestep of the smallest sigma)."""
+    "normal" and "sgm_uniform" are even in the model's timestep (bottom = timestep of the smallest sigma).
+    unit: one step of the model's sigma table in this coordinate, the scale of the tolerances: 1 for the index and
+    for timesteps in [0, 1000]; 1/1000 for flow models whose timestep is sigma itself, in [0, 1] (Flux, Qwen-Image,
+    LTX-2, Chroma, Lumina 2), where a tolerance of one unit would take every sigma for the top."""
 
     name: str
     of: Callable[[float], float]
     top: float
     bottom: Callable[[float], float]
+    unit: float = 1.0
 
 
 def locate_run(sigmas: Sequence[float], coordinates: Sequence[Coordinate]) -> RunClock:
@@ -268,7 +272,7 @@ def locate_run(sigmas: Sequence[float], coordinates: Sequence[Coordinate]) -> Ru
     best = None  # (spread, coordinate, values, spacing): the coordinate that spaces the steps most evenly
     for coord in coordinates:
         c = [float(coord.of(x)) for x in live]
-        starts = abs(c[0] - coord.top) <= max(1.01, 5e-3 * abs(coord.top))
+        starts = abs(c[0] - coord.top) <= max(1.01 * coord.unit, 5e-3 * abs(coord.top))
         if starts and ends:
             return RunClock(0, steps, OWN_SCHEDULE)
         diffs = [a - b for a, b in zip(c, c[1:])]
@@ -276,7 +280,8 @@ def locate_run(sigmas: Sequence[float], coordinates: Sequence[Coordinate]) -> Ru
             continue
         mean = sum(diffs) / len(diffs)
         spread = (max(diffs) - min(diffs)) / mean
-        if (len(diffs) == 1 or max(diffs) - min(diffs) <= 0.1 * mean + 1.01) and (best is None or spread < best[0]):
+        even = max(diffs) - min(diffs) <= 0.1 * mean + 1.01 * coord.unit
+        if (len(diffs) == 1 or even) and (best is None or spread < best[0]):
             best = (spread, coord, c, mean, starts)
     if best is not None:
         _, coord, c, mean, starts = best

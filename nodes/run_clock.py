@@ -36,9 +36,10 @@ def sampling_coordinates(ms) -> list[Coordinate]:
 
     def timestep(s: float) -> float:
         return float(ms.timestep(torch.tensor([s], dtype=torch.float32)).reshape(-1)[0])
-    t_min = timestep(float(ms.sigma_min))
+    t_min, t_max = timestep(float(ms.sigma_min)), timestep(float(ms.sigma_max))
+    t_unit = abs(t_max - t_min) / max(1, len(table) - 1)  # one table step: ~1 in [0, 1000], ~1e-3 in [0, 1]
     return [Coordinate("sigma-table index", index, float(len(table) - 1), lambda spacing: spacing - 1),
-            Coordinate("timestep", timestep, timestep(float(ms.sigma_max)), lambda spacing: t_min)]
+            Coordinate("timestep", timestep, t_max, lambda spacing: t_min, unit=t_unit)]
 
 
 def _schedules(ms, steps: int):

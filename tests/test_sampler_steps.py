@@ -103,6 +103,13 @@ def results():
             split[name] = [[clock_for(h, ms, sampler=sampler).offset, clock_for(h, ms, sampler=sampler).total]
                            for h in halves] + [clock_for(halves[0], ms).total, drops_penultimate(sampler)]
         out["split"] = split
+        # a flow model whose timestep is sigma itself, in [0, 1] (Flux): both parts of a split, and denoise 0.5
+        flux, *_ = C.build("flux")
+        fms = flux.get_model_object("model_sampling")
+        full = comfy.samplers.KSampler(flux, 12, "cpu", "euler", "simple", 1.0, flux.model_options).sigmas
+        half = comfy.samplers.KSampler(flux, 12, "cpu", "euler", "simple", 0.5, flux.model_options).sigmas
+        out["flux_split"] = [[c.offset, c.total] for c in (clock_for(full[:5], fms), clock_for(full[4:], fms),
+                                                           clock_for(half, fms), clock_for(full, fms))]
         # the same through the patch, as KSamplerAdvanced runs the first half (its OUTER_SAMPLE wrapper passes the
         # sampler to the run clock)
         with torch.inference_mode():
@@ -142,3 +149,10 @@ def test_both_halves_of_a_split_penultimate_dropping_run_share_its_length(result
         assert not drops and first == [0, 20] and second == [10, 20] and unknown_sampler == 20, name
     assert not any(results["drops"].values()), results["drops"]
     assert results["patched_split"] == [0, 20]
+
+
+@pytest.mark.comfyui
+def test_a_split_of_a_flow_model_with_timesteps_in_zero_to_one_is_placed_in_its_run(results):
+    """Flux (and Qwen-Image, LTX-2, Chroma, Lumina 2): the second part of a split and a denoise-0.5 run were taken
+    for whole runs (engine/schedule.py, Coordinate.unit)."""
+    assert results["flux_split"] == [[0, 12], [4, 12], [12, 24], [0, 12]]

@@ -104,6 +104,21 @@ def test_a_split_sampler_is_placed_in_its_run(total, start, end):
     assert (clock.offset, clock.total) == (start, total), clock
 
 
+@pytest.mark.parametrize("start,end", [(4, 12), (6, 12), (0, 6), (3, 9)])
+def test_a_split_is_placed_by_a_timestep_in_zero_to_one(start, end):
+    """Flow models whose timestep is sigma itself, in [0, 1] (Flux, Qwen-Image, LTX-2): a tolerance of one unit took
+    every first sigma for the top, so any part ending at 0 was a whole run (anchors at absolute steps beyond it
+    refused). The coordinate's unit (one sigma-table step) scales the tolerances."""
+    shift, total = 3.0, 12
+    t = [1.0 - i * (1.0 - 1e-3) / (total - 1) for i in range(total)]  # ComfyUI's "normal": even in t, then 0
+    full = [shift * x / (1 + (shift - 1) * x) for x in t] + [0.0]
+    timestep = Coordinate("timestep", lambda s: s / (shift - (shift - 1) * s), 1.0, lambda spacing: 1e-3,
+                          unit=1e-3)
+    clock = locate_run(full[start:end + 1], [timestep])
+    assert (clock.offset, clock.total) == (start, total), clock
+    assert (clock.offset, clock.total) != (0, end - start) or start == 0
+
+
 def test_uneven_schedules_are_their_own_run():
     karras = [float(x) for x in torch.linspace(1.0, 0.1, 9) ** 3] + [0.0]
     clock = locate_run(karras[3:], [index_coordinate()])
