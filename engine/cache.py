@@ -234,10 +234,15 @@ class SelectionCache:
         return found[0] if found else None
 
     def _covering(self, key: tuple) -> list:
+        """The stored entries of larger chunks that hold ``key``'s rows: [(source key, (first, count, of))]. A
+        chunk is its conds in batch order, then what makes it another forward (a context window, a guidance pass;
+        nodes/forward.py, ``chunk_of``): the conds must appear in a row of the source's and everything after them
+        must be the same (a guidance pass never reads the cond pass's rows)."""
         if len(key) != 4 or not isinstance(key[2], tuple):
             return []
         layer, is_self, chunk, n = key
-        if not chunk or not all(isinstance(c, int) for c in chunk):
+        conds, rest = _split_chunk(chunk)
+        if not conds:
             return []
         out = []
         for src in list(self.on_device) + list(self.on_cpu):
@@ -246,11 +251,12 @@ class SelectionCache:
             s_layer, s_self, s_chunk, s_n = src
             if (s_layer, s_self, s_n) != (layer, is_self, n) or len(s_chunk) <= len(chunk):
                 continue
-            if len(set(s_chunk)) != len(s_chunk) or not all(isinstance(c, int) for c in s_chunk):
-                continue  # repeated conds: which rows are whose is ambiguous
-            for i in range(len(s_chunk) - len(chunk) + 1):
-                if tuple(s_chunk[i:i + len(chunk)]) == tuple(chunk):
-                    out.append((src, (i, len(chunk), len(s_chunk))))
+            s_conds, s_rest = _split_chunk(s_chunk)
+            if s_rest != rest or len(set(s_conds)) != len(s_conds):
+                continue  # another forward, or repeated conds: which rows are whose is ambiguous
+            for i in range(len(s_conds) - len(conds) + 1):
+                if s_conds[i:i + len(conds)] == conds:
+                    out.append((src, (i, len(conds), len(s_conds))))
         return out
 
     def put(self, key: tuple, entry: Entry) -> str:
@@ -546,3 +552,18 @@ def _tensors(entry: Entry):
     if entry.residual is not None:
         out.extend(entry.residual.tensors())
     return out
+
+
+def _is_cond(c) -> bool:
+    """A chunk element naming one cond of the batch: ``cond_or_uncond``, or (``cond_or_uncond``, uuid)."""
+    if isinstance(c, tuple):
+        return len(c) == 2 and isinstance(c[0], int) and isinstance(c[1], str)
+    return isinstance(c, int) and not isinstance(c, bool)
+
+
+def _split_chunk(chunk: tuple) -> tuple[tuple, tuple]:
+    """(conds, rest): a chunk's leading cond elements and what follows them (context window, pass tag)."""
+    k = 0
+    while k < len(chunk) and _is_cond(chunk[k]):
+        k += 1
+    return tuple(chunk[:k]), tuple(chunk[k:])

@@ -39,13 +39,63 @@ def step_index(transformer_options: dict) -> tuple[int, int | None]:
     return min(max(0, count - 1), total - 1), total
 
 
+# Options under which ComfyUI evaluates the same conds through a different forward: an extra guidance pass run from
+# a post-CFG function (LTXVSpatioTemporalGuidance perturbs these blocks' self-attention, LTXVModalityGuidance
+# severs the audio-video cross-attention; comfy_extras/nodes_lt.py) or blocks replaced for the pass
+# (SkipLayerGuidanceDiT/SD3 and PAG via ``patches_replace``; comfy_extras/nodes_slg.py, nodes_pag.py).
+# {option: its value in a plain forward}.
+PASS_OPTIONS = {"stg_self_attn_blocks": (), "a2v_cross_attn": True, "v2a_cross_attn": True}
+
+
 def chunk_of(transformer_options: dict) -> tuple:
-    """Identity of the batch chunk: the cond/uncond order, plus the context window's span when one is set."""
-    chunk = tuple(int(c) for c in transformer_options.get("cond_or_uncond", ()) or ())
-    window = transformer_options.get("context_window")
+    """Identity of the batch chunk, part of every cache key (engine/context.py, ``CallContext.key``).
+
+    One element per cond of the batch, in batch order: ``(cond_or_uncond, uuid)`` when ComfyUI names the conds
+    (``uuids``, set with ``cond_or_uncond`` by calc_cond_batch, stable for a sampling run), else the
+    ``cond_or_uncond`` number. Two prompts ComfyUI cannot batch (ConditioningCombine) are both cond (0) and only
+    their uuids tell them apart. Then ``("window", first, last)`` of a context window, and ``("pass", ...)``
+    when the options make this forward another pass of the same conds (``PASS_OPTIONS``, replaced blocks): such
+    a pass must anchor and reuse its own selections and residuals, not those of the cond pass, whose attention
+    it does not share. A plain forward has no pass tag. A chunk of some of a batch's conds reads its rows from
+    the batch's entry when everything after the conds is the same (engine/cache.py, ``_covering``; split
+    cond/uncond, docs/decisions.md "Cache budget \"auto\", spill on OOM, split cond/uncond").
+    """
+    to = transformer_options
+    conds = [int(c) for c in to.get("cond_or_uncond", ()) or ()]
+    uuids = to.get("uuids")
+    if uuids is not None and len(uuids) == len(conds):
+        chunk = tuple((c, str(u)) for c, u in zip(conds, uuids))
+    else:
+        chunk = tuple(conds)
+    window = to.get("context_window")
     if window is not None and hasattr(window, "index_list"):
-        chunk = chunk + (tuple(window.index_list[:1]) + tuple(window.index_list[-1:]),)
-    return chunk
+        span = list(window.index_list[:1]) + list(window.index_list[-1:])
+        chunk = chunk + (("window", *(int(i) for i in span)),)
+    variant = pass_of(to)
+    return chunk + (variant,) if variant else chunk
+
+
+def pass_of(transformer_options: dict) -> tuple:
+    """What makes this forward another pass of its conds: the ``PASS_OPTIONS`` that differ from a plain forward's
+    and the blocks replaced through ``patches_replace`` (by name and block key; two passes that replace the same
+    blocks with different functions are not told apart). () for a plain forward."""
+    tags = []
+    for name, plain in PASS_OPTIONS.items():
+        value = transformer_options.get(name, plain)
+        if value is None or value == plain:
+            continue
+        if isinstance(value, (set, frozenset, list, tuple)):
+            if not value:
+                continue
+            value = tuple(sorted(repr(v) for v in value))  # a set's order is not stable: compare sorted
+        tags.append((name, value if isinstance(value, tuple) else repr(value)))
+    replaced = transformer_options.get("patches_replace") or {}
+    if isinstance(replaced, dict):
+        for name in sorted(replaced, key=str):
+            blocks = replaced[name]
+            if isinstance(blocks, dict) and blocks:
+                tags.append(("replace", str(name), tuple(sorted(repr(b) for b in blocks))))
+    return ("pass", *tags) if tags else ()
 
 
 class StepCounter:
@@ -142,11 +192,14 @@ class Forward:
             stream = "extra"  # outside the model's indexed blocks: a refiner
         k = self._per_stream.get(stream, 0)
         self._per_stream[stream] = k + 1
-        if stream == "main":
+        if stream in ("main", "audio"):
+            # blocks whose self-attentions do not run in this forward (LTX-2 STG skips a flagged block's video and
+            # audio self-attention alike: comfy/ldm/lightricks/model.py, "stg_skip_self_attn")
             skipped = sorted(int(b) for b in to.get("stg_self_attn_blocks", ()) or ())
-            for b in skipped:  # blocks whose self-attention does not run in this forward (LTX-2 STG)
+            for b in skipped:
                 if b <= k:
                     k += 1
+        if stream == "main":
             return self._number(k, stream)
         base = self.layer_offsets.get(stream)
         return self._number(position if base is None else base + k, stream)

@@ -217,7 +217,9 @@ def test_ltx2_streams_when_video_and_audio_counts_are_equal():
     assert fwd.context(0, 144, to).layout.describe(144) == "video 3x6x8 = 144"
     assert fwd.context(2, 144, to).layout.describe(144) == "audio 144 = 144"
     stg = Forward(fam, (1, 1, 999), {}, fam.layer_offsets(dm), conds=conds)
-    assert stg.next_layer({"stg_self_attn_blocks": [0]}, *call(144, 128)) == 1  # block 0's self-attention skipped
+    to = {"stg_self_attn_blocks": [0]}  # block 0's video and audio self-attention do not run: block 1's are next
+    assert [stg.next_layer(to, *call(144, 128)), stg.next_layer(to, *call(144, 128, nk=1024)),
+            stg.next_layer(to, *call(144, 64))] == [1, None, 3]
 
 
 def _run_patch(patch, x_shape, calls, conds=None):
