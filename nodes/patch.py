@@ -30,7 +30,7 @@ from ..engine import DeviceEngines, RunClock, SparseConfig
 from .call import translate
 from .families import UNKNOWN, Family, family_of
 from .forward import INFO_KEY, Forward, StepCounter
-from .run_clock import clock_for
+from .run_clock import called_by_ksampler, clock_for
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,9 @@ class SparseAttentionPatch:
         """OUTER_SAMPLE wrapper: one sampling run; place it in the whole denoising run and check the schedule
         against it (before any step runs), open its state in the run's own options, free and report after."""
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-        clock = self._locate(executor, sigmas, args[2] if len(args) > 2 else kwargs.get("sampler"))
+        # the sampler settles a split's schedule only under KSampler, the one node that drops a penultimate sigma
+        sampler = (args[2] if len(args) > 2 else kwargs.get("sampler")) if called_by_ksampler() else None
+        clock = self._locate(executor, sigmas, sampler)
         self._check_schedule(clock)
         run = SamplingRun(self.cfg, clock)
         options = _run_options(executor)

@@ -86,12 +86,34 @@ def drops_penultimate(sampler) -> bool:
     return False
 
 
+def called_by_ksampler(max_depth: int = 48) -> bool:
+    """Whether ComfyUI's KSampler (the KSampler / KSamplerAdvanced nodes) is sampling: a ``KSampler.sample`` frame
+    on the stack. Only KSampler drops the penultimate sigma; SamplerCustom(Advanced) with BasicScheduler and
+    SplitSigmas runs the same samplers on plain schedules, so ``drops_penultimate`` alone cannot settle the tie."""
+    try:
+        import sys
+
+        import comfy.samplers as cs
+
+        frame = sys._getframe(1)
+    except Exception:  # noqa: BLE001 - outside ComfyUI, or no frame access
+        return False
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "sample" and isinstance(frame.f_locals.get("self"), cs.KSampler):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def match_schedule(values: list[float], ms, prefer_dropped: bool = False) -> RunClock | None:
     """The slice ``values`` found in one of ComfyUI's schedules for ``ms``, as a RunClock, or None. A prefix
     can fit several schedules (e.g. sgm_uniform at T steps and normal at T + 1): the most common scheduler
     among those that fit at the two shortest lengths wins.
 
-    ``prefer_dropped``: the sampler is one KSampler runs with the penultimate sigma dropped (``drops_penultimate``).
+    ``prefer_dropped``: KSampler runs the sampler with the penultimate sigma dropped (``drops_penultimate`` and
+    ``called_by_ksampler``).
     The first part of a split of such a run (KSamplerAdvanced 0-10 of 20 with uni_pc) is a prefix of the
     (T + 1)-step schedule both as it is and with its penultimate sigma dropped (T steps); the dropped one is the
     run KSampler made, and the one the second part (which ends at 0) is placed in, so it wins the tie and both

@@ -118,6 +118,11 @@ def results():
             comfy.sample.sample(m, noise, 20, 1.0, "uni_pc", "simple", pos, neg, latent, start_step=0, last_step=10,
                                 force_full_denoise=False, disable_pbar=True, seed=0)
             out["patched_split"] = [p.clock.offset, p.clock.total]
+            # SamplerCustomAdvanced with BasicScheduler + SplitSigmas: the same sampler on a plain schedule
+            plain = comfy.samplers.calculate_sigmas(ms, "simple", 20)
+            comfy.sample.sample_custom(m, noise, 1.0, comfy.samplers.sampler_object("uni_pc"), plain[:11], pos, neg,
+                                       latent, disable_pbar=True, seed=0)
+            out["custom_split"] = [p.clock.offset, p.clock.total]
         out["drops"] = {{n: drops_penultimate(comfy.samplers.sampler_object(n))
                         for n in ("heunpp2", "dpmpp_2m", "ddim", "dpm_fast")}}
         out["drops"]["none"] = drops_penultimate(None)
@@ -149,6 +154,7 @@ def test_both_halves_of_a_split_penultimate_dropping_run_share_its_length(result
         assert not drops and first == [0, 20] and second == [10, 20] and unknown_sampler == 20, name
     assert not any(results["drops"].values()), results["drops"]
     assert results["patched_split"] == [0, 20]
+    assert results["custom_split"] == [0, 20]  # not KSampler: nothing was dropped, the plain schedule wins
 
 
 @pytest.mark.comfyui

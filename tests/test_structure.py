@@ -58,6 +58,10 @@ def test_widget_values_reach_the_configuration_and_errors_name_the_widget():
         config_from_widgets(dict(block_size="big"))
     with pytest.raises(ValueError, match="anchor_steps"):
         config_from_widgets(dict(anchor_steps="ten"))
+    # the node's check takes every input, so ComfyUI checks none of their ranges: the widgets' own are checked here
+    for name, value in (("density", 0.001), ("warmup_layers", 5000), ("min_tokens", 2e7), ("warmup_layers", -1)):
+        with pytest.raises(ValueError, match=f"{name}: must lie in"):
+            config_from_widgets({name: value})
 
 
 class FullBlocks(policy_mod.Policy):
