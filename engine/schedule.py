@@ -245,8 +245,9 @@ class Coordinate:
     ComfyUI's "simple" scheduler is even in the index of the model's sigma table (bottom = spacing - 1);
     "normal" and "sgm_uniform" are even in the model's timestep (bottom = timestep of the smallest sigma).
     unit: one step of the model's sigma table in this coordinate, the scale of the tolerances: 1 for the index and
-    for timesteps in [0, 1000]; 1/1000 for flow models whose timestep is sigma itself, in [0, 1] (Flux, Qwen-Image,
-    LTX-2, Chroma, Lumina 2), where a tolerance of one unit would take every sigma for the top."""
+    for timesteps in [0, 1000]; for flow models whose timestep is sigma itself, in [0, 1], 1e-3 (1 000-entry tables:
+    Qwen-Image, Chroma, Lumina 2) or 1e-4 (Flux and LTX, 10 000 entries), where a tolerance of one unit would take
+    every sigma for the top."""
 
     name: str
     of: Callable[[float], float]

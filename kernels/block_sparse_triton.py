@@ -23,8 +23,8 @@ from ._triton_common import (LOG2E, add_residual, cdiv, configs, finish, head_di
 from .block_sparse_torch import check_block_lists
 
 # The pointer kernel runs on GPUs without TMA (Ampere, Ada, Blackwell's RTX cards). With BLOCK_M 128 and D 128 every
-# 4-warp candidate spills 0.8-1.9 KB a thread there (sm_80/86/89/120, Triton 3.6) while BLOCK_N 64 at 8 warps fits
-# in 238-247 registers without spilling (docs/kernel_notes.md, "v14"); the autotuner times them all on the card.
+# 4-warp candidate spills 0.8-4 KB a thread there (sm_80/86/89/120, Triton 3.6) while BLOCK_N 64 at 8 warps fits
+# in 238-252 registers without spilling (docs/kernel_notes.md, "v14"); the autotuner times them all on the card.
 _CONFIGS = configs(
     [dict(BLOCK_N=64, num_warps=4, num_stages=3),
      dict(BLOCK_N=64, num_warps=4, num_stages=2),

@@ -72,7 +72,7 @@ def test_a_reuse_call_passes_an_fp8_residual_as_bytes_below_8_9(monkeypatch, cap
 def test_reuse_kernels_compile_for_consumer_gpus_and_one_candidate_does_not_spill(report, arch):
     """A reuse call's kernels (block-sparse with the mass-weighted fp8 residual, the token kernel with its compact
     lists) compile for the card with the residual as the engine passes it there, within its shared memory; and each
-    has an autotune candidate that hardly spills (4 warps at BLOCK_M 128 and D 128 spill 0.8-1.9 KB a thread; the
+    has an autotune candidate that hardly spills (4 warps at BLOCK_M 128 and D 128 spill 0.8-4 KB a thread; the
     8-warp ones 0-8 bytes, by Triton version)."""
     limit = report.SMEM_LIMITS[arch]
     picked = {}

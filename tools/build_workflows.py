@@ -70,7 +70,7 @@ WORKFLOWS = {
                              "(10 is the low-noise sampler's first step; 32.9 dB on the testbed at 20 steps, "
                              "projected 2.09x). Changing a group's step count? Pick the matching preset "
                              "(wan22_14b_8step for a 4+4 split). At the template's 640×640×81 (33 600 tokens) every "
-                             "self-attention call runs sparse."),
+                             "self-attention call runs sparse except the first layer's (warmup_layers 1)."),
     "video_hunyuan_video_1.5_720p_t2v": ("video_hunyuan_video_1.5_720p_t2v", "HunyuanVideo 1.5 720p T2V",
                                          {"": "hunyuan_video_1.5"},
                                          "Block top-k at density 0.08 on both the 720p and the super-resolution "
