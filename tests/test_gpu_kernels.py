@@ -877,3 +877,35 @@ def test_engine_reuse_calls_are_replayed_and_equal_the_call_itself(method):
             assert torch.equal(out, entry.selection.run(q, k, v, residual=entry.residual)), f"step {step}"
         stats = eng.end_run()
     assert stats.totals()["replays"] == 5  # steps 4-8 (the second entry's two reuse calls are recorded)
+
+
+@pytest.mark.parametrize("n,d,bq,bk", [(32760, 128, 128, 128), (20000, 64, 64, 64)])
+def test_fp8_residual_read_as_bytes_equals_the_typed_load(monkeypatch, n, d, bq, bk):
+    """The software e4m3 decode that cards below compute capability 8.9 take (docs/kernel_notes.md, "v14"), run on
+    this GPU's hardware: the pointer block-sparse kernel (plain and mass-weighted residual) and the token kernel give
+    the same output bit for bit with the residual's bytes as with the typed fp8 load."""
+    from comfyui_sparse_attention.kernels import _triton_common as C
+    from comfyui_sparse_attention.kernels import anchor_torch, block_sparse_triton
+    h = 2
+    q, k, v = qkv(h, n, d, seed=n + d + 1)
+    nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
+    idx, cnt = skewed_lists(h, nqb, nkb, max(2, nkb // 8), seed=bk + d + 1)
+    res = make_residual("fp8", q.shape, seed=n + 1)
+    dense, lse = K.attention_dense(q, k, v, return_lse=True, backend="torch")
+    mres = anchor_torch.block_residual(q, k, v, idx, cnt, dense, lse, block_q=bq, block_k=bk,
+                                       residual_precision="fp8", return_mass=True)
+    groups = K.group_queries(q, 128 if d == 128 else 64)
+    g = groups.shape[2]
+    sel = max(1, n // 8)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    toks = torch.sort(torch.topk(torch.rand(1, h, g, n, device=DEV, generator=gen), sel, dim=-1).indices, -1).values
+    toks, tcnt = toks.to(torch.int32).contiguous(), torch.full((1, h, g), sel, dtype=torch.int32, device=DEV)
+    outs = {}
+    for typed in (True, False):
+        monkeypatch.setattr(C, "fp8_typed", lambda t, typed=typed: typed)
+        assert C.residual_mode(res) == (C.RES_FP8 if typed else C.RES_FP8_BYTES)
+        outs[typed] = [block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk,
+                                                                  residual=r, path="pointer") for r in (res, mres)]
+        outs[typed].append(K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", residual=res))
+    for typed_out, bytes_out in zip(outs[True], outs[False]):
+        assert not torch.isnan(bytes_out).any() and torch.equal(typed_out, bytes_out)
