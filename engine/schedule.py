@@ -76,6 +76,23 @@ def resolve_warmup(value: int | float, total: int | None) -> int:
     return 0 if total is None else math.floor(value * total + 0.5)
 
 
+def reuse_steps(schedule: "AnchorSchedule", warmup_steps: int | float, first: int, count: int,
+                total: int | None) -> int:
+    """How many of the steps ``first`` .. ``first + count - 1`` of a run of ``total`` steps reuse a cached selection,
+    decided as the engine decides them (engine/engine.py, ``decide``): warm-up steps dense, the first sparse step an
+    anchor, then an anchor wherever an anchor step lies since the last one, a reuse step otherwise."""
+    warmup = resolve_warmup(warmup_steps, total)
+    last, reuse = None, 0
+    for step in range(first, first + count):
+        if step < warmup:
+            continue
+        if last is None or schedule.anchor_between(last, step, warmup, total):
+            last = step
+        else:
+            reuse += 1
+    return reuse
+
+
 @dataclass(frozen=True)
 class AnchorSchedule:
     """Anchor steps: explicit steps and fractions of the run, and/or every ``every`` steps (or every fraction

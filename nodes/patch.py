@@ -27,6 +27,7 @@ import threading
 import torch
 
 from ..engine import DeviceEngines, RunClock, SparseConfig
+from ..engine.schedule import reuse_steps
 from .call import translate
 from .families import UNKNOWN, Family, family_of
 from .forward import INFO_KEY, Forward, StepCounter
@@ -62,6 +63,7 @@ class SamplingRun:
         self.layouts: dict[tuple[str, str], int] = {}  # (stream, layout) -> self-attention calls
         self.snapshots: dict[int, dict] = {}
         self.stats = None
+        self.dense_reason: str | None = None  # set when the whole run is better dense (SparseAttentionPatch._no_reuse)
         self.lock = threading.Lock()
 
     def __deepcopy__(self, memo):
@@ -229,6 +231,8 @@ class SparseAttentionPatch:
 
     def _plan(self, run: SamplingRun, args, kwargs, to: dict):
         """(call, ctx, engine) for a call the engine takes, or the reason the call runs dense."""
+        if run.dense_reason is not None:
+            return run.dense_reason
         forward = to.get(INFO_KEY)
         layer = forward.next_layer(to, args, kwargs) if forward is not None else None
         call = translate(args, kwargs)
@@ -260,6 +264,7 @@ class SparseAttentionPatch:
         clock = self._locate(executor, sigmas, sampler)
         self._check_schedule(clock)
         run = SamplingRun(self.cfg, clock)
+        run.dense_reason = self._no_reuse(clock, sigmas)
         options = _run_options(executor)
         outer = None if options is None else options.get(RUN_KEY, None)
         if options is not None:
@@ -290,6 +295,24 @@ class SparseAttentionPatch:
         except Exception:  # noqa: BLE001 - a guider without a model patcher: the sampler's own steps
             ms = None
         return clock_for(sigmas, ms, sampler=sampler)
+
+    def _no_reuse(self, clock: RunClock, sigmas) -> str | None:
+        """Why this sampler runs dense when its steps hold no reuse step, else None. With the residual on, an anchor
+        computes the dense output and more (1.1-1.3x a dense call; docs/benchmarks.md), and its output is the dense
+        one: a sampler whose every sparse step anchors (a short second stage, a 1- or 2-step part of a split, a
+        many-step preset on a few-step run) is faster dense, with the same picture. Policies that select afresh at
+        every step, or runs without the residual, do not compute the dense output and keep their sparse steps."""
+        cfg = self.cfg
+        if not cfg.residual or cfg.select_every_step or cfg.method == "dense" or clock.total is None:
+            return None
+        steps = int(sigmas.numel()) - 1 if isinstance(sigmas, torch.Tensor) else 0
+        if steps < 1 or reuse_steps(cfg.anchor_steps, cfg.warmup_steps, clock.offset, steps, clock.total) > 0:
+            return None
+        reason = "a sampler with no reuse step (every sparse step would anchor, costing more than dense)"
+        self._log_once(reason, "sparse attention: this sampler's %d steps (run steps %d-%d of %d) hold no reuse step "
+                       "under anchors %s: it runs dense, which gives the same picture faster", steps, clock.offset,
+                       clock.offset + steps - 1, clock.total, cfg.anchor_steps.describe())
+        return reason
 
     def _check_schedule(self, clock: RunClock) -> None:
         """Reject, before sampling, anchor steps that lie beyond a run whose length is known exactly."""

@@ -94,6 +94,13 @@ def results():
             comfy.sample.sample_custom(m, torch.zeros(latent.shape), 1.0, comfy.samplers.sampler_object("euler"), sig,
                                        pos, neg, latent, disable_pbar=True, seed=0)
             out["flip"] = [p.last_stats.schedule_line(), [c[0] for c in calls], p.clock.total]
+            # a sampler whose steps hold no reuse step runs dense (same picture, anchors cost more than dense)
+            m, p = install(model, cfg)
+            for steps in (3, 4):
+                dense = C.sample(model, latent, pos, neg, steps=steps)
+                o = C.sample(m, latent, pos, neg, steps=steps)
+                t = p.last_stats.totals()
+                out[f"no_reuse_{{steps}}"] = [t["anchors"], t["reuses"], dict(p.fallbacks), bool(torch.equal(o, dense))]
         # KSamplerAdvanced splits: the halves of the sigmas KSampler makes, placed with the sampler that runs them
         split = {{}}
         for name in ("uni_pc", "uni_pc_bh2", "dpm_2", "dpm_2_ancestral", "euler", "heun"):
@@ -155,6 +162,17 @@ def test_both_halves_of_a_split_penultimate_dropping_run_share_its_length(result
     assert not any(results["drops"].values()), results["drops"]
     assert results["patched_split"] == [0, 20]
     assert results["custom_split"] == [0, 20]  # not KSampler: nothing was dropped, the plain schedule wins
+
+
+@pytest.mark.comfyui
+def test_a_sampler_with_no_reuse_step_runs_dense(results):
+    """3 steps under anchors '20%, 53%' anchor at 0, 1 and 2: with the residual each anchor costs more than a dense
+    call and gives the dense output, so the run is dense (the same picture, bit for bit); 4 steps reuse at step 3."""
+    anchors, reuses, fallbacks, equal = results["no_reuse_3"]
+    assert anchors == 0 and reuses == 0 and equal
+    assert any("no reuse step" in k for k in fallbacks), fallbacks
+    anchors, reuses, fallbacks, equal = results["no_reuse_4"]
+    assert anchors > 0 and reuses > 0 and not any("no reuse step" in k for k in fallbacks)
 
 
 @pytest.mark.comfyui

@@ -123,3 +123,16 @@ def test_uneven_schedules_are_their_own_run():
     karras = [float(x) for x in torch.linspace(1.0, 0.1, 9) ** 3] + [0.0]
     clock = locate_run(karras[3:], [index_coordinate()])
     assert (clock.offset, clock.total) == (0, len(karras) - 4) and not clock.exact
+
+
+def test_reuse_steps_counts_what_the_engine_would_reuse():
+    from comfyui_sparse_attention.engine.schedule import reuse_steps
+    presets = AnchorSchedule.parse("20%, 53%")
+    assert reuse_steps(presets, 0, 0, 30, 30) == 27         # anchors 0, 6, 16
+    assert reuse_steps(presets, 0, 0, 3, 3) == 0            # 0, 1 (0.6), 2 (1.59): every step anchors
+    assert reuse_steps(presets, 0, 0, 4, 4) == 1            # 0, 1 (0.8), 2 (2.12): step 3 reuses
+    assert reuse_steps(presets, 0, 10, 1, 20) == 0          # a one-step part of a split
+    assert reuse_steps(presets, 0, 10, 10, 20) == 8         # the second expert: 10 (its first), 11 (53 %), then reuse
+    assert reuse_steps(AnchorSchedule.parse(""), 2, 0, 3, 3) == 0   # 2 warm-up steps, one sparse step: an anchor
+    assert reuse_steps(AnchorSchedule.parse("every 1"), 0, 0, 8, 8) == 0
+    assert reuse_steps(AnchorSchedule.parse("every 2"), 0.25, 0, 8, 8) == 3  # warm-up 2; anchors 2, 4, 6
