@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .backend import interpreting
+from .backend import cuda_capability, interpreting
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,7 @@ def tma_problem(tensors, capability: tuple[int, int] | None) -> str | None:
 
 def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
     """Compute capability of a CUDA tensor's device; None for other devices."""
-    if not t.is_cuda:
-        return None
-    return torch.cuda.get_device_capability(t.device)
+    return cuda_capability(t)
 
 
 def use_tma(kind: str, *tensors: torch.Tensor) -> bool:

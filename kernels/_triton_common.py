@@ -6,7 +6,6 @@ base-2 units: ``s2 = (q . k) * scale * log2(e)``; LSE is returned in natural log
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import os
@@ -16,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._residual import MASS_EPS
-from .backend import interpreting
+from .backend import cuda_capability, interpreting
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -277,16 +276,9 @@ def fp8_typed_on(capability: tuple[int, int] | None, hip: bool = False) -> bool:
     return not hip and tuple(capability) >= (8, 9)
 
 
-@functools.lru_cache(maxsize=None)
-def _fp8_typed_device(index: int) -> bool:
-    return fp8_typed_on(torch.cuda.get_device_capability(index), torch.version.hip is not None)
-
-
 def fp8_typed(t: torch.Tensor) -> bool:
     """``fp8_typed_on`` for the device of ``t`` (a CPU tensor: the interpreter, which types fp8)."""
-    if t.device.type != "cuda":
-        return True
-    return _fp8_typed_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return fp8_typed_on(cuda_capability(t), torch.version.hip is not None)
 
 
 def residual_mode(res) -> int:

@@ -60,22 +60,30 @@ MIN_CAPABILITY = (8, 0)  # Triton's own floor for NVIDIA GPUs (Ampere)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_problem(index: int) -> str | None:
-    """Why an NVIDIA device is too old for the kernels, or None (ROCm devices are left to Triton)."""
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor
+
+
+def cuda_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """Compute capability of a CUDA tensor's device (asked once per device: kernel calls read it); None for
+    other devices."""
+    if not t.is_cuda:
+        return None
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def capability_problem(t: torch.Tensor) -> str | None:
+    """Why the NVIDIA device of the CUDA tensor ``t`` is too old for the kernels, or None (ROCm devices are left to
+    Triton)."""
     if torch.version.hip is not None:
         return None
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = cuda_capability(t)
     if (major, minor) < MIN_CAPABILITY:
         # compiled for sm_75 the pointer kernels spill ~130 KB a thread and need more shared memory than a Turing
         # program may have; ptxas takes minutes on each (docs/kernel_notes.md, "v14")
         return f"compute capability {major}.{minor}: the Triton kernels need 8.0 (Ampere) or later"
     return None
-
-
-def capability_problem(t: torch.Tensor) -> str | None:
-    """``_capability_problem`` for the CUDA device of ``t``."""
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _capability_problem(index)
 
 
 def triton_problem(backend: str, t: torch.Tensor, why_not: str | None) -> str | None:

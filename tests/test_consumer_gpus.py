@@ -18,17 +18,13 @@ ARCHS = {80: "A100", 86: "RTX 30xx", 89: "RTX 40xx", 120: "RTX 50xx"}
 
 
 @pytest.fixture(scope="module")
-def report(bench_import_module):
+def report():
+    """tools/compile_report.py as a module (it compiles for any target without a GPU)."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         import triton.backends.nvidia  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this Triton has no NVIDIA backend: {exc}")
-    return bench_import_module
-
-
-@pytest.fixture(scope="module")
-def bench_import_module():
     spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -51,13 +47,15 @@ def test_a_reuse_call_passes_an_fp8_residual_as_bytes_below_8_9(monkeypatch, cap
 
     import torch
     from comfyui_sparse_attention.kernels import _triton_common as C
+    from comfyui_sparse_attention.kernels import backend
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
-    C._fp8_typed_device.cache_clear()
+    backend._capability.cache_clear()
     try:
         data = torch.zeros(1, 2, 4, 8).to(torch.float8_e4m3fn)
         scale = torch.ones(1, 2, 4, 1)
         # the kernels' view of a tensor on CUDA device 0: the same storage, its device read from .device
-        cuda_data = types.SimpleNamespace(device=torch.device("cuda", 0), view=data.view, stride=data.stride)
+        cuda_data = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), view=data.view,
+                                          stride=data.stride)
         assert C.residual_mode((cuda_data, scale)) == mode
         passed = C.residual_launch_args((cuda_data, scale), torch.zeros(1))[0]
         if mode == 3:
@@ -65,7 +63,7 @@ def test_a_reuse_call_passes_an_fp8_residual_as_bytes_below_8_9(monkeypatch, cap
         else:
             assert passed is cuda_data
     finally:
-        C._fp8_typed_device.cache_clear()
+        backend._capability.cache_clear()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -100,7 +98,7 @@ def test_gpus_before_ampere_run_the_pytorch_backend(monkeypatch, capability, on_
     from comfyui_sparse_attention.kernels import backend
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(backend, "triton_available", lambda: True)
-    backend._capability_problem.cache_clear()
+    backend._capability.cache_clear()
     try:
         t = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
         problem = backend.triton_problem("auto", t, None)
@@ -111,4 +109,4 @@ def test_gpus_before_ampere_run_the_pytorch_backend(monkeypatch, capability, on_
             with pytest.raises(ValueError, match="need 8.0"):
                 backend.choose("triton", t, None, "block_sparse_attention")
     finally:
-        backend._capability_problem.cache_clear()
+        backend._capability.cache_clear()
