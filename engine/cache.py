@@ -2,7 +2,8 @@
 
 Entries are keyed by (layer, self/cross, batch chunk, token count). ComfyUI batches cond and uncond into
 one call when memory allows and splits them when it runs low, so a chunk's rows are also read from an
-entry of a larger chunk that holds them (its batch rows, as views). An entry that does not fit the
+entry of a larger chunk that holds them (its batch rows, as views), and a batched call whose conds anchored
+as separate calls reuses their entries part by part (engine/engine.py, ``_reuse_parts``). An entry that does not fit the
 device budget lives in (pinned) CPU memory and is copied back when used; the copy for the key expected
 next (the order of the previous step) is started early on a side stream so it overlaps compute. When room
 runs out, the residuals of the lowest priority are dropped and their selections kept (``put``); an entry whose
@@ -238,38 +239,30 @@ class SelectionCache:
         chunk is its conds in batch order, then what makes it another forward (a context window, a guidance pass;
         nodes/forward.py, ``chunk_of``): the conds must appear in a row of the source's and everything after them
         must be the same (a guidance pass never reads the cond pass's rows)."""
-        if len(key) != 4 or not isinstance(key[2], tuple):
-            return []
-        layer, is_self, chunk, n = key
-        conds, rest = _split_chunk(chunk)
-        if not conds:
-            return []
         out = []
         for src in list(self.on_device) + list(self.on_cpu):
-            if len(src) != 4 or not isinstance(src[2], tuple):
-                continue
-            s_layer, s_self, s_chunk, s_n = src
-            if (s_layer, s_self, s_n) != (layer, is_self, n) or len(s_chunk) <= len(chunk):
-                continue
-            s_conds, s_rest = _split_chunk(s_chunk)
-            if s_rest != rest or len(set(s_conds)) != len(s_conds):
-                continue  # another forward, or repeated conds: which rows are whose is ambiguous
-            for i in range(len(s_conds) - len(conds) + 1):
-                if s_conds[i:i + len(conds)] == conds:
-                    out.append((src, (i, len(conds), len(s_conds))))
+            part = rows_of(src, key)
+            if part is not None:
+                out.append((src, part))
         return out
+
+    def covered(self, key: tuple) -> list:
+        """The stored keys of smaller chunks whose rows ``key``'s chunk holds (the inverse of ``_covering``)."""
+        return [src for src in list(self.on_device) + list(self.on_cpu) if rows_of(key, src) is not None]
 
     def put(self, key: tuple, entry: Entry) -> str:
         """Store an entry; returns where it went: "device", "cpu", "device-no-residual", "cpu-no-residual", or
-        "none". Entries of larger chunks that held this chunk's rows are dropped (they are older). When the
-        residual finds no room and none less important can give way, the selection alone is kept, on the device or
-        else in host memory up to SELECTION_SLACK past ``cpu_budget`` (the host reserve still holds; block lists
-        are ~1 % of a residual). The engine runs that layer dense at reuse steps and anchors it again at the next
+        "none". Entries of larger chunks that held this chunk's rows, and of smaller chunks whose rows this chunk
+        holds, are dropped (they are older). When the residual finds no room and none less important can give way,
+        the selection alone is kept, on the device or else in host memory up to SELECTION_SLACK past
+        ``cpu_budget`` (the host reserve still holds; block lists are ~1 % of a residual). The engine runs that layer dense at reuse steps and anchors it again at the next
         anchor step, where an entry not stored at all would make it fall back for the whole run (docs/decisions.md,
         "Small cards")."""
         self.drop(key)
         for src, _ in self._covering(key):
             self.drop(src)
+        for src in self.covered(key):  # split calls' entries, superseded by this batched anchor: the split calls
+            self.drop(src)  # read its rows from now on, and a stale entry under their own key would win the lookup
         size = entry.nbytes
         if self._device_fits(size, entry):
             self.on_device[key] = entry
@@ -561,7 +554,25 @@ def _is_cond(c) -> bool:
     return isinstance(c, int) and not isinstance(c, bool)
 
 
-def _split_chunk(chunk: tuple) -> tuple[tuple, tuple]:
+def rows_of(big: tuple, small: tuple) -> tuple | None:
+    """Where the cache key ``small``'s batch rows sit in the key ``big``'s chunk: (first, count, of) in conds, or
+    None when ``big`` does not hold them (another layer, token count or forward, not a larger chunk, or repeated
+    conds, which make it ambiguous whose rows are whose). Keys: (layer, is_self, chunk, n)."""
+    if len(big) != 4 or len(small) != 4 or not isinstance(big[2], tuple) or not isinstance(small[2], tuple):
+        return None
+    if (big[0], big[1], big[3]) != (small[0], small[1], small[3]) or len(big[2]) <= len(small[2]):
+        return None
+    conds, rest = split_chunk(small[2])
+    b_conds, b_rest = split_chunk(big[2])
+    if not conds or b_rest != rest or len(set(b_conds)) != len(b_conds):
+        return None
+    for i in range(len(b_conds) - len(conds) + 1):
+        if b_conds[i:i + len(conds)] == conds:
+            return i, len(conds), len(b_conds)
+    return None
+
+
+def split_chunk(chunk: tuple) -> tuple[tuple, tuple]:
     """(conds, rest): a chunk's leading cond elements and what follows them (context window, pass tag)."""
     k = 0
     while k < len(chunk) and _is_cond(chunk[k]):

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import torch
 
 from .. import kernels
 from ..kernels._checks import TRITON_HEAD_DIMS
-from .cache import Entry, SelectionCache
+from .cache import Entry, SelectionCache, split_chunk
 from .config import SparseConfig
 from .context import CallContext
 from .layer_density import head_densities, select_heads
@@ -181,6 +182,10 @@ class SparseEngine:
                 out = self._dense(q, k, v, scale, dense_fn)
             self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
+        if decision == ANCHOR:
+            out = self._reuse_parts(q, k, v, ctx, scale)
+            if out is not None:
+                return out
         key = ctx.key(n)
         self._seen_at[key] = ctx.step
         entry = None
@@ -203,6 +208,15 @@ class SparseEngine:
                 entry = None
         if entry is None:
             return self._anchor_with_room(q, k, v, ctx, key, scale, dense_fn)
+        out, density, replayed = self._reuse(q, k, v, ctx, entry, resident, scale)
+        self.stats.add(ctx.layer, REUSE, density, step=ctx.step, replayed=replayed)
+        return out
+
+    def _reuse(self, q, k, v, ctx, entry: Entry, resident: bool, scale) -> tuple:
+        """(output (B, H, N, D) in q's dtype, density of the selection used, whether the call was replayed): the
+        sparse attention of ``entry``'s selection plus its residual. ``resident``: the entry is the stored device
+        entry itself (not a copy or a batch slice), so its kernel launches may be replayed."""
+        dev = q.device
         selection, residual = entry.selection, entry.residual
         policy, backend = self.policy, self.cfg.backend
         if policy.reselects(self.cfg):
@@ -223,9 +237,54 @@ class SparseEngine:
                 out = entry.replay.run(call, q, k, v, (scale, backend))
             else:
                 out = call(q, k, v)
-        self.stats.add(ctx.layer, REUSE, selection.density, step=ctx.step,
-                       replayed=replays is not None and entry.replay.replays > replays)
-        return out
+        return out, selection.density, replays is not None and entry.replay.replays > replays
+
+    def _reuse_parts(self, q, k, v, ctx: CallContext, scale) -> torch.Tensor | None:
+        """A batched call's output from the entries its conds stored as separate calls, or None when they cannot
+        serve it. ComfyUI splits cond and uncond when memory runs low and batches them again when it allows; a
+        batch whose conds anchored apart has no entry of its own, and anchoring it would cost an anchor on every
+        flip back to batched. Each part reuses its entry (one call in the statistics, at the parts' mean
+        density); a part missing, due to anchor, without its residual or of another shape anchors the whole."""
+        n, dev = q.shape[2], q.device
+        parts = self._stored_parts(ctx, n, q.shape[0])
+        if parts is None:
+            return None
+        entries = []
+        for part, a, b in parts:
+            with self.stats.timed(ctx.layer, "transfer", dev):
+                entry = self.cache.get(part.key(n), dev)
+            if entry is None or not entry.fits(q[a:b]):
+                return None
+            entries.append(entry)
+        outs, density = [], 0.0
+        for (part, a, b), entry in zip(parts, entries):
+            self._seen_at[part.key(n)] = ctx.step
+            out, d, _ = self._reuse(q[a:b], k[a:b], v[a:b], part, entry, False, scale)
+            outs.append(out)
+            density += d * (b - a) / q.shape[0]
+        self.stats.add(ctx.layer, REUSE, density, step=ctx.step)
+        return torch.cat(outs)
+
+    def _stored_parts(self, ctx: CallContext, n: int, batch: int) -> list | None:
+        """[(part context, first row, stop row)] when this batched call has no entry of its own but stored entries of
+        smaller chunks cover all its rows, each due for reuse with its residual; else None. ``batch``: the call's
+        batch size, each cond holding batch / conds rows in chunk order."""
+        conds, rest = split_chunk(ctx.chunk)
+        if len(conds) < 2 or batch % len(conds) or self.cache.lookup(ctx.key(n)) is not None:
+            return None
+        per, parts, i = batch // len(conds), [], 0
+        while i < len(conds):
+            for j in range(len(conds) - 1 if i == 0 else len(conds), i, -1):  # the longest stored run from i
+                part = replace(ctx, chunk=conds[i:j] + rest)
+                if self.cache.lookup(part.key(n)) is not None:
+                    break
+            else:
+                return None
+            if self.decide(part, n) != REUSE or (self.cfg.residual and self._residual_dropped(part.key(n))):
+                return None
+            parts.append((part, i * per, j * per))
+            i = j
+        return parts
 
     def _residual_dropped(self, key) -> bool:
         """The entry serving ``key`` lost its residual for lack of room (host metadata only: no copy, no wait)."""

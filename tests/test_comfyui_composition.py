@@ -98,6 +98,30 @@ for name, scale, split in (("cfg1", 1.0, False), ("batched", 3.0, False), ("sepa
                    dense_equal=dense_equal)
 r["batched_vs_separate"] = C.rel(cfg_runs["separate"], cfg_runs["batched"])
 
+# memory near ComfyUI's threshold: split at the anchor steps (0 and 2), batched in between; calc_cond_batch asks
+# for the free memory once per batch it builds (twice in a split step; 0.33.0 through its patcher)
+plan, state = [True, False, True, False], dict(step=0, left=0, split=False)
+
+def flipping(dev=None, torch_free_too=False):
+    callers = sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name
+    if "_calc_cond_batch" not in callers:  # model loading and attention ask too
+        return real_free(dev, torch_free_too)
+    if state["left"] == 0:
+        state["split"] = plan[state["step"]]
+        state["left"], state["step"] = (2 if state["split"] else 1), state["step"] + 1
+    state["left"] -= 1
+    return real_free(dev, torch_free_too) if not state["split"] else ((1, 1) if torch_free_too else 1)
+
+m, p = install(model, cfg(anchor_steps="every 2"))
+mm.get_free_memory = flipping
+try:
+    out = C.sample(m, latent, pos, neg, steps=4, cfg=3.0)
+finally:
+    mm.get_free_memory = real_free
+t = p.last_stats.totals()
+r["flipping"] = dict(anchors=t["anchors"], reuses=t["reuses"], steps=state["step"],
+                     vs_separate=C.rel(out, cfg_runs["separate"]))
+
 # two samplers on clones of one patched model (the patch object is shared): neither run sees the other's state
 # (runs overlapping in time are tested at the patch level: tests/test_patch_runs.py; ComfyUI itself keeps one
 # current patcher per loaded model, so two samplers of one model cannot run at once in it)
@@ -217,6 +241,10 @@ def test_cfg_one_and_cond_uncond_batched_or_separate(results):
     # separate calls keep a selection per cond (twice the anchors of one batched call), with the same result
     assert r["separate"]["anchors"] == 2 * r["batched"]["anchors"] == 2 * r["cfg1"]["anchors"] > 0, r
     assert r["batched_vs_separate"] < 1e-4, r
+    # split at the anchors, batched in between: the batched calls reuse the split calls' entries (no extra anchor)
+    f = r["flipping"]
+    assert f["steps"] == 4 and f["anchors"] == r["separate"]["anchors"] and f["reuses"] > 0, f
+    assert f["vs_separate"] < 1e-4, f
 
 
 def test_two_samplers_on_clones_share_nothing(results):

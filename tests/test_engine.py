@@ -146,6 +146,50 @@ def test_split_cond_batch_reuses_the_batched_anchor(problem, method):
 
 
 @pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_a_batched_call_reuses_the_split_anchors_entries(problem, method):
+    """The other way round: split at the anchor (memory ran low), batched again later. The batched call reuses
+    the split calls' entries row by row, with their result, instead of anchoring again; a later batched anchor
+    replaces the split entries, whose calls then read its rows."""
+    eng = SparseEngine(SparseConfig(method=method, **{**BASE, "anchor_steps": "1, 3"}))
+    eng.begin_run()
+    ctx = lambda step, chunk: CallContext(layer=0, step=step, chunk=chunk, layout=problem.layout)  # noqa: E731
+    q0, k0, v0 = problem.qkv(1)
+    eng.attend(q0, k0, v0, ctx(1, (1,)))
+    eng.attend(q0.flip(1), k0.flip(1), v0.flip(1), ctx(1, (0,)))
+    q, k, v = (torch.cat([t, t.flip(1)]) for t in problem.qkv(2))
+    assert eng.decide(ctx(2, (1, 0)), q.shape[2]) == "anchor"  # no entry under the batched key itself ...
+    batched = eng.attend(q, k, v, ctx(2, (1, 0)))  # ... but its rows are stored: reused
+    split = [eng.attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], ctx(2, (c,))) for i, c in enumerate((1, 0))]
+    assert torch.equal(batched, torch.cat(split))
+    t = eng.end_run().totals()
+    assert t["anchors"] == 2 and t["reuses"] == 3 and t["calls"] == 5  # the batched call is one call
+    # three conds split as (2, 1) and (0): the batch of all three is served by both entries
+    eng.begin_run()
+    three = [torch.cat([t, t.flip(1), t.flip(2)]) for t in problem.qkv(1)]
+    eng.attend(*(t[:2] for t in three), ctx(1, (2, 1)))
+    eng.attend(*(t[2:] for t in three), ctx(1, (0,)))
+    eng.attend(*three, ctx(2, (2, 1, 0)))
+    assert eng.end_run().totals()["anchors"] == 2
+    # a batched anchor replaces the split entries; the split calls read its rows
+    eng.begin_run()
+    eng.attend(q0, k0, v0, ctx(1, (1,)))
+    eng.attend(q0.flip(1), k0.flip(1), v0.flip(1), ctx(1, (0,)))
+    eng.attend(q, k, v, ctx(3, (1, 0)))
+    assert [key[2] for key in eng.cache.on_device] == [(1, 0)]
+    assert eng.decide(ctx(4, (0,)), q.shape[2]) == "reuse"
+    # one missing part, or a part due to anchor: the batch anchors as a whole
+    eng.begin_run()
+    eng.attend(q0, k0, v0, ctx(1, (1,)))
+    eng.attend(q, k, v, ctx(2, (1, 0)))
+    eng.attend(q0, k0, v0, ctx(3, (1,)))
+    eng.attend(q0.flip(1), k0.flip(1), v0.flip(1), ctx(3, (0,)))
+    eng.cfg = eng.cfg.replace(anchor_steps="1, 3, 4")
+    eng.attend(q, k, v, ctx(4, (1, 0)))
+    t = eng.end_run().totals()
+    assert t["anchors"] == 5 and t["reuses"] == 0
+
+
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
 def test_a_run_under_inference_mode_matches_one_without(problem, method):
     """ComfyUI executes its nodes under torch.inference_mode: every tensor the engine caches is then an inference
     tensor (no version counter, no autograd). A run there gives the run's outputs exactly."""
