@@ -132,10 +132,10 @@ class SparseAttentionCalibrate(io.ComfyNode):
             inputs=[
                 io.String.Input("recording", default="", tooltip="The recording file (the Record node's "
                                 "'recording' output, or a path; relative paths are in the output folder)."),
-                io.Combo.Input("method", options=_sparse_methods(), default="mc_sparse",
+                io.Combo.Input("method", options=_sparse_methods(), default="block_topk",
                                tooltip="The method the densities are for (use the same on the Sparse Attention "
-                                       "node)."),
-                io.Float.Input("density", default=0.1, min=0.01, max=1.0, step=0.01,
+                                       "node; block_topk is the presets' method)."),
+                io.Float.Input("density", default=0.08, min=0.01, max=1.0, step=0.01,
                                tooltip="The average density to distribute over the layers and heads."),
                 io.Combo.Input("block_size", options=["128", "64"], default="128",
                                tooltip="Block size (block methods) and query group size (mc_sparse), as on the "

@@ -1,7 +1,7 @@
 """Calibrate per-layer and per-head densities on a q/k/v recording (the Sparse Attention Record node's file, or
 the quality testbed's ``evaluate.py --dump``), and write a preset.
 
-    python tools/calibrate.py RECORDING [--methods mc_sparse,block_topk] [--density 0.1] [--out preset.yaml]
+    python tools/calibrate.py RECORDING [--methods block_topk,mc_sparse] [--density 0.08] [--out preset.yaml]
         [--report calibration.md] [--base PRESET.yaml | --base wan21_t2v_1.3b] [--anchors 3,10]
         [--grid 0.02,0.05,0.1,0.2,0.4] [--objective reuse|reuse_plain|fresh] [--device cuda]
 
@@ -57,8 +57,10 @@ def _layer_weights(text: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recording", help="the q/k/v recording (.safetensors)")
-    ap.add_argument("--methods", default="mc_sparse", help="comma list of methods to measure (default mc_sparse)")
-    ap.add_argument("--density", default="0.1", help="the average density(ies) to allocate, comma list")
+    ap.add_argument("--methods", default="block_topk",
+                    help="comma list of methods to measure (default block_topk, the presets' method)")
+    ap.add_argument("--density", default="0.08", help="the average density(ies) to allocate, comma list "
+                    "(default 0.08, the presets' density)")
     ap.add_argument("--out", default=None, help="preset YAML to write ({method} and {density} are filled in)")
     ap.add_argument("--report", default=None, help="markdown report (default: beside --out, else the recording)")
     ap.add_argument("--base", default=None, help="a preset (file or bundled name) for the other settings")
