@@ -255,9 +255,9 @@ class SelectionCache:
         "none". Entries of larger chunks that held this chunk's rows, and of smaller chunks whose rows this chunk
         holds, are dropped (they are older). When the residual finds no room and none less important can give way,
         the selection alone is kept, on the device or else in host memory up to SELECTION_SLACK past
-        ``cpu_budget`` (the host reserve still holds; block lists are ~1 % of a residual). The engine runs that layer dense at reuse steps and anchors it again at the next
-        anchor step, where an entry not stored at all would make it fall back for the whole run (docs/decisions.md,
-        "Small cards")."""
+        ``cpu_budget`` (the host reserve still holds; block lists are ~1 % of a residual). The engine runs that
+        layer dense at reuse steps and anchors it again at the next anchor step, where an entry not stored at all
+        would make it fall back for the whole run (docs/decisions.md, "Small cards")."""
         self.drop(key)
         for src, _ in self._covering(key):
             self.drop(src)

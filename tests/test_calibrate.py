@@ -325,8 +325,9 @@ def test_command_line_writes_presets_and_report(recording, tmp_path):
     assert within.cost_uniform == pytest.approx(free.cost_uniform)
     assert free.cost_calibrated <= within.cost_calibrated <= within.cost_uniform
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "calibrate.py"), str(recording), "--density", "0.15",
-                           "--methods", "mc_sparse", "--grid", "0.05,0.1,0.2,0.3", "--out", str(tmp_path / "layer.yaml"),
-                           "--scope", "layer", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+                           "--methods", "mc_sparse", "--grid", "0.05,0.1,0.2,0.3", "--out",
+                           str(tmp_path / "layer.yaml"), "--scope", "layer", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     for layer, f in SparseConfig.from_yaml(tmp_path / "layer.yaml").layer_densities:  # each layer averages ~1
         heads = f if isinstance(f, tuple) else (f, f)
