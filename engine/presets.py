@@ -6,6 +6,7 @@ values come from. Loading validates every field and names the file and field on 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from .config import SparseConfig
@@ -29,6 +30,20 @@ def load_preset(name: str, overrides: dict | None = None, directory: Path = PRES
     workflow or the server's API reads no other file) with ``overrides`` applied."""
     names = list_presets(directory)
     if not isinstance(name, str) or name not in names:
-        raise ValueError(f"preset {str(name)[:60]!r} is not one of the presets in {directory} "
-                         f"(have: {', '.join(names)})")
+        raise ValueError(f"preset {str(name)[:60]!r} is not one of the {len(names)} presets in the pack's "
+                         f"{directory.name}/ folder (a preset is a .yaml file there; the node's list shows them)")
     return SparseConfig.from_yaml(directory / f"{name}.yaml", overrides=overrides)
+
+
+def preset_fingerprint(name: str | None, directory: Path = PRESET_DIR) -> tuple:
+    """((name, sha256 of the file's bytes), ...) of preset ``name``'s file, or of every preset file when ``name`` is
+    None; a missing or unreadable file gives (name, None). Changes when a preset file is edited, added or removed
+    (presets are small: read_yaml refuses files over 1 MiB)."""
+    paths = [directory / f"{name}.yaml"] if name is not None else sorted(directory.glob("*.yaml"))
+    out = []
+    for path in paths:
+        try:
+            out.append((path.stem, hashlib.sha256(path.read_bytes()).hexdigest()))
+        except OSError:
+            out.append((path.stem, None))
+    return tuple(out)

@@ -9,7 +9,7 @@ import logging
 
 from comfy_api.latest import io
 
-from ..engine.presets import list_presets, load_preset
+from ..engine.presets import list_presets, load_preset, preset_fingerprint
 from ..engine.widgets import WIDGETS, config_from_widgets
 from .families import family_of
 from .patch import find_patch, install
@@ -50,9 +50,14 @@ class SparseAttention(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, **values):
+    def validate_inputs(cls, warmup_steps=None, dense_layers=None, anchor_steps=None, layer_densities=None):
+        # ComfyUI checks the numbers' ranges and the lists itself for every input not named here, and reports a
+        # failure of this check on each input it names: so it names the free-text inputs only (a linked one is
+        # not given and is checked when the node runs)
+        texts = dict(warmup_steps=warmup_steps, dense_layers=dense_layers, anchor_steps=anchor_steps,
+                     layer_densities=layer_densities)
         try:
-            config_from_widgets(values)
+            config_from_widgets({k: v for k, v in texts.items() if v is not None})
         except ValueError as exc:
             return str(exc)
         return True
@@ -86,15 +91,22 @@ class SparseAttentionPreset(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, preset="balanced", density_override=0.0):
-        # ComfyUI leaves the inputs named here to this check (no list or range check of its own), and none other
+    def validate_inputs(cls, preset="balanced"):
+        # ComfyUI leaves the inputs named here to this check (no list check of its own) and checks the others itself
+        # (density_override's range): a failure here is reported on `preset` alone
+        if preset == AUTO_PRESET:
+            return True
         try:
-            _density_override(density_override)
-            if preset != AUTO_PRESET:
-                load_preset(preset, _density_override(density_override))
+            load_preset(preset)
         except ValueError as exc:
             return str(exc)
         return True
+
+    @classmethod
+    def fingerprint_inputs(cls, preset="balanced", **_):
+        """What makes ComfyUI run the node again although its inputs did not change: the preset file edited on
+        disk (its contents; every preset's for `auto`). Without it an edit is ignored until the server restarts."""
+        return preset_fingerprint(None if preset == AUTO_PRESET else preset)
 
     @classmethod
     def execute(cls, model, preset, density_override) -> io.NodeOutput:
@@ -126,8 +138,8 @@ class SparseAttentionReport(io.ComfyNode):
                         "layer's selection with the density of every layer.",
             inputs=[
                 io.Model.Input("model", tooltip="The model output of a Sparse Attention node (the patched model)."),
-                io.Latent.Input("samples", tooltip="The sampler's output: connecting it makes the report run "
-                                                   "after sampling."),
+                io.Latent.Input("samples", tooltip="The sampler's output: the report shows the run that produced "
+                                                   "it (and runs after sampling)."),
                 io.Int.Input("layer", default=-1, min=-1, max=10_000,
                              tooltip="Layer whose selection is drawn; -1 picks the first sparse layer."),
             ],
@@ -140,8 +152,9 @@ class SparseAttentionReport(io.ComfyNode):
     @classmethod
     def execute(cls, model, samples, layer) -> io.NodeOutput:
         patch = find_patch(model)
-        text, image = render_report(patch, layer)
-        return io.NodeOutput(text, image)
+        latent = samples.get("samples") if isinstance(samples, dict) else None
+        text, image = render_report(patch, layer, latent)
+        return io.NodeOutput(text, image, ui={"text": [text]})  # shown on the node itself, as the Compare node does
 
 
 NODES = [SparseAttention, SparseAttentionPreset, SparseAttentionReport]

@@ -17,6 +17,7 @@ engine decides is baked into a graph and no step recompiles (docs/reliability.md
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import importlib
@@ -48,6 +49,33 @@ def interrupting(exc: BaseException) -> bool:
     mm = sys.modules.get("comfy.model_management")
     cls = getattr(mm, "InterruptProcessingException", None)
     return cls is not None and isinstance(exc, cls)
+
+
+RECENT_RUNS = 8  # finished runs a Report node can find by the latent it is given (SparseAttentionPatch.run_for)
+
+
+def latent_fingerprint(latent) -> tuple | None:
+    """(elements, sum, sum of squares) in float64 of a sampler's output: a torch tensor, or a NestedTensor of several
+    (ComfyUI 0.33.0 packs several latents into one flat tensor while sampling and hands the node their nested view:
+    the same values in another shape). None for anything else or shape-only tensors."""
+    try:
+        parts = getattr(latent, "tensors", None)
+        tensors = list(parts) if parts is not None else [latent]
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tensors):
+            return None
+        flat = [t.detach().double() for t in tensors]
+        return (sum(t.numel() for t in flat), sum(float(t.sum()) for t in flat),
+                sum(float(t.square().sum()) for t in flat))
+    except Exception:  # noqa: BLE001 - a latent type of another node pack: the report falls back to the last run
+        return None
+
+
+def same_latent(a: tuple, b: tuple) -> bool:
+    """Whether two latent_fingerprint values are of the same latent (sums taken in another order or on another
+    device differ in the last float64 digits)."""
+    (n, s, q), (n2, s2, q2) = a, b
+    tol = 1e-9 * (q * n) ** 0.5 + 1e-30
+    return n == n2 and abs(q - q2) <= 1e-9 * q + 1e-30 and abs(s - s2) <= tol
 
 
 class SamplingRun:
@@ -111,6 +139,7 @@ class SparseAttentionPatch:
         self.layer_offsets = dict(layer_offsets or {})
         self.runs = 0
         self.last_run: SamplingRun | None = None
+        self.recent: collections.deque = collections.deque(maxlen=RECENT_RUNS)  # (latent fingerprint, finished run)
         self.idle = SamplingRun(cfg, None)  # calls made outside any sampling run this patch saw begin
         self._active: list[SamplingRun] = []  # runs in progress, oldest first
         self._lock = threading.Lock()
@@ -140,6 +169,19 @@ class SparseAttentionPatch:
     @property
     def clock(self) -> RunClock | None:
         return None if self.last_run is None else self.last_run.clock
+
+    def run_for(self, latent) -> tuple[SamplingRun | None, bool]:
+        """(run, matched): the newest finished run whose sampler returned ``latent`` (its values: the sampler's
+        output tensor, or ComfyUI's NestedTensor of several), else the last run and False. Two samplers of one
+        patched model (a second pass, Wan 2.2's experts on one model) each have a report of their own even when
+        ComfyUI re-runs only the Report node."""
+        key = latent_fingerprint(latent)
+        if key is not None:
+            with self._lock:
+                for fingerprint, run in reversed(self.recent):
+                    if same_latent(fingerprint, key):
+                        return run, True
+        return self.last_run, False
 
     def cache_bytes(self) -> int:
         """Bytes cached by the runs in progress and by calls outside a run (0 once every run has ended)."""
@@ -272,8 +314,11 @@ class SparseAttentionPatch:
             self.reassert(options)  # an override installed after ours is chained from the first step
         with self._lock:
             self._active.append(run)
+        fingerprint = None
         try:
-            return executor(*args, **kwargs)
+            out = executor(*args, **kwargs)
+            fingerprint = latent_fingerprint(out)
+            return out
         finally:
             if options is not None:
                 if outer is None:
@@ -284,6 +329,8 @@ class SparseAttentionPatch:
             with self._lock:
                 self._active.remove(run)
                 self.last_run = run
+                if fingerprint is not None:
+                    self.recent.append((fingerprint, run))
                 self.runs += 1
             log.info(stats.summary_line())
 

@@ -9,14 +9,18 @@ from ..engine.schedule import warmup_text
 SIZE = 256
 
 
-def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
-    """(text, image (1, SIZE, 2*SIZE, 3) float in [0, 1]) for a SparseAttentionPatch (or None)."""
+def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
+    """(text, image (1, SIZE, 2*SIZE, 3) float in [0, 1]) for a SparseAttentionPatch (or None): the run whose
+    sampler returned ``samples`` (a sampler output tensor or NestedTensor; nodes/patch.py, ``run_for``), else the
+    patch's last run, said so."""
     if patch is None:
         return ("No sparse-attention patch on this model: connect the MODEL output of a Sparse Attention node.",
                 torch.zeros(1, SIZE, 2 * SIZE, 3))
-    stats = patch.last_stats
+    run, matched = (patch.last_run, True) if samples is None else patch.run_for(samples)
+    stats = None if run is None else run.stats
     if stats is None:
         return ("The patched model has not been sampled yet.", torch.zeros(1, SIZE, 2 * SIZE, 3))
+    fallbacks, snapshots = dict(run.fallbacks), run.snapshots
     d = stats.as_dict()
     t = d["totals"]
     cfg = patch.cfg
@@ -24,31 +28,34 @@ def render_report(patch, layer: int) -> tuple[str, torch.Tensor]:
              f"{cfg.density:.3f}, anchors {cfg.anchor_steps.describe()}, warm-up {warmup_text(cfg.warmup_steps)} "
              f"steps / {cfg.warmup_layers} layers, residual {'on' if cfg.residual else 'off'}",
              f"sparse calls: density {_sparse_density(d):.3f} (all calls {t['density']:.3f})"]
-    if not t["calls"] and patch.fallbacks:
-        why = "; ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items()))
+    if not matched:
+        lines.insert(1, "These samples are not the output of a run of this patched model (another model's, a "
+                        "denoised output, or a latent changed after sampling): this is the model's last run")
+    if not t["calls"] and fallbacks:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items()))
         lines.insert(1, f"NOTHING RAN SPARSE: every self-attention call ran the model's own dense attention ({why})"
                      + (f". Below min_tokens ({cfg.min_tokens}) a sparse call is not faster than a dense one "
                         "(docs/benchmarks.md, \"Host overhead at 4 608 tokens\"); larger images or videos make "
-                        "longer sequences" if any("min_tokens" in k for k in patch.fallbacks) else ""))
-    lines += _run_lines(patch.clock, stats)
-    lines += _layout_lines(getattr(patch, "layouts", {}))
+                        "longer sequences" if any("min_tokens" in k for k in fallbacks) else ""))
+    lines += _run_lines(run.clock, stats)
+    lines += _layout_lines(dict(run.layouts))
     dropped = stats.cache.get("dropped_residual_layers") or []
     if dropped:
         lines.append(f"RESIDUALS DROPPED for lack of GPU and host memory at layer(s) {dropped}: those layers ran "
                      "dense at reuse steps until their next anchor (without its residual a layer's reuse step "
                      "loses the quality; dense keeps it and costs the time); more host memory (cpu_budget_mb) "
                      "keeps them sparse")
-    if patch.fallbacks:
-        lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(patch.fallbacks.items())))
+    if fallbacks:
+        lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items())))
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
     for i, row in d["layers"].items():
         fid = "-" if row["fidelity"] is None else f"{row['fidelity']:.4f}"
         lines.append(f"  {i}: {row['calls']} {row['dense']}/{row['anchors']}/{row['reuses']} "
                      f"{row['density']:.3f} {fid}")
-    chosen = layer if layer in patch.snapshots else (min(patch.snapshots) if patch.snapshots else None)
+    chosen = layer if layer in snapshots else (min(snapshots) if snapshots else None)
     left = torch.zeros(SIZE, SIZE, 3)
     if chosen is not None:
-        snap = patch.snapshots[chosen]
+        snap = snapshots[chosen]
         m = snap["map"].float()[None, None]
         m = torch.nn.functional.interpolate(m, size=(SIZE, SIZE), mode="nearest")[0, 0]
         left = torch.stack([m, m * 0.8, 0.2 + 0.0 * m], -1)
