@@ -8,6 +8,7 @@ Node ids are permanent string literals (workflows and ComfyUI Manager refer to t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from ..engine.layer_density import layer_densities_text
 from ..engine.policy import method_names
 from ..engine.presets import list_presets, load_preset
 from ..engine.recording import load_recording
+from .record import check_writable, model_signature, save_failure, unwritable
 from .record import install as install_recorder
-from .record import model_signature
 
 log = logging.getLogger(__name__)
 CATEGORY = "model_patches/sparse_attention"
@@ -109,7 +110,15 @@ class SparseAttentionRecord(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, layers, steps, max_mb, filename_prefix) -> io.NodeOutput:
-        path = output_path(filename_prefix or "sparse_attention/qkv", "safetensors")
+        import folder_paths
+
+        prefix = filename_prefix or "sparse_attention/qkv"
+        try:
+            path = output_path(prefix, "safetensors")
+        except OSError as exc:  # the folder cannot be listed or created (ComfyUI's get_save_image_path)
+            folder = Path(folder_paths.get_output_directory()) / os.path.dirname(os.path.normpath(prefix))
+            raise unwritable(folder, exc) from None
+        check_writable(path.parent)  # before any sampling is spent on a file that cannot be saved
         patched, _ = install_recorder(model, _layers(layers), _steps(steps), int(max_mb * 1e6), path)
         return io.NodeOutput(patched, str(path))
 
@@ -181,19 +190,31 @@ class SparseAttentionCalibrate(io.ComfyNode):
         return True
 
     @classmethod
+    def fingerprint_inputs(cls, recording="", **kwargs):
+        """The recording file's modification time and size, and its status-change time (a copy that keeps the old
+        modification time), or None when missing or linked: a file replaced at the same path calibrates again
+        instead of reusing the cached output. ComfyUI's cache key already holds the other inputs (and, for a linked
+        recording, the Record node's and the sampler's)."""
+        path = _recording_path(recording)
+        if path is None:
+            return None
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ctime_ns)
+
+    @classmethod
     def execute(cls, recording, method, density, block_size, residual_caching, anchor_steps, filename_prefix,
                 samples=None, model=None, scope="model", base_preset=DEFAULT_BASE) -> io.NodeOutput:
         import comfy.model_management
         import comfy.utils
-        import folder_paths
 
-        path = Path(recording.strip()) if recording and recording.strip() else None
+        path = _recording_path(recording)
         if path is None:
             raise ValueError("Sparse Attention Calibrate: recording: give the recording file (the Record node's "
                              "output)")
-        if not path.is_absolute():
-            path = Path(folder_paths.get_output_directory()) / path
-        rec = load_recording(path)
+        rec = _load(path)
         if model is not None:
             _check_model(rec, model)
         size = int(block_size)
@@ -220,6 +241,33 @@ class SparseAttentionCalibrate(io.ComfyNode):
         image = _image(png) if drew else _bars(alloc)
         log.info("sparse attention: calibrated %s at density %g on %s -> %s", method, density, rec.path.name, preset)
         return io.NodeOutput(layer_densities_text(alloc.factors), str(preset), report, image)
+
+
+def _recording_path(text) -> Path | None:
+    """The Calibrate node's recording input as a path (relative: in the output folder); None when empty."""
+    if not isinstance(text, str) or not text.strip():
+        return None
+    path = Path(text.strip())
+    if not path.is_absolute():
+        import folder_paths
+        path = Path(folder_paths.get_output_directory()) / path
+    return path
+
+
+def _load(path: Path):
+    """load_recording, with the Record node's reason when its run wrote no file, and errors naming this node."""
+    failed = save_failure(path)
+    if failed is not None:
+        raise ValueError(f"Sparse Attention Calibrate: recording {path} was not written: the Sparse Attention Record "
+                         f"node's last run failed to save it ({failed}). Fix that and queue the recording run again.")
+    if not path.exists() and os.path.abspath(path) in {os.path.abspath(p) for p in _reserved}:
+        raise ValueError(f"Sparse Attention Calibrate: recording {path} does not exist (yet): the Record node writes "
+                         "it when its sampling run ends; connect that sampler's output to this node's 'samples' "
+                         "input so calibration runs after it")
+    try:
+        return load_recording(path)
+    except ValueError as exc:
+        raise ValueError(f"Sparse Attention Calibrate: recording: {exc}") from None
 
 
 def _anchor_steps(text) -> list[int] | None:

@@ -4,7 +4,10 @@ chosen layers and steps of one sampling run, then runs the dense attention it wo
 Layers and steps are counted exactly as the sparse patch counts them (nodes/forward.py: layers in model order,
 steps in the whole run), so a calibration from the recording addresses the layers the engine sees. Only the first
 conditional batch row is kept, in fp16; the size cap is checked before anything is copied (and, after the first
-forward, against the whole plan); the file is written after sampling (engine/recording.py).
+forward, against the whole plan); the requested layers are checked against the model's after the first forward
+too. The file is written after sampling (engine/recording.py); a failure to write it is logged as an error and
+kept (``save_failure``) for the Calibrate node to report, and the sampler's result is returned all the same: a
+finished run is never lost to the recording.
 
 The recording is meant for a dense run: recording under a Sparse Attention patch would record q/k/v that sparse
 attention already changed, and the two overrides cannot both come first, so that combination is refused.
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 from ..engine import AnchorSchedule
@@ -30,6 +35,50 @@ KEY = "sparse_attention_record"
 INFO_KEY = "sparse_attention_record_forward"
 REFUSE_WITH_SPARSE = ("Sparse Attention Record: this model also has a Sparse Attention patch; record a dense run "
                       "(connect the Record node to a model without Sparse Attention, then calibrate)")
+_failures: dict[str, str] = {}  # recording path -> why its last run wrote nothing (this process)
+
+
+def _key(path) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+def save_failure(path) -> str | None:
+    """Why the last sampling run of the Record node with this recording path wrote no file (None: it wrote it,
+    or no run failed to)."""
+    return _failures.get(_key(path))
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and create and delete a probe file in it; ValueError naming the folder
+    otherwise (before any sampling is spent on a recording that cannot be saved)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".sparse_attention_probe_", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise unwritable(folder, exc) from None
+
+
+def unwritable(folder, exc: OSError) -> ValueError:
+    """The Record node's error for an output folder it cannot write into."""
+    reason = exc.strerror or str(exc)
+    return ValueError(f"Sparse Attention Record: cannot write the recording into the folder {folder} ({reason}): "
+                      "make it writable or choose another filename_prefix (a folder in the output folder)")
+
+
+def _ranges(numbers) -> str:
+    """'0-3, 7' for [0, 1, 2, 3, 7]."""
+    out, nums = [], sorted(numbers)
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        out.append(str(nums[i]) if i == j else f"{nums[i]}-{nums[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def model_signature(diffusion_model) -> str:
@@ -76,6 +125,8 @@ class RecordPatch:
         self.written: Path | None = None
         self.pbar = None
         self._counter = StepCounter()
+        self._seen: set[int] = set()  # layer numbers of the current forward's self-attention calls
+        self._layers_checked = False
 
     def __deepcopy__(self, memo):
         return self
@@ -86,6 +137,7 @@ class RecordPatch:
         forward = to.get(INFO_KEY)
         layer = forward.next_layer(to, args, kwargs) if forward is not None and self.buffer is not None else None
         if layer is not None:  # a self-attention call (cross-attention calls get no layer number)
+            self._seen.add(layer)
             if self._wanted(layer, forward.step):
                 call = translate(args, kwargs)
                 if not isinstance(call, str):
@@ -113,7 +165,8 @@ class RecordPatch:
 
     # lifecycle ------------------------------------------------------------------------------------------------
     def outer_sample(self, executor, *args, **kwargs):
-        """OUTER_SAMPLE wrapper: plan the steps of this run, record during it, write the file after it."""
+        """OUTER_SAMPLE wrapper: plan the steps of this run, record during it, write the file after it (a failure to
+        write is logged and kept for Calibrate; the sampler's result is returned either way)."""
         sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
         try:
             ms = executor.class_obj.model_patcher.get_model_object("model_sampling")
@@ -127,6 +180,8 @@ class RecordPatch:
                              f"{total}-step run")
         self._counter = StepCounter()
         self.per_step = None
+        self._layers_checked = False
+        self.written = None
         self.buffer = RecordingBuffer(self.max_bytes)
         try:
             import comfy.utils
@@ -135,14 +190,32 @@ class RecordPatch:
             self.pbar = None
         try:
             result = executor(*args, **kwargs)
-            self.written = self.buffer.save(self.path, self._metadata())
-            log.info("sparse attention: recorded q/k/v of layers %s at steps %s to %s (%.0f MB)",
-                     sorted({int(k[5:k.index(".")]) for k in self.buffer.tensors}), self.planned, self.written,
-                     self.buffer.nbytes / 1e6)
+            self._save()
             return result
         finally:
             self.buffer = None  # the tensors are on disk (or the run failed): free the host memory
             self.pbar = None
+
+    def _save(self) -> None:
+        """Write the buffer to ``path``. Any error is logged (naming the node and the file) and kept for the
+        Calibrate node, and nothing half-written stays: the sampling result must not be lost to the recording."""
+        try:
+            self.written = self.buffer.save(self.path, self._metadata())
+        except Exception as exc:  # noqa: BLE001 - the run is done: report, never fail the sampler
+            reason = str(exc) or type(exc).__name__
+            _failures[_key(self.path)] = reason
+            partial = self.path.with_name(self.path.name + ".partial")
+            try:
+                partial.unlink(missing_ok=True)
+            except OSError:
+                pass
+            log.error("Sparse Attention Record: the recording %s was NOT written: %s. The sampler's result is kept; "
+                      "Sparse Attention Calibrate will report this file as missing.", self.path, reason)
+            return
+        _failures.pop(_key(self.path), None)
+        log.info("sparse attention: recorded q/k/v of layers %s at steps %s to %s (%.0f MB)",
+                 sorted({int(k[5:k.index(".")]) for k in self.buffer.tensors}), self.planned, self.written,
+                 self.buffer.nbytes / 1e6)
 
     def _metadata(self) -> dict:
         meta = {"family": self.family.name, "total_steps": self.clock.total if self.clock else None,
@@ -154,7 +227,8 @@ class RecordPatch:
 
     def apply_model(self, executor, x, t, *args, **kwargs):
         """APPLY_MODEL wrapper: this forward's facts (layer counter, step, layout), as the sparse patch computes
-        them; after the first forward that recorded anything, the whole plan is checked against the cap."""
+        them; after the first forward the requested layers are checked against the model's, and after the first
+        forward that recorded anything the whole plan is checked against the cap."""
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if not isinstance(to, dict):
             return executor(x, t, *args, **kwargs)
@@ -163,14 +237,30 @@ class RecordPatch:
         forward = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter, conds=kwargs)
         to[INFO_KEY] = forward
         before = self.buffer.nbytes if self.buffer is not None else 0
+        self._seen = set()
         if self.family.bypass_module is not None:
             with route_module_attention(self.family.bypass_module, to):
                 out = executor(x, t, *args, **kwargs)
         else:
             out = executor(x, t, *args, **kwargs)
+        if self.buffer is not None and not self._layers_checked and self._seen:
+            self._check_layers(to)
         if self.buffer is not None and self.per_step is None and self.buffer.nbytes > before:
             self._check_plan(forward, self.buffer.nbytes - before)
         return out
+
+    def _check_layers(self, transformer_options: dict) -> None:
+        """After the first forward with self-attention calls: every requested layer must be one of the model's
+        (ValueError naming the missing ones, instead of sampling the whole run to record nothing of them)."""
+        self._layers_checked = True
+        if self.layers is None:
+            return
+        skipped = {int(b) for b in transformer_options.get("stg_self_attn_blocks", ()) or ()}  # skipped this forward
+        missing = sorted(self.layers - self._seen - skipped)
+        if missing:
+            raise ValueError(f"Sparse Attention Record: layers: {_ranges(missing)} not in this model (its "
+                             f"self-attention layers are {_ranges(self._seen | skipped)}); record existing layers "
+                             "or leave layers empty for all")
 
     def _check_plan(self, forward: Forward, recorded: int) -> None:
         """After the first forward that recorded: the bytes the whole plan needs against the cap."""
