@@ -92,6 +92,9 @@ class SamplingRun:
         self.snapshots: dict[int, dict] = {}
         self.stats = None
         self.dense_reason: str | None = None  # set when the whole run is better dense (SparseAttentionPatch._no_reuse)
+        self.forwards = 0  # model forwards of this run (APPLY_MODEL) ...
+        self.reached = 0  # ... and attention calls that reached the override: none from many forwards means a node
+        # replaced the model's forward without passing transformer_options on (TeaCache, MagCache)
         self.lock = threading.Lock()
 
     def __deepcopy__(self, memo):
@@ -121,6 +124,11 @@ class SamplingRun:
         """End the run: free every engine's cache, keep and return the merged statistics."""
         self.stats = self.engines.end_run()
         return self.stats
+
+    @property
+    def unreached(self) -> bool:
+        """The model ran forwards and not one attention call of them reached the pack."""
+        return self.forwards > 0 and self.reached == 0
 
 
 class SparseAttentionPatch:
@@ -235,6 +243,7 @@ class SparseAttentionPatch:
             return func(*args, **kwargs)
         to = kwargs.get("transformer_options") or {}
         run = self.run_of(to)
+        run.reached += 1  # only compared with 0: no lock needed
         try:
             plan = self._plan(run, args, kwargs, to)
         except Exception as exc:  # a layout or call this pack cannot read
@@ -326,6 +335,11 @@ class SparseAttentionPatch:
                 else:
                     options[RUN_KEY] = outer
             stats = run.finish()
+            if run.unreached:
+                self._log_once("unreached", "sparse attention: %d model forwards and not one attention call reached "
+                               "the pack: a node replaced the model's forward without passing transformer_options on "
+                               "(TeaCache and MagCache do), so attention ran dense. ComfyUI's own EasyCache and "
+                               "LazyCache work with the pack", run.forwards, level=logging.WARNING)
             with self._lock:
                 self._active.remove(run)
                 self.last_run = run
@@ -399,6 +413,7 @@ class SparseAttentionPatch:
     def _forward(self, run, executor, x, t, args, kwargs, to):
         """One forward with its facts made afresh (a retried forward numbers its layers from 0 again)."""
         with run.lock:  # the step counter is shared by the run's worker threads
+            run.forwards += 1
             to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter,
                                    conds=kwargs, seen=run.layouts)
         if self.family.bypass_module is not None:

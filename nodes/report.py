@@ -31,7 +31,12 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
     if not matched:
         lines.insert(1, "These samples are not the output of a run of this patched model (another model's, a "
                         "denoised output, or a latent changed after sampling): this is the model's last run")
-    if not t["calls"] and fallbacks:
+    if run.unreached:
+        lines.insert(1, f"NOTHING RAN SPARSE: the model ran {run.forwards} forwards and not one attention call "
+                        "reached the pack: a node replaced the model's forward without passing transformer_options "
+                        "on (TeaCache and MagCache do), so attention ran dense. ComfyUI's own EasyCache and "
+                        "LazyCache work with the pack; or remove that node")
+    elif not t["calls"] and fallbacks:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items()))
         lines.insert(1, f"NOTHING RAN SPARSE: every self-attention call ran the model's own dense attention ({why})"
                      + (f". Below min_tokens ({cfg.min_tokens}) a sparse call is not faster than a dense one "

@@ -98,6 +98,20 @@ for name, scale, split in (("cfg1", 1.0, False), ("batched", 3.0, False), ("sepa
                    dense_equal=dense_equal)
 r["batched_vs_separate"] = C.rel(cfg_runs["separate"], cfg_runs["batched"])
 
+# a node that replaces the model's forward and does not pass transformer_options on (TeaCache, MagCache): no
+# attention call reaches the pack; the run is dense and the report says why instead of showing an empty run
+from comfyui_sparse_attention.nodes.report import render_report
+m, p = install(model, cfg())
+dm = m.get_model_object("diffusion_model")
+orig_forward = dm.forward
+m.add_object_patch("diffusion_model.forward",
+                   lambda *a, **kw: orig_forward(*a, **{{**kw, "transformer_options": {{}}}}))
+out = C.sample(m, latent, pos, neg)
+r["unreached"] = dict(report=render_report(p, -1)[0], calls=p.last_stats.totals()["calls"], rel=C.rel(out, base))
+m2, p2 = install(model, cfg())
+C.sample(m2, latent, pos, neg)
+r["reached_report"] = render_report(p2, -1)[0]
+
 # memory near ComfyUI's threshold: split at the anchor steps (0 and 2), batched in between; calc_cond_batch asks
 # for the free memory once per batch it builds (twice in a split step; 0.33.0 through its patcher)
 plan, state = [True, False, True, False], dict(step=0, left=0, split=False)
@@ -245,6 +259,13 @@ def test_cfg_one_and_cond_uncond_batched_or_separate(results):
     f = r["flipping"]
     assert f["steps"] == 4 and f["anchors"] == r["separate"]["anchors"] and f["reuses"] > 0, f
     assert f["vs_separate"] < 1e-4, f
+
+
+def test_a_forward_that_drops_transformer_options_is_reported(results):
+    r = results["unreached"]
+    assert r["calls"] == 0 and r["rel"] < 1e-6, r
+    assert "NOTHING RAN SPARSE" in r["report"] and "TeaCache" in r["report"], r["report"]
+    assert "NOTHING RAN SPARSE" not in results["reached_report"], results["reached_report"]
 
 
 def test_two_samplers_on_clones_share_nothing(results):
