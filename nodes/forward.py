@@ -15,24 +15,74 @@ from .families import Family
 INFO_KEY = "sparse_attention_forward"
 
 
+SIGMA_MIN_RTOL = 1e-5  # RES4LYF writes the model's sigma_min itself: equal up to float rounding
+
+
+def run_sigmas(values, sigma_min: float | None = None) -> list[float]:
+    """The sigma schedule a sampler runs, from the sigmas it hands ComfyUI's sampler (the OUTER_SAMPLE wrapper's
+    ``sigmas``, the options' ``sample_sigmas``), with the zeros other node packs add as flags taken out
+    (docs/method.md, "Schedule"). ComfyUI's own schedules come back unchanged.
+
+    RES4LYF (ClownsharKSampler, ClownsharkChainsampler) pads its sigmas with a 0 at both ends so that ComfyUI adds
+    no noise (RES4LYF beta/samplers.py, "USE NULL FLOATS AS FLAGS"): "resample" hands ``[0, s0 .. sN, 0, 0]``,
+    "unsample" the flipped schedule ``[0, sN .. s0, 0]``; its sampler strips them again (beta/rk_noise_sampler_beta.py,
+    ``prepare_sigmas``). A 0 followed by larger sigmas leads such a schedule; the direction is that of its non-zero
+    part (the first and last sigmas are both 0). A falling one keeps one final 0 (a run down to sigma 0); a rising
+    one (unsample) keeps its leading 0, the low end RES4LYF starts it from (at sigma_min; ComfyUI's FlipSigmas puts
+    1e-4 there) and drops the trailing 0. Repeated trailing zeros are one.
+
+    ``sigma_min``: the model's smallest sigma. ``prepare_sigmas`` inserts it before the final 0 when the last
+    non-zero sigma is more than 1e-4 away from it, and a chained sampler receives those prepared sigmas padded again
+    (``[0, s0 .. sN, sigma_min, 0, 0]``): when the schedule was padded, a last non-zero sigma equal to ``sigma_min``
+    is dropped. Karras and exponential schedules end at sigma_min themselves, so the run clock keeps it when the
+    schedule is one of ComfyUI's (nodes/run_clock.py, ``clock_for``); without ``sigma_min`` nothing is dropped.
+    """
+    v = [float(x) for x in values]
+    lead = len(v) >= 3 and v[0] <= 0.0 < v[1]
+    end = len(v)
+    while end > 0 and v[end - 1] <= 0.0:
+        end -= 1
+    trailing = len(v) - end
+    if not lead and trailing <= 1:
+        return v  # ComfyUI's own schedules
+    core = v[1 if lead else 0:end]
+    if not core or any(x <= 0.0 for x in core):
+        return v  # zeros inside the schedule: not a padding this knows
+    if len(core) >= 2 and core[-1] > core[0]:  # rising (unsample): from its low end up
+        return ([0.0] if lead else []) + core
+    out = core + ([0.0] if trailing else [])
+    if (lead and sigma_min is not None and trailing and len(out) >= 3
+            and abs(out[-2] - sigma_min) <= SIGMA_MIN_RTOL * abs(sigma_min)):
+        out = out[:-2] + out[-1:]
+    return out
+
+
+def rising(values) -> bool:
+    """Whether a schedule rises (ComfyUI's FlipSigmas, RES4LYF's unsample: inversion), judged by its non-zero part:
+    a padded schedule starts and ends at 0 (``run_sigmas``)."""
+    live = [float(x) for x in values if float(x) > 0.0]
+    return len(live) >= 2 and live[-1] > live[0]
+
+
 def step_index(transformer_options: dict) -> tuple[int, int | None]:
     """(step, total_steps) of this model call within the sampling run.
 
-    The current sigma is located in the run's schedule ``sample_sigmas``: an exact match gives its index; an
-    intermediate sigma of a multi-evaluation sampler (heun, dpm_2, …) belongs to the step it lies in. The
-    schedule usually descends; a rising one (ComfyUI's FlipSigmas, for inversion / unsampling) is run from its
-    first sigma too, so its steps count forward from its start, where the warm-up belongs (docs/method.md,
-    "Schedule"). Without a schedule: step 0.
+    The current sigma is located in the run's schedule ``sample_sigmas`` (``run_sigmas``: without the zeros node
+    packs such as RES4LYF pad it with): an exact match gives its index; an intermediate sigma of a
+    multi-evaluation sampler (heun, dpm_2, …) belongs to the step it lies in. The schedule usually descends; a
+    rising one (ComfyUI's FlipSigmas, RES4LYF's unsample, for inversion / unsampling) is run from its first sigma
+    too, so its steps count forward from its start, where the warm-up belongs (docs/method.md, "Schedule").
+    Without a schedule: step 0.
     """
     sigmas = transformer_options.get("sigmas")
     sched = transformer_options.get("sample_sigmas")
     if sigmas is None or sched is None:
         return 0, None
     s = float(sigmas.reshape(-1)[0])
-    vals = [float(x) for x in sched.reshape(-1)]
+    vals = run_sigmas(sched.reshape(-1).tolist())
     total = max(1, len(vals) - 1)
     tol = 1e-5 * max(1.0, abs(s))
-    if vals[-1] > vals[0]:  # rising: the steps whose sigma is at or below this one
+    if rising(vals):  # rising: the steps whose sigma is at or below this one
         count = sum(1 for x in vals if x <= s + tol)
     else:  # descending: the steps whose sigma is at or above this one
         count = sum(1 for x in vals if x >= s - tol)
@@ -138,7 +188,8 @@ class Forward:
         if local_total is None and counter is not None:
             self.step, self.total = counter(transformer_options), None
         elif clock is not None and clock.total is not None:
-            self.step, self.total = clock.offset + local, clock.total
+            # a call at a sigma the clock's schedule left out (RES4LYF's sigma_min, run_sigmas) is its last step
+            self.step, self.total = min(clock.offset + local, clock.total - 1), clock.total
         else:
             self.step, self.total = local, local_total
         self.chunk = chunk_of(transformer_options)

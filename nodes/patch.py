@@ -31,7 +31,7 @@ from ..engine import DeviceEngines, RunClock, SparseConfig
 from ..engine.schedule import reuse_steps
 from .call import translate
 from .families import UNKNOWN, Family, family_of
-from .forward import INFO_KEY, Forward, StepCounter
+from .forward import INFO_KEY, Forward, StepCounter, run_sigmas
 from .run_clock import called_by_ksampler, clock_for
 
 log = logging.getLogger(__name__)
@@ -366,7 +366,8 @@ class SparseAttentionPatch:
         cfg = self.cfg
         if not cfg.residual or cfg.select_every_step or cfg.method == "dense" or clock.total is None:
             return None
-        steps = int(sigmas.numel()) - 1 if isinstance(sigmas, torch.Tensor) else 0
+        # the sampler's steps, without the zeros RES4LYF pads its sigmas with (nodes/forward.py, run_sigmas)
+        steps = len(run_sigmas(sigmas.reshape(-1).tolist())) - 1 if isinstance(sigmas, torch.Tensor) else 0
         if steps < 1 or reuse_steps(cfg.anchor_steps, cfg.warmup_steps, clock.offset, steps, clock.total) > 0:
             return None
         reason = "a sampler with no reuse step (every sparse step would anchor, costing more than dense)"

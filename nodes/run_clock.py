@@ -4,7 +4,8 @@ A sampler that runs part of a schedule (KSamplerAdvanced start/end steps, Wan 2.
 receives a slice of a longer sigma schedule. ``clock_for`` finds that schedule: it recomputes ComfyUI's
 schedulers at plausible lengths and looks for the slice in them (exact, any scheduler); failing that, the
 even spacing of the steps in the model's sigma-table index or timestep places them (engine/schedule.py);
-failing that too, the sampler's own steps are the run, and the report says so.
+failing that too, the sampler's own steps are the run, and the report says so. The sigmas are first read as the
+schedule the sampler runs (nodes/forward.py, ``run_sigmas``: RES4LYF pads them with zeros).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ..engine import Coordinate, RunClock, locate_run
 from ..engine.schedule import OWN_SCHEDULE
+from .forward import run_sigmas
 
 log = logging.getLogger(__name__)
 
@@ -147,16 +149,31 @@ def match_schedule(values: list[float], ms, prefer_dropped: bool = False) -> Run
     return RunClock(start, total, f"the {total}-step '{name}' schedule this sampler is part of")
 
 
+def _without_inserted_sigma_min(raw: list[float], values: list[float], ms) -> list[float]:
+    """``values`` (``run_sigmas`` of ``raw``) without the sigma_min RES4LYF inserts before the final 0 of a chained
+    sampler's padded schedule (``run_sigmas``), unless the schedule with it is one of ComfyUI's (karras and
+    exponential end at sigma_min themselves, and RES4LYF inserts nothing there): a 20-step run handed on as
+    ``[0, s0 .. s19, sigma_min, 0, 0]`` is that 20-step run, not a 21- or 23-step one (docs/method.md,
+    "Schedule")."""
+    trimmed = run_sigmas(raw, float(ms.sigma_min))
+    if trimmed == values or match_schedule(values, ms) is not None:
+        return values
+    return trimmed
+
+
 def clock_for(sigmas, ms, sampler=None) -> RunClock:
-    """RunClock of a sampler running ``sigmas`` (1-D tensor, descending) with model sampling object ``ms``.
+    """RunClock of a sampler running ``sigmas`` (1-D tensor, descending; rising for inversion; as the sampler hands
+    them to ComfyUI, padded or not: ``run_sigmas``) with model sampling object ``ms``.
     ``sampler``: the KSAMPLER that runs them, when known (it settles a tie of split schedules,
     ``match_schedule``'s ``prefer_dropped``)."""
     if not isinstance(sigmas, torch.Tensor) or sigmas.numel() < 2:
         return RunClock()
-    values = [float(x) for x in sigmas.reshape(-1)]
+    raw = sigmas.reshape(-1).tolist()
+    values = run_sigmas(raw)  # without the zeros RES4LYF pads its sigmas with (nodes/forward.py)
     if ms is None:
         return RunClock(0, len(values) - 1, "the sampler's own steps (no model sampling object)")
     try:
+        values = _without_inserted_sigma_min(raw, values, ms)
         coords = sampling_coordinates(ms)
         whole = locate_run(values, coords)
         if whole.exact:
