@@ -89,6 +89,19 @@ def step_index(transformer_options: dict) -> tuple[int, int | None]:
     return min(max(0, count - 1), total - 1), total
 
 
+def on_schedule(transformer_options: dict) -> bool:
+    """Whether this call's sigma is one of the run's schedule ``sample_sigmas`` (a step's own sigma, or a later
+    step's that heun and heunpp2 evaluate at), not one between them (dpm_2's midpoints) or beside them (a sigma
+    scaled by Detail Daemon or LyingSigmaSampler)."""
+    sigmas = transformer_options.get("sigmas")
+    sched = transformer_options.get("sample_sigmas")
+    if sigmas is None or sched is None:
+        return False
+    s = float(sigmas.reshape(-1)[0])
+    tol = 1e-5 * max(1.0, abs(s))
+    return any(abs(float(x) - s) <= tol for x in sched.reshape(-1).tolist())
+
+
 # Options under which ComfyUI evaluates the same conds through a different forward: an extra guidance pass run from
 # a post-CFG function (LTXVSpatioTemporalGuidance perturbs these blocks' self-attention, LTXVModalityGuidance
 # severs the audio-video cross-attention; comfy_extras/nodes_lt.py) or blocks replaced for the pass
@@ -168,9 +181,14 @@ class Forward:
     self-attention calls.
 
     ``clock`` places this sampler in the whole run (engine/schedule.py): the run step is the clock's offset plus
-    the position of the current sigma in the sampler's schedule. Without a schedule in the options, ``counter``
-    counts steps and the run's length is unknown. ``conds``: the conditioning APPLY_MODEL receives (keyword
-    arguments: ``latent_shapes`` of packed audio-video latents, reference latents, MiniMax's packed layout, ...).
+    the position of the current sigma in the sampler's schedule; ``progress`` = (the run step of the run's first
+    call, the steps the sampler reported finished through its callback; nodes/patch.py, ``_with_progress``) keeps
+    it at the reported step (one more at a schedule sigma) once the sampler reported any, unless a call at a
+    schedule sigma shows the count does not fit (``miscounted``: from the second such call the run places its
+    calls by sigma alone). Without
+    a schedule in the options, ``counter`` counts steps and the run's length is unknown. ``conds``: the
+    conditioning APPLY_MODEL receives (keyword arguments: ``latent_shapes`` of packed audio-video latents, reference
+    latents, MiniMax's packed layout, ...).
     ``seen``: a dict the layouts of this forward's calls are counted in ({(stream, layout): calls}).
 
     Layer numbers (docs/families.md, "Numbering"): a main-block call is numbered by its ``block_index`` in model
@@ -181,15 +199,30 @@ class Forward:
 
     def __init__(self, family: Family, x_shape, transformer_options: dict, layer_offsets: dict[str, int],
                  clock: RunClock | None = None, counter: StepCounter | None = None, conds: dict | None = None,
-                 seen: dict | None = None):
+                 seen: dict | None = None, progress: tuple | None = None):
         self.family = family
         self.x_shape = tuple(x_shape) if x_shape is not None else None
+        self.miscounted = False  # the sampler's reported steps do not fit this call's schedule sigma (``progress``)
         local, local_total = step_index(transformer_options)
         if local_total is None and counter is not None:
             self.step, self.total = counter(transformer_options), None
         elif clock is not None and clock.total is not None:
             # a call at a sigma the clock's schedule left out (RES4LYF's sigma_min, run_sigmas) is its last step
-            self.step, self.total = min(clock.offset + local, clock.total - 1), clock.total
+            step = clock.offset + local
+            first, done = progress if progress is not None else (clock.offset, None)
+            exact = progress is not None and on_schedule(transformer_options)
+            if first is None and not exact:  # the run's first call is at its first step's sigma: scaled, not moved
+                step = clock.offset
+            elif first is not None and done is not None:  # the sampler reported `done` finished steps: a call
+                # after them is of step first + done, or one more at a schedule sigma (heunpp2's second look-ahead),
+                # whatever sigma the model is handed (Detail Daemon and LyingSigmaSampler scale it by a few percent)
+                expected = first + done
+                # a call at a schedule sigma that the count does not fit: a sampler that does not report once per
+                # step (RES4LYF's implicit steps report each iteration), or a scaled sigma that happens to equal
+                # another step's; the run counts them and, from the second, places its calls by sigma alone
+                self.miscounted = exact and not expected <= step <= expected + 1
+                step = min(max(step, expected), expected + (1 if exact else 0))
+            self.step, self.total = min(step, clock.total - 1), clock.total
         else:
             self.step, self.total = local, local_total
         self.chunk = chunk_of(transformer_options)

@@ -51,6 +51,33 @@ def interrupting(exc: BaseException) -> bool:
     return cls is not None and isinstance(exc, cls)
 
 
+def _with_progress(run: SamplingRun, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The OUTER_SAMPLE arguments with the sampler's callback (``callback``, the sixth: ``callback(step, x0, x,
+    total_steps)`` after each step, ComfyUI's previews and progress bar) wrapped to count the steps the sampler
+    finished in ``run.done`` (a step number reported twice in a row counts once); a sampler given no callback gets
+    one that only counts. The run steps of the calls
+    after them then follow the count from the run's first step, whatever sigma the model is handed
+    (nodes/forward.py, ``Forward``; docs/method.md, "Schedule")."""
+    if len(args) > 5:
+        callback = args[5]
+    elif "callback" in kwargs:
+        callback = kwargs["callback"]
+    else:
+        return args, kwargs  # a guider whose outer_sample takes no callback: steps by the sigmas alone
+
+    last = []
+
+    def noted(*a, **kw):  # counted, not read: node packs pass their own step numbers (RES4LYF counts unsample's down)
+        step = a[0] if a else kw.get("step")
+        if not (last and isinstance(step, int) and step == last[-1]):  # a step reported again is one step (RES4LYF
+            run.done = (run.done or 0) + 1  # reports each implicit iteration, and the last step once more)
+        last[:] = [step]
+        return None if callback is None else callback(*a, **kw)
+    if len(args) > 5:
+        return args[:5] + (noted,) + args[6:], kwargs
+    return args, {**kwargs, "callback": noted}
+
+
 RECENT_RUNS = 8  # finished runs a Report node can find by the latent it is given (SparseAttentionPatch.run_for)
 
 
@@ -92,6 +119,9 @@ class SamplingRun:
         self.snapshots: dict[int, dict] = {}
         self.stats = None
         self.dense_reason: str | None = None  # set when the whole run is better dense (SparseAttentionPatch._no_reuse)
+        self.done: int | None = None  # steps the sampler reported finished through its callback (None: none yet)
+        self.first: int | None = None  # the run step of its first call (what `done` counts from)
+        self.miscounted = 0  # calls whose schedule sigma the reported steps do not fit; from 2: steps by sigma alone
         self.forwards = 0  # model forwards of this run (APPLY_MODEL) ...
         self.reached = 0  # ... and attention calls that reached the override: none from many forwards means a node
         # replaced the model's forward without passing transformer_options on (TeaCache, MagCache)
@@ -323,6 +353,7 @@ class SparseAttentionPatch:
             self.reassert(options)  # an override installed after ours is chained from the first step
         with self._lock:
             self._active.append(run)
+        args, kwargs = _with_progress(run, args, kwargs)
         fingerprint = None
         try:
             out = executor(*args, **kwargs)
@@ -415,8 +446,12 @@ class SparseAttentionPatch:
         """One forward with its facts made afresh (a retried forward numbers its layers from 0 again)."""
         with run.lock:  # the step counter is shared by the run's worker threads
             run.forwards += 1
-            to[INFO_KEY] = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter,
-                                   conds=kwargs, seen=run.layouts)
+            forward = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter, conds=kwargs,
+                              seen=run.layouts, progress=(run.first, None if run.miscounted >= 2 else run.done))
+            if run.first is None:
+                run.first = forward.step
+            run.miscounted += forward.miscounted
+            to[INFO_KEY] = forward
         if self.family.bypass_module is not None:
             with route_module_attention(self.family.bypass_module, to):
                 return executor(x, t, *args, **kwargs)

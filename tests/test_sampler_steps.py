@@ -180,3 +180,60 @@ def test_a_split_of_a_flow_model_with_timesteps_in_zero_to_one_is_placed_in_its_
     """Flux (and Qwen-Image, LTX-2, Chroma, Lumina 2): the second part of a split and a denoise-0.5 run were taken
     for whole runs (engine/schedule.py, Coordinate.unit)."""
     assert results["flux_split"] == [[0, 12], [4, 12], [12, 24], [0, 12]]
+
+
+@pytest.mark.comfyui
+def test_a_sampler_that_scales_the_models_sigma_is_counted_by_its_reported_steps():
+    """Detail Daemon and LyingSigmaSampler hand the model a sigma scaled by a few percent while the sampler walks the
+    plain schedule; near the top of Wan's shift-8 schedule that moved calls by steps (anchors early, or steps
+    "going back" taken for restarts). The steps the sampler reports through its callback place them. A sampler
+    that reports more than once per step (RES4LYF's implicit steps) is placed by its sigmas, as before."""
+    if comfyui_path() is None:
+        pytest.skip("COMFYUI_PATH is not set")
+    r = run_in_comfyui(comfyui_path(), f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import comfy_child as C
+        C.load_pack()
+        import comfy.sample, comfy.samplers
+        from comfyui_sparse_attention.nodes.patch import install
+        from comfyui_sparse_attention.engine import SparseConfig
+        model, latent, pos, neg = C.build("wan")
+        cfg = SparseConfig(method="block_topk", density=0.5, warmup_steps=0, anchor_steps="20%, 50%", min_tokens=0,
+                           block_q=64, block_k=64, backend="torch")
+        ms = model.get_model_object("model_sampling")
+        sigmas = comfy.samplers.calculate_sigmas(ms, "simple", 20)
+
+        def euler(scale, reports=1, numbers=1):
+            def sample(model, x, sigmas, extra_args=None, callback=None, disable=None):
+                s_in = x.new_ones([x.shape[0]])
+                for i in range(len(sigmas) - 1):
+                    denoised = model(x, sigmas[i] * scale * s_in, **(extra_args or {{}}))
+                    for j in range(reports):
+                        if callback is not None:
+                            callback({{"x": x, "i": i * numbers + j * (numbers > 1), "sigma": sigmas[i],
+                                      "sigma_hat": sigmas[i], "denoised": denoised}})
+                    x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+                return x
+            return comfy.samplers.KSAMPLER(sample)
+
+        out = {{}}
+        with torch.inference_mode():
+            for name, scale, reports, numbers in (("plain", 1.0, 1, 1), ("lower", 0.9, 1, 1),
+                                                  ("higher", 1.08, 1, 1), ("twice", 1.0, 2, 1),
+                                                  ("twice_numbered", 1.0, 2, 2)):
+                m, p = install(model, cfg)
+                comfy.sample.sample_custom(m, torch.randn(latent.shape, generator=torch.Generator().manual_seed(0)),
+                                           1.0, euler(scale, reports, numbers), sigmas, pos, neg, latent,
+                                           disable_pbar=True, seed=0)
+                out[name] = [p.last_stats.schedule_line(), p.last_stats.totals()["anchors"]]
+        emit(out)
+    """)
+    assert r["plain"][0] == "ArrrArrrrrArrrrrrrrr", r
+    for name in ("lower", "higher", "twice"):  # 1.08 x step 10's sigma is step 5's: one call that does not fit
+        assert r[name] == r["plain"], (name, r)
+    # two numbered reports per step: the count runs ahead until two calls at schedule sigmas show it (steps 1 and 2
+    # are taken for 2 and 4), then the sigmas place the calls: without that, every step from the tenth on would be
+    # taken for the last
+    line, anchors = r["twice_numbered"]
+    assert line.endswith(r["plain"][0][5:]) and anchors == r["plain"][1], r
