@@ -182,6 +182,7 @@ class SparseAttentionPatch:
         self._active: list[SamplingRun] = []  # runs in progress, oldest first
         self._lock = threading.Lock()
         self._logged: set[str] = set()
+        self.error_messages: dict[str, str] = {}  # the first message of each kind of error of ours (``_error``)
         self._local = threading.local()  # .dense: this thread is inside one of our dense calls
 
     def __deepcopy__(self, memo):
@@ -332,6 +333,7 @@ class SparseAttentionPatch:
         """Log an error of ours once per kind (a warning with its message); returns the kind for the report."""
         kind = f"{what} ({type(exc).__name__})"
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        self.error_messages.setdefault(kind, first)  # the report shows it beside the count
         self._log_once(kind, "sparse attention: %s: %s", kind, first, level=logging.WARNING)
         return kind
 

@@ -43,6 +43,7 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
                         "(docs/benchmarks.md, \"Host overhead at 4 608 tokens\"); larger images or videos make "
                         "longer sequences" if any("min_tokens" in k for k in fallbacks) else ""))
     lines += _run_lines(run.clock, stats)
+    lines += _missing_layer_lines(cfg, d["layers"])
     lines += _layout_lines(dict(run.layouts))
     dropped = stats.cache.get("dropped_residual_layers") or []
     if dropped:
@@ -52,6 +53,8 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
                      "keeps them sparse")
     if fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items())))
+        messages = getattr(patch, "error_messages", {})
+        lines += [f"  {k}: {messages[k][:200]}" for k in sorted(fallbacks) if messages.get(k)]
     lines.append("layer: calls dense/anchor/reuse density(all calls) anchor-rel-L2")
     for i, row in d["layers"].items():
         fid = "-" if row["fidelity"] is None else f"{row['fidelity']:.4f}"
@@ -69,6 +72,22 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
     right = _density_bars(d["layers"])
     image = torch.cat([left, right], dim=1).clamp(0, 1).unsqueeze(0)
     return "\n".join(lines), image
+
+
+def _missing_layer_lines(cfg, layers: dict) -> list[str]:
+    """A line when dense_layers or layer_densities name layers no self-attention call of the run had (they do
+    nothing: a setting written for another model, or counted from 1)."""
+    if not layers:
+        return []
+    seen = set(layers)
+    named = {"dense_layers": sorted(set(cfg.dense_layers) - seen),
+             "layer_densities": sorted({layer for layer, _ in cfg.layer_densities} - seen)}
+    missing = "; ".join(f"{k} {', '.join(map(str, v[:12]))}{' ...' if len(v) > 12 else ''}"
+                        for k, v in named.items() if v)
+    if not missing:
+        return []
+    return [f"SETTINGS FOR LAYERS THIS RUN DID NOT HAVE (they did nothing): {missing}; the layers the engine saw "
+            f"were {min(seen)}-{max(seen)} (numbered from 0 in model order)"]
 
 
 def _run_lines(clock, stats) -> list[str]:

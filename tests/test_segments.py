@@ -288,3 +288,26 @@ def test_forward_keeps_minimax_segments_from_the_conditioning():
     assert fwd.next_layer({}, *call(171)) == 0 and fwd.next_layer({}, *call(7)) == 2  # in-forward text refiner
     assert fwd.context(0, 171, {}).layout.describe(171) == \
         "text 7 | audio 10 (left channel) | audio 10 (right channel) | video 3x6x8 = 171"
+
+
+def test_settings_for_layers_the_run_did_not_have_are_reported():
+    """dense_layers or layer_densities written for another model (or counted from 1) do nothing: the report says
+    which, with the layers the engine saw; an engine error's message stands beside its count."""
+    flux = BY_NAME["flux"].bind(_Model("comfy.ldm.flux.model", patch_size=2))
+    cfg = SparseConfig(min_tokens=0, group_size=64, backend="torch", dense_layers="1, 7", layer_densities="{9: 0.5}")
+    patch = SparseAttentionPatch(cfg, family=flux)
+    _run_patch(patch, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)] * 2)
+    text, _ = render_report(patch, -1)
+    assert "SETTINGS FOR LAYERS THIS RUN DID NOT HAVE (they did nothing): dense_layers 7; layer_densities 9" in text
+    assert "were 0-1" in text
+    fine = SparseAttentionPatch(SparseConfig(min_tokens=0, group_size=64, backend="torch", dense_layers="1"),
+                                family=flux)
+    _run_patch(fine, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)] * 2)
+    assert "SETTINGS FOR LAYERS" not in render_report(fine, -1)[0]
+    # a head count the per-head densities do not fit: the engine refuses, the layer runs dense, the reason is shown
+    heads = SparseAttentionPatch(SparseConfig(min_tokens=0, group_size=64, backend="torch",
+                                              layer_densities="{0: [0.5, 1, 1.5]}"), family=flux)
+    _run_patch(heads, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)])
+    text, _ = render_report(heads, -1)
+    assert "an engine error (ValueError): 1" in text, text
+    assert "  an engine error (ValueError): " in text and "head" in text.split("  an engine error (ValueError): ")[1]
