@@ -171,6 +171,12 @@ class Family:
         """Name of the preset that suits this model (presets/<name>.yaml)."""
         return self.preset(diffusion_model) if callable(self.preset) else self.preset
 
+    def presets_by_steps(self, diffusion_model) -> tuple[tuple[int, str], ...]:
+        """((most run steps, preset), ...) that replace ``preset_for``'s many-step preset on short runs (distilled
+        LoRAs), shortest first; () when the family has none. Used by the Preset node's `auto` once the run's step
+        count is known (nodes/patch.py, ``cfg_for``)."""
+        return FEW_STEP_PRESETS.get(self.preset_for(diffusion_model), ())
+
     def describe(self) -> str:
         """One line for the report: the family, and for an unknown one the model class and the assumption."""
         if self.name != "unknown":
@@ -499,6 +505,16 @@ def _hunyuan_video_preset(dm) -> str:
 def _lumina_preset(dm) -> str:
     return "z_image" if getattr(dm, "pad_tokens_multiple", None) else "lumina2_zimage"
 
+
+# The few-step presets `auto` takes for a many-step preset's model on short runs: runs of up to 5 steps (the 4-step
+# distilled LoRAs: lightx2v, Lightning 2+2, MiniMax H3 turbo) and of 6-12 steps (the 8-step ones). Measured on the
+# quality testbed at 4 and 8 steps: docs/quality.md, "4 steps" and "8 steps".
+FEW_STEPS_WAN14B = ((5, "wan21_14b_4step"), (12, "wan21_14b_8step"))
+FEW_STEP_PRESETS: dict[str, tuple[tuple[int, str], ...]] = {
+    "wan21_t2v_14b": FEW_STEPS_WAN14B,
+    "wan21_i2v_14b": FEW_STEPS_WAN14B,
+    "minimax_h3": ((5, "minimax_h3_turbo_4step"), (12, "minimax_h3_turbo_8step")),
+}
 
 FLUX_BLOCKS = ("double_blocks", "single_blocks")
 

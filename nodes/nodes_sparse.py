@@ -83,7 +83,9 @@ class SparseAttentionPreset(io.ComfyNode):
                 io.Combo.Input("preset", options=names + [AUTO_PRESET],
                                default="balanced" if "balanced" in names else names[0],
                                tooltip="Settings for a model family (source of each value in the YAML file). "
-                                       f"'{AUTO_PRESET}' picks the preset of the connected model's family."),
+                                       f"'{AUTO_PRESET}' picks the preset of the connected model's family "
+                                       "(for Wan 14B and MiniMax H3 their 4- or 8-step preset on runs of up to 5 "
+                                       "or 12 steps)."),
                 io.Float.Input("density_override", default=0.0, min=0.0, max=1.0, step=0.01,
                                tooltip="0 keeps the preset's density; otherwise the fraction of keys kept."),
             ],
@@ -110,12 +112,17 @@ class SparseAttentionPreset(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, preset, density_override) -> io.NodeOutput:
+        overrides, by_steps = _density_override(density_override), ()
         if preset == AUTO_PRESET:
             dm = model.get_model_object("diffusion_model")
-            preset = family_of(dm).preset_for(dm)
-            log.info("sparse attention: preset %s for this %s model", preset, family_of(dm).name)
-        cfg = load_preset(preset, _density_override(density_override))
-        patched, _ = install(model, cfg)
+            family = family_of(dm)
+            preset = family.preset_for(dm)
+            # a distilled 4- or 8-step run takes the family's few-step preset, chosen when the run's length is known
+            by_steps = tuple((most, load_preset(name, overrides), name) for most, name in family.presets_by_steps(dm))
+            log.info("sparse attention: preset %s for this %s model%s", preset, family.name,
+                     "".join(f"; {name} for runs of up to {most} steps" for most, _, name in by_steps))
+        cfg = load_preset(preset, overrides)
+        patched, _ = install(model, cfg, by_steps)
         return io.NodeOutput(patched)
 
 

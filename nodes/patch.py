@@ -111,6 +111,7 @@ class SamplingRun:
     the report's pictures. Thread-safe. Copies as itself (ComfyUI copies the options that carry it)."""
 
     def __init__(self, cfg: SparseConfig, clock: RunClock | None):
+        self.cfg = cfg
         self.engines = DeviceEngines(cfg)
         self.clock = clock
         self.counter = StepCounter()
@@ -170,8 +171,9 @@ class SparseAttentionPatch:
     """
 
     def __init__(self, cfg: SparseConfig, previous=None, family: Family | None = None,
-                 layer_offsets: dict[str, int] | None = None):
+                 layer_offsets: dict[str, int] | None = None, by_steps: tuple = ()):
         self.cfg = cfg
+        self.by_steps = tuple(by_steps)  # ((most run steps, SparseConfig, preset name), ...): ``cfg_for``
         self.previous = previous
         self.family = family if family is not None else UNKNOWN
         self.layer_offsets = dict(layer_offsets or {})
@@ -345,9 +347,10 @@ class SparseAttentionPatch:
         # the sampler settles a split's schedule only under KSampler, the one node that drops a penultimate sigma
         sampler = (args[2] if len(args) > 2 else kwargs.get("sampler")) if called_by_ksampler() else None
         clock = self._locate(executor, sigmas, sampler)
-        self._check_schedule(clock)
-        run = SamplingRun(self.cfg, clock)
-        run.dense_reason = self._no_reuse(clock, sigmas)
+        cfg = self.cfg_for(clock)
+        self._check_schedule(clock, cfg)
+        run = SamplingRun(cfg, clock)
+        run.dense_reason = self._no_reuse(clock, sigmas, cfg)
         options = _run_options(executor)
         outer = None if options is None else options.get(RUN_KEY, None)
         if options is not None:
@@ -390,13 +393,23 @@ class SparseAttentionPatch:
             ms = None
         return clock_for(sigmas, ms, sampler=sampler)
 
-    def _no_reuse(self, clock: RunClock, sigmas) -> str | None:
+    def cfg_for(self, clock: RunClock) -> SparseConfig:
+        """The configuration of a sampling run: the first of ``by_steps`` whose step count the run's does not
+        exceed (the Preset node's `auto` on a distilled 4- or 8-step run), else the patch's own."""
+        total = clock.total if clock is not None else None
+        for most, cfg, name in self.by_steps:
+            if total is not None and total <= most:
+                self._log_once(f"by-steps {name}", "sparse attention: auto: a %d-step run takes the preset %s",
+                               total, name)
+                return cfg
+        return self.cfg
+
+    def _no_reuse(self, clock: RunClock, sigmas, cfg: SparseConfig) -> str | None:
         """Why this sampler runs dense when its steps hold no reuse step, else None. With the residual on, an anchor
         computes the dense output and more (1.1-1.3x a dense call; docs/benchmarks.md), and its output is the dense
         one: a sampler whose every sparse step anchors (a short second stage, a 1- or 2-step part of a split, a
         many-step preset on a few-step run) is faster dense, with the same picture. Policies that select afresh at
         every step, or runs without the residual, do not compute the dense output and keep their sparse steps."""
-        cfg = self.cfg
         if not cfg.residual or cfg.select_every_step or cfg.method == "dense" or clock.total is None:
             return None
         # the sampler's steps, without the zeros RES4LYF pads its sigmas with (nodes/forward.py, run_sigmas)
@@ -409,10 +422,10 @@ class SparseAttentionPatch:
                        clock.offset + steps - 1, clock.total, cfg.anchor_steps.describe())
         return reason
 
-    def _check_schedule(self, clock: RunClock) -> None:
+    def _check_schedule(self, clock: RunClock, cfg: SparseConfig) -> None:
         """Reject, before sampling, anchor steps that lie beyond a run whose length is known exactly."""
         if clock.exact and clock.total is not None:
-            beyond = [s for s in self.cfg.anchor_steps.steps if s >= clock.total]
+            beyond = [s for s in cfg.anchor_steps.steps if s >= clock.total]
             if beyond:
                 raise ValueError(f"Sparse Attention: anchor_steps: step(s) {beyond[:10]} lie beyond this "
                                  f"{clock.total}-step run (steps count from 0); give them as shares of the run, "
@@ -512,8 +525,9 @@ def route_module_attention(module_name: str, transformer_options: dict):
         module.optimized_attention = original
 
 
-def install(model, cfg: SparseConfig):
-    """Clone a ComfyUI ModelPatcher and install the sparse-attention patch on the clone."""
+def install(model, cfg: SparseConfig, by_steps: tuple = ()):
+    """Clone a ComfyUI ModelPatcher and install the sparse-attention patch on the clone. ``by_steps``: ((most run
+    steps, SparseConfig, preset name), ...) taken instead of ``cfg`` by runs that short (``cfg_for``)."""
     import comfy.patcher_extension as pe
 
     from .memory import install_probe
@@ -533,7 +547,7 @@ def install(model, cfg: SparseConfig):
     diffusion_model = m.get_model_object("diffusion_model")
     family = family_of(diffusion_model)
     patch = SparseAttentionPatch(cfg, previous=previous, family=family,
-                                 layer_offsets=family.layer_offsets(diffusion_model))
+                                 layer_offsets=family.layer_offsets(diffusion_model), by_steps=by_steps)
     opts[OVERRIDE] = patch
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, patch.outer_sample)
     m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, KEY, patch.apply_model)

@@ -23,7 +23,7 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
     fallbacks, snapshots = dict(run.fallbacks), run.snapshots
     d = stats.as_dict()
     t = d["totals"]
-    cfg = patch.cfg
+    cfg = getattr(run, "cfg", patch.cfg)
     lines = [stats.summary_line(), f"model family {patch.family.describe()}; method {cfg.method}, configured density "
              f"{cfg.density:.3f}, anchors {cfg.anchor_steps.describe()}, warm-up {warmup_text(cfg.warmup_steps)} "
              f"steps / {cfg.warmup_layers} layers, residual {'on' if cfg.residual else 'off'}",

@@ -224,3 +224,35 @@ def test_each_report_shows_the_run_of_its_own_samples():
     assert "run: 7 steps" in seven, seven
     assert "run: 7 steps" in other and "not the output of a run of this patched model" in other, other
     assert r["nested"] and not r["differ"], r
+
+
+def test_auto_takes_the_few_step_preset_on_a_short_run():
+    """`auto` on a Wan 14B-class model: the many-step preset on a 20-step run, the 4-step preset on a 4-step run
+    (lightx2v, Lightning 2+2), the 8-step one on 8 steps; the density override reaches each."""
+    r = run_in_comfyui(comfyui_path(), f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        import comfy_child as C
+        C.load_pack()
+        from comfyui_sparse_attention.nodes.nodes_sparse import AUTO_PRESET, SparseAttentionPreset
+        from comfyui_sparse_attention.nodes.patch import find_patch
+        from comfyui_sparse_attention.nodes.report import render_report
+        model, latent, pos, neg = C.build("wan")
+        out = {{}}
+        for override in (0.0, 0.2):
+            node = SparseAttentionPreset.execute(model, AUTO_PRESET, override)
+            patched = node.result[0] if hasattr(node, "result") else node[0]
+            p = find_patch(patched)
+            for steps in (20, 4, 8):
+                C.sample(patched, latent, pos, neg, steps=steps)
+                cfg = p.last_run.cfg
+                out[f"{{override}}-{{steps}}"] = [cfg.anchor_steps.text(), cfg.warmup_layers, cfg.density]
+            out[f"{{override}}-report"] = next(line for line in render_report(p, -1)[0].splitlines()
+                                               if line.startswith("model family"))
+        emit(out)
+    """)
+    assert r["0.0-20"] == ["20%,53%", 0, 0.08], r
+    assert r["0.0-4"] == ["", 1, 0.08], r
+    assert r["0.0-8"] == ["50%", 1, 0.08], r
+    assert [v[2] for k, v in r.items() if k.startswith("0.2-") and k[4:].isdigit()] == [0.2, 0.2, 0.2], r
+    assert "anchors" in r["0.0-report"] and "50%" in r["0.0-report"], r  # the report shows the run's own settings
