@@ -125,7 +125,8 @@ def config_from_widgets(values: dict, *, source: str = "Sparse Attention") -> Sp
             converted = w.to_config(value)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {w.name}: cannot read {_short(value)} ({exc})") from None
-        # the node's own range: ComfyUI leaves every input to a node whose check takes them all (nodes_sparse.py)
+        # the node's own range, for values that do not pass ComfyUI's checks (the configuration built from a
+        # dict, a linked widget); the node's validate_inputs leaves numbers to ComfyUI (nodes_sparse.py)
         if w.kind in ("float", "int") and isinstance(converted, (int, float)) and not isinstance(converted, bool) \
                 and not w.minimum <= converted <= w.maximum:
             raise ValueError(f"{source}: {w.name}: must lie in [{w.minimum:g}, {w.maximum:g}], got {_short(value)}")

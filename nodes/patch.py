@@ -51,6 +51,11 @@ def interrupting(exc: BaseException) -> bool:
     return cls is not None and isinstance(exc, cls)
 
 
+# ComfyUI's samplers that step on a grid of their own between the schedule's first and last sigma and report those
+# steps (comfy/samplers.py, ``ksampler``): their reports do not count the schedule's steps
+OWN_STEP_SAMPLERS = frozenset({"dpm_fast_function", "dpm_adaptive_function"})
+
+
 def _with_progress(run: SamplingRun, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The OUTER_SAMPLE arguments with the sampler's callback (``callback``, the sixth: ``callback(step, x0, x,
     total_steps)`` after each step, ComfyUI's previews and progress bar) wrapped to count the steps the sampler
@@ -64,6 +69,9 @@ def _with_progress(run: SamplingRun, args: tuple, kwargs: dict) -> tuple[tuple, 
         callback = kwargs["callback"]
     else:
         return args, kwargs  # a guider whose outer_sample takes no callback: steps by the sigmas alone
+    sampler = args[2] if len(args) > 2 else kwargs.get("sampler")
+    if getattr(getattr(sampler, "sampler_function", None), "__name__", "") in OWN_STEP_SAMPLERS:
+        return args, kwargs
 
     last = []
 
@@ -82,27 +90,33 @@ RECENT_RUNS = 8  # finished runs a Report node can find by the latent it is give
 
 
 def latent_fingerprint(latent) -> tuple | None:
-    """(elements, sum, sum of squares) in float64 of a sampler's output: a torch tensor, or a NestedTensor of several
+    """(elements, sum, sum of squares, precision) of a sampler's output: a torch tensor, or a NestedTensor of several
     (ComfyUI 0.33.0 packs several latents into one flat tensor while sampling and hands the node their nested view:
-    the same values in another shape). None for anything else or shape-only tensors."""
+    the same values in another shape). Sums in float64 on the CPU (MPS has no float64); the precision is the dtype's
+    epsilon (at least 1e-6), since the node may get a copy cast to ComfyUI's intermediate dtype (fp16 or bf16
+    intermediates). None for anything else or shape-only tensors."""
     try:
         parts = getattr(latent, "tensors", None)
         tensors = list(parts) if parts is not None else [latent]
         if not tensors or not all(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tensors):
             return None
-        flat = [t.detach().double() for t in tensors]
+        eps = max([1e-6] + [torch.finfo(t.dtype).eps for t in tensors if t.is_floating_point()])
+        flat = [t.detach().to("cpu").double() for t in tensors]
         return (sum(t.numel() for t in flat), sum(float(t.sum()) for t in flat),
-                sum(float(t.square().sum()) for t in flat))
+                sum(float(t.square().sum()) for t in flat), eps)
     except Exception:  # noqa: BLE001 - a latent type of another node pack: the report falls back to the last run
         return None
 
 
-def same_latent(a: tuple, b: tuple) -> bool:
-    """Whether two latent_fingerprint values are of the same latent (sums taken in another order or on another
-    device differ in the last float64 digits)."""
-    (n, s, q), (n2, s2, q2) = a, b
-    tol = 1e-9 * (q * n) ** 0.5 + 1e-30
-    return n == n2 and abs(q - q2) <= 1e-9 * q + 1e-30 and abs(s - s2) <= tol
+def latent_distance(a: tuple, b: tuple) -> float:
+    """How far apart two latent_fingerprint values are, in units of the coarser dtype's rounding: at most 1 for the
+    same latent (each element within one epsilon, the sums within two); inf for other element counts. Two runs'
+    outputs are usually far apart; runs that all but coincide can both come within 1, and the nearest is the one."""
+    (n, s, q, e), (n2, s2, q2, e2) = a, b
+    if n != n2:
+        return float("inf")
+    eps = 2 * max(e, e2)
+    return max(abs(q - q2) / (eps * q + 1e-30), abs(s - s2) / (eps * (q * n) ** 0.5 + 1e-30))
 
 
 class SamplingRun:
@@ -122,7 +136,7 @@ class SamplingRun:
         self.dense_reason: str | None = None  # set when the whole run is better dense (SparseAttentionPatch._no_reuse)
         self.done: int | None = None  # steps the sampler reported finished through its callback (None: none yet)
         self.first: int | None = None  # the run step of its first call (what `done` counts from)
-        self.miscounted = 0  # calls whose schedule sigma the reported steps do not fit; from 2: steps by sigma alone
+        self.miscounted: set = set()  # reported steps a call's schedule sigma did not fit; from 2: steps by sigma alone
         self.forwards = 0  # model forwards of this run (APPLY_MODEL) ...
         self.reached = 0  # ... and attention calls that reached the override: none from many forwards means a node
         # replaced the model's forward without passing transformer_options on (TeaCache, MagCache)
@@ -167,7 +181,8 @@ class SparseAttentionPatch:
 
     ``copy.deepcopy`` returns the object itself (older ComfyUI deep-copies model options on clone), so every
     clone of the patched model shares this object; what a run computes lives in its ``SamplingRun``. The
-    report reads the last finished run (``last_stats``, ``fallbacks``, ``snapshots``, ``clock``).
+    report reads the finished run whose sampler returned its samples (``run_for``), with that run's own
+    configuration (``cfg_for``: the Preset node's `auto` may give a short run another preset).
     """
 
     def __init__(self, cfg: SparseConfig, previous=None, family: Family | None = None,
@@ -217,12 +232,12 @@ class SparseAttentionPatch:
         patched model (a second pass, Wan 2.2's experts on one model) each have a report of their own even when
         ComfyUI re-runs only the Report node."""
         key = latent_fingerprint(latent)
-        if key is not None:
-            with self._lock:
-                for fingerprint, run in reversed(self.recent):
-                    if same_latent(fingerprint, key):
-                        return run, True
-        return self.last_run, False
+        with self._lock:
+            if key is None or not self.recent:  # nothing to compare: no claim either way
+                return self.last_run, True
+            near = [(latent_distance(fingerprint, key), -i, run) for i, (fingerprint, run) in enumerate(self.recent)]
+        distance, _, run = min(near, key=lambda x: x[:2])  # the nearest; of equals, the newest
+        return (run, True) if distance <= 1 else (self.last_run, False)
 
     def cache_bytes(self) -> int:
         """Bytes cached by the runs in progress and by calls outside a run (0 once every run has ended)."""
@@ -373,9 +388,9 @@ class SparseAttentionPatch:
             stats = run.finish()
             if run.unreached:
                 self._log_once("unreached", "sparse attention: %d model forwards and not one attention call reached "
-                               "the pack: a node replaced the model's forward without passing transformer_options on "
-                               "(TeaCache and MagCache do), so attention ran dense. ComfyUI's own EasyCache and "
-                               "LazyCache work with the pack", run.forwards, level=logging.WARNING)
+                               "the pack: most likely a node replaced the model's forward without passing "
+                               "transformer_options on (TeaCache and MagCache do), so attention ran dense. ComfyUI's "
+                               "own EasyCache and LazyCache work with the pack", run.forwards, level=logging.WARNING)
             with self._lock:
                 self._active.remove(run)
                 self.last_run = run
@@ -462,10 +477,11 @@ class SparseAttentionPatch:
         with run.lock:  # the step counter is shared by the run's worker threads
             run.forwards += 1
             forward = Forward(self.family, x.shape, to, self.layer_offsets, run.clock, run.counter, conds=kwargs,
-                              seen=run.layouts, progress=(run.first, None if run.miscounted >= 2 else run.done))
+                              seen=run.layouts, progress=(run.first, None if len(run.miscounted) >= 2 else run.done))
             if run.first is None:
                 run.first = forward.step
-            run.miscounted += forward.miscounted
+            if forward.miscounted:
+                run.miscounted.add(run.done)
             to[INFO_KEY] = forward
         if self.family.bypass_module is not None:
             with route_module_attention(self.family.bypass_module, to):

@@ -125,7 +125,6 @@ class RecordPatch:
         self.written: Path | None = None
         self.pbar = None
         self._counter = StepCounter()
-        self._seen: set[int] = set()  # layer numbers of the current forward's self-attention calls
         self._layers_checked = False
 
     def __deepcopy__(self, memo):
@@ -137,7 +136,7 @@ class RecordPatch:
         forward = to.get(INFO_KEY)
         layer = forward.next_layer(to, args, kwargs) if forward is not None and self.buffer is not None else None
         if layer is not None:  # a self-attention call (cross-attention calls get no layer number)
-            self._seen.add(layer)
+            forward.state.setdefault("record_seen", set()).add(layer)  # per forward: MultiGPU runs two at once
             if self._wanted(layer, forward.step):
                 call = translate(args, kwargs)
                 if not isinstance(call, str):
@@ -237,29 +236,30 @@ class RecordPatch:
         forward = Forward(self.family, x.shape, to, self.layer_offsets, self.clock, self._counter, conds=kwargs)
         to[INFO_KEY] = forward
         before = self.buffer.nbytes if self.buffer is not None else 0
-        self._seen = set()
         if self.family.bypass_module is not None:
             with route_module_attention(self.family.bypass_module, to):
                 out = executor(x, t, *args, **kwargs)
         else:
             out = executor(x, t, *args, **kwargs)
-        if self.buffer is not None and not self._layers_checked and self._seen:
-            self._check_layers(to)
+        seen = forward.state.get("record_seen")
+        if self.buffer is not None and not self._layers_checked and seen:
+            self._check_layers(to, seen)
         if self.buffer is not None and self.per_step is None and self.buffer.nbytes > before:
             self._check_plan(forward, self.buffer.nbytes - before)
         return out
 
-    def _check_layers(self, transformer_options: dict) -> None:
-        """After the first forward with self-attention calls: every requested layer must be one of the model's
-        (ValueError naming the missing ones, instead of sampling the whole run to record nothing of them)."""
+    def _check_layers(self, transformer_options: dict, seen: set) -> None:
+        """After the first forward with self-attention calls (``seen``: their layer numbers): every requested layer
+        must be one of the model's (ValueError naming the missing ones, instead of sampling the whole run to record
+        nothing of them)."""
         self._layers_checked = True
         if self.layers is None:
             return
         skipped = {int(b) for b in transformer_options.get("stg_self_attn_blocks", ()) or ()}  # skipped this forward
-        missing = sorted(self.layers - self._seen - skipped)
+        missing = sorted(self.layers - seen - skipped)
         if missing:
             raise ValueError(f"Sparse Attention Record: layers: {_ranges(missing)} not in this model (its "
-                             f"self-attention layers are {_ranges(self._seen | skipped)}); record existing layers "
+                             f"self-attention layers are {_ranges(seen | skipped)}); record existing layers "
                              "or leave layers empty for all")
 
     def _check_plan(self, forward: Forward, recorded: int) -> None:

@@ -33,9 +33,9 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
                         "denoised output, or a latent changed after sampling): this is the model's last run")
     if run.unreached:
         lines.insert(1, f"NOTHING RAN SPARSE: the model ran {run.forwards} forwards and not one attention call "
-                        "reached the pack: a node replaced the model's forward without passing transformer_options "
-                        "on (TeaCache and MagCache do), so attention ran dense. ComfyUI's own EasyCache and "
-                        "LazyCache work with the pack; or remove that node")
+                        "reached the pack: most likely a node replaced the model's forward without passing "
+                        "transformer_options on (TeaCache and MagCache do), so attention ran dense. ComfyUI's own "
+                        "EasyCache and LazyCache work with the pack; or remove that node")
     elif not t["calls"] and fallbacks:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items()))
         lines.insert(1, f"NOTHING RAN SPARSE: every self-attention call ran the model's own dense attention ({why})"
@@ -75,13 +75,14 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
 
 
 def _missing_layer_lines(cfg, layers: dict) -> list[str]:
-    """A line when dense_layers or layer_densities name layers no self-attention call of the run had (they do
-    nothing: a setting written for another model, or counted from 1)."""
+    """A line when dense_layers or layer_densities name layers beyond the last one the run's self-attention calls
+    reached (they do nothing: a setting written for another model, or counted from 1). Layers within the range may
+    exist with every call skipped (below min_tokens, text only), so they are not named."""
     if not layers:
         return []
-    seen = set(layers)
-    named = {"dense_layers": sorted(set(cfg.dense_layers) - seen),
-             "layer_densities": sorted({layer for layer, _ in cfg.layer_densities} - seen)}
+    seen, last = set(layers), max(layers)
+    named = {"dense_layers": sorted(v for v in set(cfg.dense_layers) if v > last),
+             "layer_densities": sorted({layer for layer, _ in cfg.layer_densities if layer > last})}
     missing = "; ".join(f"{k} {', '.join(map(str, v[:12]))}{' ...' if len(v) > 12 else ''}"
                         for k, v in named.items() if v)
     if not missing:

@@ -195,7 +195,7 @@ def test_each_report_shows_the_run_of_its_own_samples():
         import comfy_child as C
         C.load_pack()
         from comfyui_sparse_attention.nodes.nodes_sparse import SparseAttention, SparseAttentionReport
-        from comfyui_sparse_attention.nodes.patch import latent_fingerprint, same_latent
+        from comfyui_sparse_attention.nodes.patch import latent_distance, latent_fingerprint
         model, latent, pos, neg = C.build("wan")
         out = SparseAttention.execute(model, "block_topk", 0.3, "64", "64", "0", 0, "", "every 2", True, True, 0,
                                       "torch")
@@ -215,8 +215,9 @@ def test_each_report_shows_the_run_of_its_own_samples():
         a, b = torch.randn(2, 3), torch.randn(5)
         flat = torch.cat([a.flatten(), b])
         emit(dict(four=report(four), seven=report(seven), other=report(four + 1.0),
-                  nested=same_latent(latent_fingerprint(Nested([a, b])), latent_fingerprint(flat)),
-                  differ=same_latent(latent_fingerprint(flat), latent_fingerprint(flat * 1.0001))))
+                  half=report(four.to(torch.float16))[0], bf16=report(four.to(torch.bfloat16))[0],
+                  nested=latent_distance(latent_fingerprint(Nested([a, b])), latent_fingerprint(flat)) <= 1,
+                  differ=latent_distance(latent_fingerprint(flat), latent_fingerprint(flat * 1.0001)) <= 1))
     """)
     (four, ui4), (seven, ui7), (other, _) = r["four"], r["seven"], r["other"]
     assert ui4 and ui7, r
@@ -224,6 +225,8 @@ def test_each_report_shows_the_run_of_its_own_samples():
     assert "run: 7 steps" in seven, seven
     assert "run: 7 steps" in other and "not the output of a run of this patched model" in other, other
     assert r["nested"] and not r["differ"], r
+    for cast in ("half", "bf16"):  # ComfyUI's fp16 / bf16 intermediates: the node's copy is cast after sampling
+        assert "run: 4 steps" in r[cast] and "not the output" not in r[cast], r[cast]
 
 
 def test_auto_takes_the_few_step_preset_on_a_short_run():

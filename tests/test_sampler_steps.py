@@ -217,21 +217,37 @@ def test_a_sampler_that_scales_the_models_sigma_is_counted_by_its_reported_steps
                 return x
             return comfy.samplers.KSAMPLER(sample)
 
+        import comfy.model_management as mm
+        real_free = mm.get_free_memory
         out = {{}}
         with torch.inference_mode():
             for name, scale, reports, numbers in (("plain", 1.0, 1, 1), ("lower", 0.9, 1, 1),
                                                   ("higher", 1.08, 1, 1), ("twice", 1.0, 2, 1),
-                                                  ("twice_numbered", 1.0, 2, 2)):
+                                                  ("twice_numbered", 1.0, 2, 2), ("higher_split", 1.08, 1, 1)):
                 m, p = install(model, cfg)
-                comfy.sample.sample_custom(m, torch.randn(latent.shape, generator=torch.Generator().manual_seed(0)),
-                                           1.0, euler(scale, reports, numbers), sigmas, pos, neg, latent,
-                                           disable_pbar=True, seed=0)
+                if name.endswith("split"):  # memory "low": cond and uncond run as two calls
+                    mm.get_free_memory = lambda dev=None, torch_free_too=False: (1, 1) if torch_free_too else 1
+                try:
+                    comfy.sample.sample_custom(m, torch.randn(latent.shape,
+                                                              generator=torch.Generator().manual_seed(0)),
+                                               3.0 if name.endswith("split") else 1.0,
+                                               euler(scale, reports, numbers), sigmas, pos, neg, latent,
+                                               disable_pbar=True, seed=0)
+                finally:
+                    mm.get_free_memory = real_free
                 out[name] = [p.last_stats.schedule_line(), p.last_stats.totals()["anchors"]]
+            # dpm_fast steps on a grid of its own and reports those steps: its calls are placed by their sigmas
+            m, p = install(model, cfg)
+            C.sample(m, latent, pos, neg, steps=20, sampler="dpm_fast")
+            out["dpm_fast"] = max(p.last_stats.step_kinds())
         emit(out)
     """)
     assert r["plain"][0] == "ArrrArrrrrArrrrrrrrr", r
     for name in ("lower", "higher", "twice"):  # 1.08 x step 10's sigma is step 5's: one call that does not fit
         assert r[name] == r["plain"], (name, r)
+    # ... and twice in one step when cond and uncond run apart: still one contradicted step
+    assert r["higher_split"][0] == r["plain"][0], r
+    assert r["dpm_fast"] >= 17, r  # its late calls reach the run's last steps (by its reports alone: step 7)
     # two numbered reports per step: the count runs ahead until two calls at schedule sigmas show it (steps 1 and 2
     # are taken for 2 and 4), then the sigmas place the calls: without that, every step from the tenth on would be
     # taken for the last
