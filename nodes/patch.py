@@ -227,10 +227,11 @@ class SparseAttentionPatch:
         return None if self.last_run is None else self.last_run.clock
 
     def run_for(self, latent) -> tuple[SamplingRun | None, bool]:
-        """(run, matched): the newest finished run whose sampler returned ``latent`` (its values: the sampler's
-        output tensor, or ComfyUI's NestedTensor of several), else the last run and False. Two samplers of one
-        patched model (a second pass, Wan 2.2's experts on one model) each have a report of their own even when
-        ComfyUI re-runs only the Report node."""
+        """(run, matched): of the last RECENT_RUNS finished runs, the one whose sampler returned ``latent`` (its
+        values: the sampler's output tensor, or ComfyUI's NestedTensor of several; the nearest within the dtype's
+        rounding, ``latent_distance``), else the last run and False; the last run and True when there is nothing to
+        compare. Two samplers of one patched model (a second pass, two stages) each get a report of their own even
+        when ComfyUI re-runs only the Report node."""
         key = latent_fingerprint(latent)
         with self._lock:
             if key is None or not self.recent:  # nothing to compare: no claim either way
