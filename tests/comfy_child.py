@@ -129,3 +129,19 @@ def recording_override(log: list):
 
 def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def log_layer0_decisions(record) -> list:
+    """Record ``record(ctx, decision)`` for every engine decision on layer 0 (the engine is patched for the child's
+    lifetime); returns the list the records go to."""
+    from comfyui_sparse_attention.engine import engine as E
+
+    calls, decide = [], E.SparseEngine.decide
+
+    def logged(self, ctx, n):
+        d = decide(self, ctx, n)
+        if ctx.layer == 0:
+            calls.append(record(ctx, d))
+        return d
+    E.SparseEngine.decide = logged
+    return calls

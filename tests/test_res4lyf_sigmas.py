@@ -152,15 +152,7 @@ def results():
         from comfyui_sparse_attention.nodes.patch import install
         from comfyui_sparse_attention.nodes.run_clock import clock_for
         from comfyui_sparse_attention.engine import SparseConfig
-        from comfyui_sparse_attention.engine import engine as E
-        calls = []
-        decide = E.SparseEngine.decide
-        def logged(self, ctx, n):
-            d = decide(self, ctx, n)
-            if ctx.layer == 0:
-                calls.append([ctx.step, ctx.total_steps])
-            return d
-        E.SparseEngine.decide = logged
+        calls = C.log_layer0_decisions(lambda ctx, d: [ctx.step, ctx.total_steps])
         model, latent, pos, neg = C.build("wan")
         ms = model.get_model_object("model_sampling")
         smin = ms.sigma_min.reshape(1).float()

@@ -67,15 +67,7 @@ def results():
         from comfyui_sparse_attention.nodes.patch import install
         from comfyui_sparse_attention.nodes.run_clock import clock_for, drops_penultimate
         from comfyui_sparse_attention.engine import SparseConfig
-        from comfyui_sparse_attention.engine import engine as E
-        calls = []
-        decide = E.SparseEngine.decide
-        def logged(self, ctx, n):
-            d = decide(self, ctx, n)
-            if ctx.layer == 0:
-                calls.append([ctx.step, d])
-            return d
-        E.SparseEngine.decide = logged
+        calls = C.log_layer0_decisions(lambda ctx, d: [ctx.step, d])
         model, latent, pos, neg = C.build("wan")
         cfg = SparseConfig(method="block_topk", density=0.5, warmup_steps=0, anchor_steps="20%, 53%", min_tokens=0,
                            block_q=64, block_k=64, backend="torch")
