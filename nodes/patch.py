@@ -51,9 +51,10 @@ def interrupting(exc: BaseException) -> bool:
     return cls is not None and isinstance(exc, cls)
 
 
-# ComfyUI's samplers that step on a grid of their own between the schedule's first and last sigma and report those
-# steps (comfy/samplers.py, ``ksampler``): their reports do not count the schedule's steps
-OWN_STEP_SAMPLERS = frozenset({"dpm_fast_function", "dpm_adaptive_function"})
+# ComfyUI's samplers whose reports do not count the schedule's steps: dpm_fast and dpm_adaptive step on a grid of
+# their own between its first and last sigma (comfy/samplers.py, ``ksampler``); ar_video (Causal-WAN, ComfyUI 0.33.0)
+# runs the whole schedule once per frame block and reports a step scaled over all blocks
+OWN_STEP_SAMPLERS = frozenset({"dpm_fast_function", "dpm_adaptive_function", "sample_ar_video"})
 
 
 def _with_progress(run: SamplingRun, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

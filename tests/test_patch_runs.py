@@ -241,3 +241,27 @@ def test_an_error_reading_the_call_or_drawing_the_picture_never_fails_the_run(mo
     patch = SparseAttentionPatch(CFG)
     sample(patch, 1)
     assert patch.last_stats.totals()["reuses"] > 0 and not patch.snapshots and not patch.fallbacks
+
+
+def test_samplers_whose_reports_do_not_count_the_schedules_steps_keep_their_callback():
+    """dpm_fast, dpm_adaptive (a step grid of their own) and ar_video (the schedule once per frame block) are placed
+    by their sigmas: their callback is passed on untouched; any other sampler's is wrapped to count its reports."""
+    from comfyui_sparse_attention.nodes.patch import OWN_STEP_SAMPLERS, SamplingRun, _with_progress
+
+    def sampler(name):
+        def fn(*a, **k):
+            return None
+        fn.__name__ = name
+        return type("KSAMPLER", (), {"sampler_function": staticmethod(fn)})()
+
+    def callback(*a):
+        seen.append(a)
+    seen = []
+    for name in sorted(OWN_STEP_SAMPLERS):
+        args = (None, None, sampler(name), None, None, callback)
+        assert _with_progress(SamplingRun(SparseConfig(), None), args, {})[0][5] is callback
+    run = SamplingRun(SparseConfig(), None)
+    args, _ = _with_progress(run, (None, None, sampler("sample_euler"), None, None, callback), {})
+    for step in (0, 0, 1, 2):  # a step reported twice counts once
+        args[5](step, "x0", "x", 20)
+    assert run.done == 3 and len(seen) == 4  # and the original callback got every report
