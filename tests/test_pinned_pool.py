@@ -113,6 +113,7 @@ def test_trim_frees_what_a_whole_run_did_not_use():
 def test_engines_of_several_devices_keep_each_others_buffers_across_runs(monkeypatch):
     """Two caches (one engine per GPU) share the pool and end their runs one after the other: after the first run
     nothing is page-locked again."""
+    gc.collect()  # caches of earlier tests collected during this one would trim this pool (cache._release_all)
     rt = FakeRuntime()
     pool = pool_of(rt)
     monkeypatch.setattr(cache_mod, "POOL", pool)
@@ -143,6 +144,7 @@ def fake_pinned(pool):
 @pytest.fixture
 def pooled_cache(monkeypatch):
     """A SelectionCache module whose host copies come from a fake-locked pool."""
+    gc.collect()  # caches of earlier tests collected during this one would trim this pool (cache._release_all)
     rt = FakeRuntime()
     pool = pool_of(rt)
     monkeypatch.setattr(cache_mod, "POOL", pool)
