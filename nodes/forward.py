@@ -74,10 +74,18 @@ def step_index(transformer_options: dict) -> tuple[int, int | None]:
     too, so its steps count forward from its start, where the warm-up belongs (docs/method.md, "Schedule").
     Without a schedule: step 0.
     """
+    step, total, _ = locate_call(transformer_options)
+    return step, total
+
+
+def locate_call(transformer_options: dict) -> tuple[int, int | None, bool]:
+    """``step_index``'s (step, total_steps), and whether the call's sigma is one of the schedule's (a step's own
+    sigma, or a later step's that heun and heunpp2 evaluate at), not one between them (dpm_2's midpoints) or beside
+    them (a sigma scaled by Detail Daemon or LyingSigmaSampler). One read of the schedule per forward."""
     sigmas = transformer_options.get("sigmas")
     sched = transformer_options.get("sample_sigmas")
     if sigmas is None or sched is None:
-        return 0, None
+        return 0, None, False
     s = float(sigmas.reshape(-1)[0])
     vals = run_sigmas(sched.reshape(-1).tolist())
     total = max(1, len(vals) - 1)
@@ -86,20 +94,7 @@ def step_index(transformer_options: dict) -> tuple[int, int | None]:
         count = sum(1 for x in vals if x <= s + tol)
     else:  # descending: the steps whose sigma is at or above this one
         count = sum(1 for x in vals if x >= s - tol)
-    return min(max(0, count - 1), total - 1), total
-
-
-def on_schedule(transformer_options: dict) -> bool:
-    """Whether this call's sigma is one of the run's schedule ``sample_sigmas`` (a step's own sigma, or a later
-    step's that heun and heunpp2 evaluate at), not one between them (dpm_2's midpoints) or beside them (a sigma
-    scaled by Detail Daemon or LyingSigmaSampler)."""
-    sigmas = transformer_options.get("sigmas")
-    sched = transformer_options.get("sample_sigmas")
-    if sigmas is None or sched is None:
-        return False
-    s = float(sigmas.reshape(-1)[0])
-    tol = 1e-5 * max(1.0, abs(s))
-    return any(abs(float(x) - s) <= tol for x in sched.reshape(-1).tolist())
+    return min(max(0, count - 1), total - 1), total, any(abs(x - s) <= tol for x in vals)
 
 
 # Options under which ComfyUI evaluates the same conds through a different forward: an extra guidance pass run from
@@ -203,14 +198,14 @@ class Forward:
         self.family = family
         self.x_shape = tuple(x_shape) if x_shape is not None else None
         self.miscounted = False  # the sampler's reported steps do not fit this call's schedule sigma (``progress``)
-        local, local_total = step_index(transformer_options)
+        local, local_total, on_schedule = locate_call(transformer_options)
         if local_total is None and counter is not None:
             self.step, self.total = counter(transformer_options), None
         elif clock is not None and clock.total is not None:
             # a call at a sigma the clock's schedule left out (RES4LYF's sigma_min, run_sigmas) is its last step
             step = clock.offset + local
             first, done = progress if progress is not None else (clock.offset, None)
-            exact = progress is not None and on_schedule(transformer_options)
+            exact = progress is not None and on_schedule
             if first is None and not exact:  # the run's first call is at its first step's sigma: scaled, not moved
                 step = clock.offset
             elif first is not None and done is not None:  # the sampler reported `done` finished steps: a call
