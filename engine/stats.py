@@ -209,8 +209,9 @@ class RunStats:
         fid = "n/a" if t["fidelity_mean"] is None else f"{t['fidelity_mean']:.4f} (max {t['fidelity_max']:.4f})"
         sec = t["seconds"]
         c = self.cache
-        cache = (f"cache peak {c.get('peak_device_bytes', 0) / 2**20:.0f} MiB GPU / "
-                 f"{c.get('peak_cpu_bytes', 0) / 2**20:.0f} MiB CPU" if c else "cache n/a")
+        # "on the device": the model's device, which is the CPU itself on a run without a GPU
+        cache = (f"cache peak {c.get('peak_device_bytes', 0) / 2**20:.0f} MiB on the device / "
+                 f"{c.get('peak_cpu_bytes', 0) / 2**20:.0f} MiB in host memory" if c else "cache n/a")
         return (f"sparse attention: {t['calls']} calls ({t['dense']} dense, {t['anchors']} anchor, "
                 f"{t['reuses']} reuse ({t['replays']} replayed), {t['fallbacks']} fallback), "
                 f"density {t['density']:.3f}, anchor rel-L2 {fid}, "
