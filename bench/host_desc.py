@@ -27,8 +27,11 @@ import torch  # noqa: E402
 from _pack import load  # noqa: E402
 
 import kernels as kb  # noqa: E402  (bench/kernels.py: SHAPES, block_lists)
+import hopper  # noqa: E402  (timeit: median of event-timed calls; perf_counter where its DEV is the CPU)
 
 DEV = "cpu" if "--dry" in sys.argv else "cuda"  # --dry: the script's logic under the interpreter, tiny shapes
+hopper.DEV = DEV
+timeit = hopper.timeit
 DRY_SHAPES = {"wan14b": (2, 300, 64), "wan13b": (2, 200, 64), "hyv": (1, 260, 64)}
 
 AH = load("kernels.attention_hopper")
@@ -40,26 +43,6 @@ TILINGS = {  # name: (BLOCK_N, warps, stages, maxnreg)
     "sparse": [(64, 8, 5, None), (64, 8, 3, 128), (64, 8, 3, None), (128, 8, 3, None)],
     "dense": [(64, 8, 2, None), (64, 8, 2, 128), (64, 8, 3, None), (128, 8, 2, None)],
 }
-
-
-def timeit(fn):
-    """Median ms of event-timed calls (at least 5, up to 30 or ~200 ms) after a warm-up call that compiles."""
-    fn()
-    if DEV == "cpu":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    torch.cuda.synchronize()
-    times = []
-    while len(times) < 30 and (len(times) < 5 or sum(times) < 200.0):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def run(q, k, v, out, mode, tiling, host, idx=None, cnt=None, lse=None):
