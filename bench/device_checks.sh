@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call when device time is short (carry: [".carry/bundle.tar.xz"] from bench/device_bundle.sh): the GPU tests
-# the code since the last device run touches (the engine, the fp8 residual read as bytes, the TMA variants), the
-# host-made descriptors against in-kernel ones on two tilings of each kind (bench/host_desc.py; docs/kernel_notes.md,
-# "v15"), then a ComfyUI run of Wan 2.1 1.3B 480p x 81 with the presets' block_topk 0.08 schedule, every step timed
+# the code since the last device run touches (the engine, the fast launch and the replay, the fp8 residual read as
+# bytes, the TMA variants), then a ComfyUI run of Wan 2.1 1.3B 480p x 81 with the presets' block_topk 0.08 schedule, every step timed
 # through comfy.sample with a step callback. Packed into $OUT/checks.tar.gz.
 #   bash bench/device_checks.sh
 set -uo pipefail
@@ -10,11 +9,9 @@ cd "$(dirname "$0")/.."
 source bench/device_part.sh
 new_root /tmp/checks
 record_gpu
-first="engine or fp8 or on_cuda or variants_match_twin or anchor_residual or mass_weighted or fast_launch or dispatch"
+first="${FIRST:-engine or fp8 or on_cuda or variants_match_twin or anchor_residual or mass_weighted or fast_launch or dispatch}"
 part gpu-tests "${TESTS_S:-150}" env SPARSE_ATTN_TUNE=first python3 -m pytest -q -rs -m gpu \
   tests/test_gpu_kernels.py tests/test_torch_backend.py -p no:cacheprovider -k "$first"
-part host-desc "${HOST_S:-190}" python3 bench/host_desc.py --out "$root/host-desc" --dense --tilings 2 \
-  --shapes "${SHAPES:-wan14b,wan13b}" --budget-s "$(( ${HOST_S:-190} - 15 ))"
 part e2e-wan13b "${E2E_S:-210}" env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --models wan13b \
   --modes block_topk@0.08 --warmup-layers 0 --whole-run --total-steps 30
 tar czf "$OUT/checks.tar.gz" -C /tmp checks

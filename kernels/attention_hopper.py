@@ -36,20 +36,9 @@ MODE_BLOCKS, MODE_DENSE, MODE_ANCHOR, MODE_RESIDUAL = 0, 1, 2, 3
 
 
 @triton.jit
-def _tile(desc, bh, start, HOST_DESC: tl.constexpr):
-    """Rows [start, start + block) of a head: from the in-kernel 2-D descriptor of that head, or (HOST_DESC) from
-    the host's 4-D descriptor of the whole (B, H, N, D) tensor at bh = (b, h) (docs/kernel_notes.md, "v15")."""
-    if HOST_DESC:
-        t = desc.load([bh[0], bh[1], start, 0])
-        return t.reshape(t.shape[2], t.shape[3])
-    else:
-        return desc.load([start, 0])
-
-
-@triton.jit
-def _scores(q, k_desc, bh, start, N_KV, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HOST_DESC: tl.constexpr):
+def _scores(q, k_desc, start, N_KV, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Raw scores q·kᵀ of KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
-    k = _tile(k_desc, bh, start, HOST_DESC)
+    k = k_desc.load([start, 0])
     qk = tl.dot(q, k.T)
     if MASKED:
         qk = tl.where((start + tl.arange(0, BLOCK_N))[None, :] < N_KV, qk, float("-inf"))
@@ -57,18 +46,18 @@ def _scores(q, k_desc, bh, start, N_KV, BLOCK_N: tl.constexpr, MASKED: tl.conste
 
 
 @triton.jit
-def _fold(acc, m_i, l_i, qk, v_desc, bh, start, qk_scale, LAZY: tl.constexpr, HOST_DESC: tl.constexpr):
+def _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY: tl.constexpr):
     """Fold the scores ``qk`` of KV rows [start, start + BLOCK_N) into the softmax state, loading their values."""
-    v = _tile(v_desc, bh, start, HOST_DESC)
+    v = v_desc.load([start, 0])
     return online_softmax_step(acc, m_i, l_i, qk, qk_scale, v, LAZY)
 
 
 @triton.jit
-def _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, bh, start, N_KV, qk_scale,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr, HOST_DESC: tl.constexpr):
+def _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LAZY: tl.constexpr):
     """Attend KV rows [start, start + BLOCK_N); with MASKED, rows >= N_KV (zero-filled) score -inf."""
-    qk = _scores(q, k_desc, bh, start, N_KV, BLOCK_N, MASKED, HOST_DESC)
-    return _fold(acc, m_i, l_i, qk, v_desc, bh, start, qk_scale, LAZY, HOST_DESC)
+    qk = _scores(q, k_desc, start, N_KV, BLOCK_N, MASKED)
+    return _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
 
 
 @triton.jit
@@ -79,9 +68,9 @@ def _tile_start(idx_base, it, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, bh, idx_base, count, N_KV, N_KBLK, qk_scale,
+def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, idx_base, count, N_KV, N_KBLK, qk_scale,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, WARP_SPEC: tl.constexpr,
-                 LAZY: tl.constexpr, AHEAD: tl.constexpr, HOST_DESC: tl.constexpr):
+                 LAZY: tl.constexpr, AHEAD: tl.constexpr):
     """Attend the sorted KV blocks idx_base[0:count]. Only the last entry can be the ragged last KV block,
     so only its tiles are masked. AHEAD: each tile's scores are computed one iteration before its softmax
     (kernels/_triton_common.py, loop_ahead)."""
@@ -95,24 +84,23 @@ def _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, bh, idx_base, count, N_KV, N_
     if AHEAD:
         if n_full > 0:
             start = _tile_start(idx_base, 0, BLOCK_K, BLOCK_N)
-            qk = _scores(q, k_desc, bh, start, N_KV, BLOCK_N, False, HOST_DESC)
+            qk = _scores(q, k_desc, start, N_KV, BLOCK_N, False)
             for it in tl.range(1, n_full, warp_specialize=WARP_SPEC):
                 nxt = _tile_start(idx_base, it, BLOCK_K, BLOCK_N)
-                qk_next = _scores(q, k_desc, bh, nxt, N_KV, BLOCK_N, False, HOST_DESC)
-                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, bh, start, qk_scale, LAZY, HOST_DESC)
+                qk_next = _scores(q, k_desc, nxt, N_KV, BLOCK_N, False)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
                 qk = qk_next
                 start = nxt
-            acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, bh, start, qk_scale, LAZY, HOST_DESC)
+            acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start, qk_scale, LAZY)
     else:
         for it in tl.range(0, n_full, warp_specialize=WARP_SPEC):
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, bh,
-                                     _tile_start(idx_base, it, BLOCK_K, BLOCK_N), N_KV, qk_scale, BLOCK_N, False,
-                                     LAZY, HOST_DESC)
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, _tile_start(idx_base, it, BLOCK_K, BLOCK_N),
+                                     N_KV, qk_scale, BLOCK_N, False, LAZY)
     for j in tl.static_range(MULT):  # the masked tail, unrolled: a loop here would get its own pipeline buffers
         if n_full + j < n_iter:
             blk = tl.load(idx_base + (n_full + j) // MULT)
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, bh, blk * BLOCK_K + j * BLOCK_N,
-                                     N_KV, qk_scale, BLOCK_N, True, LAZY, HOST_DESC)
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, blk * BLOCK_K + j * BLOCK_N,
+                                     N_KV, qk_scale, BLOCK_N, True, LAZY)
     return acc, m_i, l_i
 
 
@@ -123,12 +111,11 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
          BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
          RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, WARP_SPEC: tl.constexpr,
-         LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr, HOST_DESC: tl.constexpr):
+         LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     """One query block: row = (b * H + h) * NQB + query block. MASS: the anchor writes the rows' mass to MS, a
     block-sparse call weights its residual by the mass read from MS (kernels/_residual.py). MODE 3 reads the dense
     output from R (strides srb, srh, srn) and its LSE from Lse, writes R = dense - sparse to RO (Out's strides) and
-    the mass, and leaves Out alone. HOST_DESC 1: K and V are the host's 4-D descriptors (block (1, 1, BLOCK_N,
-    D_PAD)) instead of pointers; 2: Q too (block (1, 1, BLOCK_M, D_PAD))."""
+    the mass, and leaves Out alone."""
     pid_bh = row // NQB
     qb = row % NQB
     b = (pid_bh // H).to(tl.int64)
@@ -136,19 +123,11 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
     d = tl.arange(0, D_PAD)
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     q_ok = offs_m < N_Q
-    bh = (b.to(tl.int32), h.to(tl.int32))
-    if HOST_DESC == 2:
-        q = _tile(Q, bh, qb * BLOCK_M, True)
-    else:
-        q = load_rows(Q + b * sqb + h * sqh, offs_m, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
-    if HOST_DESC:
-        k_desc = K
-        v_desc = V
-    else:
-        k_desc = tl.make_tensor_descriptor(K + b * skb + h * skh, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
-        v_desc = tl.make_tensor_descriptor(V + b * svb + h * svh, shape=[N_KV, HEAD_DIM], strides=[svn, 1],
-                                           block_shape=[BLOCK_N, D_PAD])
+    q = load_rows(Q + b * sqb + h * sqh, offs_m, sqn, q_ok, d, HEAD_DIM, D_PAD, True)
+    k_desc = tl.make_tensor_descriptor(K + b * skb + h * skh, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
+                                       block_shape=[BLOCK_N, D_PAD])
+    v_desc = tl.make_tensor_descriptor(V + b * svb + h * svh, shape=[N_KV, HEAD_DIM], strides=[svn, 1],
+                                       block_shape=[BLOCK_N, D_PAD])
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -156,34 +135,31 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
         n_full = (N_KV // BLOCK_N) * BLOCK_N
         if AHEAD:
             if n_full > 0:
-                qk = _scores(q, k_desc, bh, 0, N_KV, BLOCK_N, False, HOST_DESC)
+                qk = _scores(q, k_desc, 0, N_KV, BLOCK_N, False)
                 for start in tl.range(BLOCK_N, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-                    qk_next = _scores(q, k_desc, bh, start, N_KV, BLOCK_N, False, HOST_DESC)
-                    acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, bh, start - BLOCK_N, qk_scale, LAZY, HOST_DESC)
+                    qk_next = _scores(q, k_desc, start, N_KV, BLOCK_N, False)
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, start - BLOCK_N, qk_scale, LAZY)
                     qk = qk_next
-                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, bh, n_full - BLOCK_N, qk_scale, LAZY,
-                                                HOST_DESC)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, qk, v_desc, n_full - BLOCK_N, qk_scale, LAZY)
         else:
             for start in tl.range(0, n_full, BLOCK_N, warp_specialize=WARP_SPEC):
-                acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, bh, start, N_KV, qk_scale, BLOCK_N,
-                                         False, LAZY, HOST_DESC)
+                acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, start, N_KV, qk_scale, BLOCK_N, False,
+                                         LAZY)
         if not EVEN_N:
-            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, bh, n_full, N_KV, qk_scale, BLOCK_N, True,
-                                     LAZY, HOST_DESC)
+            acc, m_i, l_i = _kv_tile(acc, m_i, l_i, q, k_desc, v_desc, n_full, N_KV, qk_scale, BLOCK_N, True, LAZY)
         out, lse = finish(acc, m_i, l_i)
     else:
         count = tl.load(KV_CNT + row)
-        acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, bh, KV_IDX + row.to(tl.int64) * MAX_K,
-                                     count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY, AHEAD,
-                                     HOST_DESC)
+        acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, KV_IDX + row.to(tl.int64) * MAX_K, count,
+                                     N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY, AHEAD)
         out, lse = finish(acc, m_i, l_i)
         if MODE == 2:  # the selected blocks' state is the sparse output; continue over the complement
             out_s = out
             lse_s = lse
             c_count = tl.load(CMP_CNT + row)
-            acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, bh, CMP_IDX + row.to(tl.int64) * MAX_C,
+            acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, CMP_IDX + row.to(tl.int64) * MAX_C,
                                          c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY,
-                                         AHEAD, HOST_DESC)
+                                         AHEAD)
             out, lse = finish(acc, m_i, l_i)
             store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, out - out_s, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
@@ -216,7 +192,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
               BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, MODE: tl.constexpr,
               RESIDUAL: tl.constexpr, RES_OUT: tl.constexpr, WRITE_LSE: tl.constexpr, ORDERED: tl.constexpr,
               PERSISTENT: tl.constexpr, WARP_SPEC: tl.constexpr, PROGS_PER_SM: tl.constexpr,
-              LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr, HOST_DESC: tl.constexpr = 0):
+              LAZY: tl.constexpr, AHEAD: tl.constexpr, MASS: tl.constexpr):
     if PERSISTENT:  # greedy: each program takes the next row (heaviest first) when it finishes one
         t = tl.atomic_add(COUNTER, 1)
         while t < N_ROWS:
@@ -228,7 +204,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
                  msb, msh, msn,
                  H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
                  EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
-                 MASS, HOST_DESC)
+                 MASS)
             t = tl.atomic_add(COUNTER, 1)
     else:
         row = tl.program_id(0)
@@ -238,7 +214,7 @@ def _attn_tma(Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, srb, srh, srn, ssb, ssh, ssn, msb, msh, msn,
              H, N_Q, N_KV, NQB, N_KBLK, MAX_K, MAX_C, qk_scale, HEAD_DIM, D_PAD, BLOCK_M, BLOCK_K, BLOCK_N,
              EVEN_K, EVEN_N, MODE, RESIDUAL, RES_OUT, WRITE_LSE, WARP_SPEC, LAZY, AHEAD,
-                 MASS, HOST_DESC)
+                 MASS)
 
 
 def _cfg(bn, w, s, per_sm=1, maxnreg=None):
@@ -334,39 +310,6 @@ def launch(kind, q, k, v, out, *, scale, block_q, block_k, mode, lse=None, res=N
         WRITE_LSE=lse is not None and mode != MODE_RESIDUAL, ORDERED=order is not None, PERSISTENT=persistent,
         WARP_SPEC=kind == "warp_spec", LAZY=lazy_rescale(), AHEAD=loop_ahead(), MASS=mass is not None),
         before=_hopper.scratch_setter(q.device))
-    return out
-
-
-def launch_tiling(q, k, v, out, *, scale, mode, tiling, host_desc=0, block_q=128, block_k=128, idx=None, cnt=None,
-                  lse=None):
-    """One launch of the raw kernel with an explicit tiling and no autotuning, for benchmarks and tests that compare
-    variants on equal terms (bench/host_desc.py). q, k, v, out: (B, H, N, D) CUDA tensors (any strides TMA allows);
-    mode MODE_BLOCKS (idx/cnt: int32 contiguous (B, H, nqb, max_k) / (B, H, nqb) lists) or MODE_DENSE (lse: fp32
-    contiguous (B, H, Nq), written, or None). tiling: (BLOCK_N, warps, stages, maxnreg or None). host_desc 0: the
-    kernel makes its K/V descriptors; 1: the host's 4-D descriptors of K and V; 2: of Q, K and V
-    (docs/kernel_notes.md, "v15")."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    b, h, nq, d = q.shape
-    nk = k.shape[2]
-    bn, warps, stages, maxnreg = tiling
-    dp = head_dim_pad(d)
-    nqb = cdiv(nq, block_q)
-    Q, K, V = q, k, v
-    if host_desc:
-        K, V = (TensorDescriptor.from_tensor(t, [1, 1, bn, dp]) for t in (k, v))
-        if host_desc == 2:
-            Q = TensorDescriptor.from_tensor(q, [1, 1, block_q, dp])
-    res, mass = residual_launch_args(None, out), mass_launch_args(None, out)
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
-    _attn_tma[(b * h * nqb,)](
-        Q, K, V, out, lse if lse is not None else out, *res[:2], out, out, mass[0],
-        idx if idx is not None else out, cnt if cnt is not None else out, out, out, out, out,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *res[2:], *mass[1:],
-        h, nq, nk, nqb, cdiv(nk, block_k), idx.shape[-1] if idx is not None else 1, 1, scale * LOG2E, b * h * nqb,
-        seq_bucket(nk), HEAD_DIM=d, D_PAD=dp, BLOCK_M=block_q, BLOCK_K=block_k, BLOCK_N=bn,
-        EVEN_K=nk % block_k == 0, EVEN_N=nk % bn == 0, MODE=mode, RESIDUAL=0, RES_OUT=0, WRITE_LSE=lse is not None,
-        ORDERED=False, PERSISTENT=False, WARP_SPEC=False, PROGS_PER_SM=1, LAZY=lazy_rescale(), AHEAD=loop_ahead(),
-        MASS=False, HOST_DESC=host_desc, num_warps=warps, num_stages=stages, **extra)
     return out
 
 

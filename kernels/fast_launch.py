@@ -133,6 +133,11 @@ def _build(kernel, jit, grid, args, compiled, seen) -> object:
         names = list(jit.arg_names)
         bound = dict(zip(names, seen[0]))
         bound.update((k, v) for k, v in seen[1].items() if k in names)
+        # a parameter left to its default reaches the JIT's run unbound; the JIT binds the default and passes it to
+        # the launcher like any other (a defaulted constexpr once kept the TMA kernels off this path, unnoticed but
+        # for a GPU test: docs/kernel_notes.md, "v15")
+        bound.update((p.name, p.default) for p in getattr(jit, "params", ())
+                     if p.name not in bound and getattr(p, "has_default", False))
         missing = [n for n in names if n not in bound]
         if missing:
             why = f"arguments {missing} were not bound"

@@ -15,6 +15,12 @@ def toy_kernel(X, Y, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr, MODE: tl
 
 
 @triton.jit
+def toy_kernel_with_default(X, Y, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr, MODE: tl.constexpr,
+                            EXTRA: tl.constexpr = 7):
+    pass
+
+
+@triton.jit
 def attn_kernel(Q, K, V, Out, R, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr, MODE: tl.constexpr):
     pass
 

@@ -49,6 +49,23 @@ def test_a_seen_key_is_relaunched_directly_with_the_calls_own_tensors(toy):
     assert fast_launch.counts() == {"direct": 1, "normal": 1, "replayed": 0}
 
 
+def test_a_constexpr_left_to_its_default_is_bound_and_passed(monkeypatch):
+    """A kernel parameter with a default that the caller does not pass reaches the JIT's run unbound; the direct
+    launch passes the default in its place, as Triton's JIT does (before, such a kernel never left Triton's path)."""
+    from fake_triton import toy_kernel_with_default
+    compiled, calls = _fake_triton(monkeypatch, kernel=toy_kernel_with_default)
+    kernel = triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=4)], key=["n"])(
+        triton.heuristics({"EVEN": lambda a: a["n"] % 64 == 0})(toy_kernel_with_default))
+    fast_launch.reset()
+    try:
+        for _ in range(2):
+            fast_launch.launch(kernel, (4,), _args(), {"MODE": 1})
+        assert len(calls) == 1 and len(compiled.launches) == 1
+        assert compiled.launches[0][11:] == (128, 0.5, 64, True, 1, 7)
+    finally:
+        fast_launch.reset()
+
+
 @pytest.mark.parametrize("change", ["misaligned tensor", "dtype", "scalar", "constexpr"])
 def test_what_triton_specialises_on_makes_a_new_key(toy, change):
     kernel, compiled, calls = toy

@@ -785,56 +785,7 @@ def test_fp8_residual_read_as_bytes_where_triton_has_no_fp8_type(child):
 
 
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
-HOST_DESC_CHILD = PREAMBLE + r"""
-from sparse_ref import structured_qkv, random_block_lists, rel_l2
-from comfyui_sparse_attention.kernels import _hopper, attention_hopper as AH, block_sparse_torch, dense_torch
-_hopper.set_allocator(torch.device("cpu"))
-results = {}
-for dtype in (torch.float16, torch.float32):
-    for (n, d) in ((200, 64), (130, 80), (193, 128)):
-        for layout in ("bhnd", "bnhd"):
-            q, k, v = structured_qkv(1, 2, n, d, nk=n, dtype=dtype, seed=n + d)
-            if layout == "bnhd":  # ComfyUI's (B, N, H, D) memory seen as (B, H, N, D)
-                q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-            nqb = nkb = -(-n // 128)
-            idx, cnt = random_block_lists(1, 2, nqb, nkb, nkb, seed=n, empty_rows=(1,), full_rows=(0,))
-            scale = d ** -0.5
-            twin_s = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, scale=scale, block_q=128,
-                                                               block_k=128)
-            twin_d = dense_torch.attention_dense(q, k, v, scale=scale, return_lse=True)
-            for host in (0, 1, 2):
-                o = torch.empty_like(q)
-                AH.launch_tiling(q, k, v, o, scale=scale, mode=AH.MODE_BLOCKS, tiling=(32, 4, 1, None),
-                                 host_desc=host, idx=idx, cnt=cnt)
-                od, lse = torch.empty_like(q), torch.empty(1, 2, n, dtype=torch.float32)
-                AH.launch_tiling(q, k, v, od, scale=scale, mode=AH.MODE_DENSE, tiling=(32, 4, 1, None),
-                                 host_desc=host, lse=lse)
-                results[f"{dtype}-{n}-{d}-{layout}-{host}"] = dict(
-                    sparse=o.tolist(), dense=od.tolist(), lse=lse.tolist(),
-                    rel_sparse=rel_l2(o.double(), twin_s.double()), rel_dense=rel_l2(od.double(), twin_d[0].double()),
-                    rel_lse=rel_l2(lse.double(), twin_d[1].double()))
-print("RESULT:" + json.dumps(results))
-"""
-
-
-def test_host_descriptors_match_in_kernel_descriptors_in_interpreter(child):
-    """kernels/attention_hopper.py with the host's 4-D descriptors of K and V (HOST_DESC 1) and of Q too (2), the
-    variant bench/host_desc.py times (docs/kernel_notes.md, "v15"): block-sparse (an empty and a full row) and dense
-    + LSE equal the in-kernel descriptors' outputs exactly, on contiguous and ComfyUI's (B, N, H, D) memory, ragged
-    N and padded head dims, and their twins within rounding."""
-    got = child
-    assert len(got) == 2 * 3 * 2 * 3
-    for name, r in got.items():
-        tol = 2e-3 if "float16" in name else 1e-5
-        assert max(r["rel_sparse"], r["rel_dense"], r["rel_lse"]) < tol, (name, r["rel_sparse"], r["rel_dense"])
-        base = got[name[:-1] + "0"]
-        for key in ("sparse", "dense", "lse"):
-            assert r[key] == base[key], (name, key)
-
-
 CHILDREN = {
-    "test_host_descriptors_match_in_kernel_descriptors_in_interpreter":
-        (HOST_DESC_CHILD, 900, {}),
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
         (HOPPER_CHILD, 1500, {}),
     "test_lazy_rescale_matches_twins_in_interpreter":
