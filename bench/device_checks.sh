@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One H200 call when device time is short (carry: [".carry/bundle.tar.xz"] from bench/device_bundle.sh): the GPU tests
-# the code since the last device run touches (the engine, the fast launch and the replay, the fp8 residual read as
-# bytes, the TMA variants), then a ComfyUI run of Wan 2.1 1.3B 480p x 81 with the presets' block_topk 0.08 schedule, every step timed
-# through comfy.sample with a step callback. Packed into $OUT/checks.tar.gz.
-#   bash bench/device_checks.sh
+# One H200 call when device time is short (carry: [".carry/bundle.tar.xz"] from bench/device_bundle.sh, and
+# .carry/quality from bench/quality_bundle.sh --no-sol with QUALITY=1): the GPU tests the code since the last device
+# run touches (FIRST: a pytest -k expression; default the engine, the fast launch and the replay, the fp8 residual read
+# as bytes, the TMA variants), then a ComfyUI run of Wan 2.1 1.3B 480p x 81 with the presets' block_topk 0.08
+# schedule, every step timed through comfy.sample with a step callback, then (QUALITY=1) the presets' setting on the
+# quality testbed at 30 steps (bench/grids/preset_check.yaml). Packed into $OUT/checks.tar.gz.
+#   [FIRST=...] [QUALITY=1] bash bench/device_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
+[ "${QUALITY:-0}" = 1 ] && need_quality_carry  # before any run: a missing carry must not cost the other results
 new_root /tmp/checks
 record_gpu
 first="${FIRST:-engine or fp8 or on_cuda or variants_match_twin or anchor_residual or mass_weighted or fast_launch or dispatch}"
@@ -14,5 +17,7 @@ part gpu-tests "${TESTS_S:-150}" env SPARSE_ATTN_TUNE=first python3 -m pytest -q
   tests/test_gpu_kernels.py tests/test_torch_backend.py -p no:cacheprovider -k "$first"
 part e2e-wan13b "${E2E_S:-210}" env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --models wan13b \
   --modes block_topk@0.08 --warmup-layers 0 --whole-run --total-steps 30
+[ "${QUALITY:-0}" = 1 ] && part quality-presets "${QUALITY_S:-200}" bash bench/device_quality.sh \
+  --grid bench/grids/preset_check.yaml --steps 30 --budget-s "$(( ${QUALITY_S:-200} - 40 ))"
 tar czf "$OUT/checks.tar.gz" -C /tmp checks
 ls -la "$OUT"
