@@ -205,7 +205,9 @@ class SelectionCache:
         self._host_used: float | None = None  # when the first host entry since the last clear was stored
         # (time.monotonic); the pinned pool frees at clear what was not used since. A cache dropped without clear
         # gives its host entries' buffers back when it is collected.
-        weakref.finalize(self, _release_all, self.on_cpu).atexit = False  # at exit the process frees it all
+        self._pool_token = object()  # names this cache to the pool (release, free_released_by) without keeping it
+        weakref.finalize(self, _release_all, self.on_cpu, self._pool_token).atexit = False  # at exit the process
+        # frees it all
 
     # sizes
     @property
@@ -453,7 +455,7 @@ class SelectionCache:
             if self._stream is not None:
                 streams.append(self._stream)
         for t in tensors:
-            POOL.release(t, streams)
+            POOL.release(t, streams, owner=self._pool_token)
 
     def new_step(self) -> None:
         """Called when the denoising step changes: the access order just seen predicts the next one."""
@@ -530,14 +532,15 @@ def _layer_of(key):
     return key[0] if isinstance(key, tuple) and key else key
 
 
-def _release_all(on_cpu: dict) -> None:
-    """A collected cache (its patched model deleted) gives its host entries' buffers back and the pool frees what is
-    free: nothing keeps page-locked memory for a model that is gone. No events are recorded: a cache nobody holds
-    issues no copies, and its last ones ended with its last call."""
+def _release_all(on_cpu: dict, token) -> None:
+    """A collected cache (its patched model deleted) gives its host entries' buffers back and the pool frees the free
+    buffers it released last: nothing keeps page-locked memory for a model that is gone, and what other caches keep
+    for their next run stays (engine/pinned_pool.py). No events are recorded: a cache nobody holds issues no copies,
+    and its last ones ended with its last call."""
     for entry in on_cpu.values():
         for t in _tensors(entry):
-            POOL.release(t)
-    POOL.trim(since=time.monotonic())
+            POOL.release(t, owner=token)
+    POOL.free_released_by(token)
 
 
 def _tensors(entry: Entry):

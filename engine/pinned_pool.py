@@ -12,8 +12,9 @@ keep their residual on a small card, so large host entries live here instead: or
   keep the memory valid (torch holds the storage), they only must not be read after a new owner writes it, and the
   cache never reads an entry it forgot.
 - ``trim`` (end of run) unregisters and frees the buffers no entry of that run used, after the device has finished
-  with them; a collected cache gives its buffers back and frees what is free. Free buffers idle for a minute are
-  also freed before new memory is page-locked, so sizes that change mid-run do not pile up.
+  with them; a collected cache gives its buffers back and frees the free buffers it released last, not those another
+  cache keeps for its next run or is about to take again. Free buffers idle for a minute are also freed before new
+  memory is page-locked, so sizes that change mid-run do not pile up.
 - ``release`` finds the buffer by the tensor's storage: the cache releases only tensors of entries it holds, never a
   stale view of a buffer recycled since.
 - A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
@@ -46,6 +47,7 @@ class _Buffer:
     in_use: bool = True
     last_used: float = field(default_factory=time.monotonic)  # handed out or released (time.monotonic)
     events: list = field(default_factory=list)  # recorded at release: the copies issued before it
+    owner: object = None  # the token of the cache that released it last (``free_released_by``)
 
 
 class PinnedPool:
@@ -103,7 +105,7 @@ class PinnedPool:
             else:
                 _wait(buf.events, device)
                 buf.events = []
-                buf.in_use, buf.last_used = True, time.monotonic()
+                buf.in_use, buf.last_used, buf.owner = True, time.monotonic(), None
         return buf.base[:nbytes].view(dtype).view(tuple(int(s) for s in shape))
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -111,11 +113,11 @@ class PinnedPool:
         with self._lock:
             return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
 
-    def release(self, t: torch.Tensor, streams=()) -> None:
+    def release(self, t: torch.Tensor, streams=(), owner=None) -> None:
         """The tensor's buffer is free again (no-op for tensors the pool did not hand out). t: a CPU tensor (any
         shape and dtype) whose storage is a pool buffer. ``streams``: the CUDA streams that may still be reading it
         (copies to the device, prefetches); events recorded on them now are waited for before the buffer is
-        written again."""
+        written again. ``owner``: a token of the releasing cache, for ``free_released_by``."""
         if t.device.type != "cpu":
             return
         ptr = t.untyped_storage().data_ptr()
@@ -123,7 +125,7 @@ class PinnedPool:
             buf = self._buffers.get(ptr)
             if buf is None or not buf.in_use:
                 return
-            buf.in_use, buf.last_used = False, time.monotonic()
+            buf.in_use, buf.last_used, buf.owner = False, time.monotonic(), owner
             buf.events = []
             for s in streams:
                 ev = torch.cuda.Event()
@@ -137,11 +139,18 @@ class PinnedPool:
         with self._lock:
             return self._free_unused(before=since)
 
-    def _free_unused(self, before: float) -> int:
-        """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading)."""
+    def free_released_by(self, owner) -> int:
+        """Unregister and free the free buffers ``owner`` (a token given to ``release``) released last and nobody
+        took since: what a cache that is gone kept for its next run. Returns the bytes freed."""
+        with self._lock:
+            return self._free_unused(before=float("inf"), owner=owner)
+
+    def _free_unused(self, before: float, owner=None) -> int:
+        """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading); with
+        ``owner``, only those that owner released last."""
         freed = 0
         for ptr, b in list(self._buffers.items()):
-            if b.in_use or b.last_used >= before:
+            if b.in_use or b.last_used >= before or (owner is not None and b.owner is not owner):
                 continue
             for ev in b.events:  # copies still reading it finish first: unregistering under a copy is undefined
                 ev.synchronize()

@@ -113,7 +113,7 @@ def test_trim_frees_what_a_whole_run_did_not_use():
 def test_engines_of_several_devices_keep_each_others_buffers_across_runs(monkeypatch):
     """Two caches (one engine per GPU) share the pool and end their runs one after the other: after the first run
     nothing is page-locked again."""
-    gc.collect()  # caches of earlier tests collected during this one would trim this pool (cache._release_all)
+    gc.collect()  # caches of earlier tests are collected now, not in the middle of this one
     rt = FakeRuntime()
     pool = pool_of(rt)
     monkeypatch.setattr(cache_mod, "POOL", pool)
@@ -144,7 +144,7 @@ def fake_pinned(pool):
 @pytest.fixture
 def pooled_cache(monkeypatch):
     """A SelectionCache module whose host copies come from a fake-locked pool."""
-    gc.collect()  # caches of earlier tests collected during this one would trim this pool (cache._release_all)
+    gc.collect()  # caches of earlier tests are collected now, not in the middle of this one
     rt = FakeRuntime()
     pool = pool_of(rt)
     monkeypatch.setattr(cache_mod, "POOL", pool)
@@ -190,5 +190,30 @@ def test_a_cache_dropped_without_clear_gives_its_buffers_back(pooled_cache):
     cache.put((0, True, (), 4096), cache_entry(0, 0.1))
     assert 0 < pool.held_bytes and pool.free_bytes == 0
     del cache
+    gc.collect()
+    assert pool.held_bytes == 0 and not rt.locked
+
+
+def test_a_collected_cache_frees_only_the_buffers_it_released(pooled_cache):
+    """Another model's cache keeps its buffers for its next run, and one it holds stays held: deleting the first
+    model frees only what the first cache released last."""
+    pool, rt = pooled_cache
+    gone = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    kept = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    gone.put((0, True, (), 4096), cache_entry(0, 0.1))
+    kept.put((0, True, (), 2048), cache_entry(1, 0.1))
+    kept.put((1, True, (), 2048), cache_entry(2, 0.1))
+    gone.clear()  # both runs ended; the buffers stay for the next runs
+    kept.drop((1, True, (), 2048))
+    kept_free = pool.free_bytes - sum(t.nbytes for t in cache_mod._tensors(cache_entry(0, 0.1)) if t.nbytes >= 1024)
+    held = [t for t in cache_mod._tensors(kept.on_cpu[(0, True, (), 2048)]) if pool.owns(t)]
+    assert held and kept_free > 0
+    locked_before = dict(rt.locked)
+    del gone
+    gc.collect()
+    assert pool.free_bytes == kept_free  # the other cache's free buffers are still page-locked
+    assert all(pool.owns(t) for t in held) and len(rt.locked) < len(locked_before)
+    kept.clear()
+    del kept
     gc.collect()
     assert pool.held_bytes == 0 and not rt.locked
