@@ -1,5 +1,5 @@
 # Sourced by the device scripts that run in parts (bench/device_final.sh, device_multigpu.sh, device_small_cards.sh,
-# device_rescale.sh, device_e2e_033.sh, device_search.sh):
+# device_rescale.sh, device_e2e_033.sh, device_search.sh, device_search_model.sh, ...):
 #   need_quality_carry             sets b=.carry/quality, or stops (exit 2) when the testbed was not carried
 #   new_root DIR                   makes DIR afresh, sets root=DIR and PYTHONUNBUFFERED=1
 #   record_gpu                     writes the GPUs (index, name, driver, memory) and the torch / Triton versions to

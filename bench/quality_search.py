@@ -12,7 +12,10 @@ together compute the uniform density's pairs): a move raises one head's factor b
 head down to keep the mean, or lowers it and scales the others up. Each round scores every move by the mean PSNR
 of the fit videos against the dense reference and takes the best one if it gains more than ``--min-gain-db``;
 rounds stop when none does, after ``--rounds`` or when ``--budget-s`` runs out (a round the budget cuts takes the
-best of the moves it scored, and is marked so in the report). The uniform density and the best
+best of the moves it scored, and is marked so in the report). With ``--mode quadratic`` a complete round also fits
+bench/search_model.py's per-head quadratic model to its moves' gains and samples the model's optimum (every head
+changed at once, each by at most ``--radius``; the mean stays 1): the round takes whichever of that allocation and
+the best single move scores higher. The uniform density and the best
 factors found are then sampled on the check videos (other seeds, never seen by the search): the gain there is what
 a search on the output delivers, not fitted noise.
 
@@ -32,6 +35,7 @@ from pathlib import Path
 from _pack import load
 from quality import build_model, load_testbed, sha256, versions, write_json
 from quality_engine import EngineAttention
+from search_model import fit, predict, solve
 
 
 def say(msg: str) -> None:
@@ -80,6 +84,17 @@ def start_factors(text: str, layers: int, heads: int, parse) -> list[float]:
     return [x / mean for x in flat]
 
 
+def _model_note(doc: dict, rd: dict) -> str:
+    """' (model: predicted +x, measured +y dB)' for a round that sampled the quadratic model's allocation."""
+    if rd.get("model_predicted") is None:
+        return ""
+    got = [m for m in doc["moves"] if m["round"] == rd["round"] and "predicted_gain" in m]
+    start = doc["rounds"][rd["round"] - 2]["best_psnr"] if rd["round"] > 1 else (
+        doc["result"].get("start_fit") or doc["result"]["uniform"]["fit"])["psnr_mean"]
+    return "".join(f" (model: predicted {m['predicted_gain']:+.2f}, measured {m['psnr_mean'] - start:+.2f} dB)"
+                   for m in got)
+
+
 def section(doc: dict) -> str:
     m, r = doc["meta"], doc["result"]
     lines = ["### A search on the output", "",
@@ -87,7 +102,10 @@ def section(doc: dict) -> str:
              f"`{m['command']}` ({m['wall_s']:.0f} s).", "",
              f"{m['method']} at average density {m['density']:g}; {m['steps']} steps, warm-up {m['warmup']}, anchors "
              f"{m['anchors']}, blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
-             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled, starting from "
+             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled"
+             + (f", and each complete round also the optimum of the per-head quadratic model fitted to its moves "
+                f"(bench/search_model.py; every head changed by at most {m['radius']:g})"
+                if m.get("mode") == "quadratic" else "") + ", starting from "
              f"{'`' + m['start'] + '`' if m.get('start') else 'uniform'}; "
              f"{len(doc['moves'])} allocations sampled in {len(doc['rounds'])} round(s) on the fit videos (seeds "
              f"{m['fit_seeds']}); the result checked on videos the search never saw (seeds {m['check_seeds']}).", "",
@@ -99,12 +117,16 @@ def section(doc: dict) -> str:
         gain = "" if name == "uniform" else f"{c['psnr_mean'] - r['uniform']['check']['psnr_mean']:+.2f}"
         lines.append(f"| {name} | {f['psnr_mean']:.2f} ({f['psnr_min']:.2f}) | {c['psnr_mean']:.2f} "
                      f"({c['psnr_min']:.2f}) | {gain} | {c['density_sparse']:.3f} |")
-    lines += ["", "Rounds (move taken, fit PSNR after it; a round the time budget cut takes the best of the moves it "
-              "scored): " + "; ".join(
-                  f"{i + 1}: {rd['taken'] or 'none'} {rd['best_psnr']:.2f} dB"
-                  + ("" if rd["complete"] else f" (cut: {rd['scored']} of {rd['candidates']} moves scored)")
-                  for i, rd in enumerate(doc["rounds"])) + ".",
-              "", f"Searched factors: `{r['layer_densities']}`", ""]
+    if doc["rounds"]:
+        lines += ["", "Rounds (move taken, fit PSNR after it; a round the time budget cut takes the best of the moves "
+                  "it scored): " + "; ".join(
+                      f"{i + 1}: {rd['taken'] or 'none'} {rd['best_psnr']:.2f} dB"
+                      + ("" if rd["complete"] else f" (cut: {rd['scored']} of {rd['candidates']} moves scored)")
+                      + _model_note(doc, rd)
+                      for i, rd in enumerate(doc["rounds"])) + "."]
+    else:
+        lines += ["", "No rounds: the allocation given with --start, sampled as it is."]
+    lines += ["", f"Searched factors: `{r['layer_densities']}`", ""]
     return "\n".join(lines)
 
 
@@ -175,6 +197,7 @@ def run(args) -> dict:
         best_fit = score(best)
         say(f"start {layer_density.layer_densities_text(as_layer_densities(best, heads))}: fit PSNR "
             f"{best_fit['psnr_mean']:.2f} dB")
+    start_fit = best_fit if args.start else None  # what round 1's moves are measured against
     moves, rounds = [], []
     per_eval = None
     for rnd in range(args.rounds):
@@ -194,21 +217,40 @@ def run(args) -> dict:
             scored.append((s["psnr_mean"], name, f, s))
             moves.append(dict(round=rnd + 1, move=name, psnr_mean=s["psnr_mean"], psnr_min=s["psnr_min"],
                               density_sparse=s["density_sparse"]))
-        complete = len(scored) == len(cands)
+        n_single = len(scored)
+        complete = n_single == len(cands)
+        predicted = None
+        if args.mode == "quadratic" and complete and time.perf_counter() + (per_eval or 0) <= deadline:
+            names = [f"{i // heads}.{i % heads}" for i in range(len(best))]
+            model = fit({name: s["psnr_mean"] - best_fit["psnr_mean"] for _, name, _, s in scored}, args.step, names)
+            deltas = solve(model, args.radius, dict(zip(names, best)), args.min_factor, args.max_factor)
+            predicted = predict(model, deltas)
+            f = [x + deltas[n] for x, n in zip(best, names)]
+            mean = sum(f) / len(f)
+            f = [x / mean for x in f]  # the deltas sum to 0; this only removes rounding
+            s = score(f)
+            name = f"model r{args.radius:g}"
+            scored.append((s["psnr_mean"], name, f, s))
+            moves.append(dict(round=rnd + 1, move=name, psnr_mean=s["psnr_mean"], psnr_min=s["psnr_min"],
+                              density_sparse=s["density_sparse"], predicted_gain=round(predicted, 3)))
+            say(f"round {rnd + 1}: the model's allocation (predicted {predicted:+.2f} dB) scores "
+                f"{s['psnr_mean'] - best_fit['psnr_mean']:+.2f} dB")
         top = max(scored, key=lambda x: x[0], default=None)
         gain = top[0] - best_fit["psnr_mean"] if top else float("-inf")
         taken = top is not None and gain > args.min_gain_db
         if taken:
             best, best_fit = top[2], top[3]
-        rounds.append(dict(round=rnd + 1, scored=len(scored), candidates=len(cands), complete=complete,
-                           taken=top[1] if taken else None, best_psnr=best_fit["psnr_mean"]))
-        say(f"round {rnd + 1}: {len(scored)}/{len(cands)} moves scored; "
+        rounds.append(dict(round=rnd + 1, scored=n_single, candidates=len(cands), complete=complete,
+                           taken=top[1] if taken else None, best_psnr=best_fit["psnr_mean"],
+                           model_predicted=None if predicted is None else round(predicted, 3)))
+        say(f"round {rnd + 1}: {n_single}/{len(cands)} moves scored; "
             + (f"took {top[1]} ({gain:+.2f} dB): fit PSNR {best_fit['psnr_mean']:.2f}" if taken else
                f"no move gains more than {args.min_gain_db} dB (best {gain:+.2f})"))
         if not taken or not complete:
             break
     result = {"uniform": {"fit": uniform_fit, "check": score(None, "check")},
               "searched": {"fit": best_fit, "check": score(best, "check")},
+              **({"start_fit": start_fit} if start_fit is not None else {}),
               "factors": [round(f, 4) for f in best],
               "layer_densities": layer_density.layer_densities_text(as_layer_densities(best, heads))}
     u, s = result["uniform"]["check"], result["searched"]["check"]
@@ -219,7 +261,9 @@ def run(args) -> dict:
             "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python bench/quality_search.py " + " ".join(sys.argv[1:]), "method": args.method,
             "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
-            "size": args.size, "step": args.step, "fit_seeds": fit_seeds, "check_seeds": check_seeds,
+            "size": args.size, "step": args.step, "mode": args.mode,
+            "radius": args.radius if args.mode == "quadratic" else None,
+            "fit_seeds": fit_seeds, "check_seeds": check_seeds,
             "start": args.start or None,
             "wall_s": round(time.perf_counter() - clock0, 1),
             "testbed": {"layers": layers, "heads": heads, "tokens": math.prod(cfg.grid),
@@ -239,6 +283,11 @@ def main(argv=None):
     ap.add_argument("--method", default="mc_sparse")
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--step", type=float, default=0.5, help="factor change of one move")
+    ap.add_argument("--mode", choices=("greedy", "quadratic"), default="greedy",
+                    help="greedy: take the best single move per round; quadratic: also sample the optimum of a "
+                    "per-head quadratic model fitted to the round's moves (bench/search_model.py)")
+    ap.add_argument("--radius", type=float, default=0.5,
+                    help="--mode quadratic: the largest change of one head's factor in the model's allocation")
     ap.add_argument("--min-factor", type=float, default=0.25)
     ap.add_argument("--max-factor", type=float, default=4.0)
     ap.add_argument("--min-gain-db", type=float, default=0.05, help="a move must gain more than this on the fit set")

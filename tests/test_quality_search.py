@@ -81,6 +81,22 @@ def test_search_starts_from_given_factors(tmp_path):
     assert doc["meta"]["start"] == "{0: [0.5, 1.5]}" and doc["rounds"][0]["taken"] is None  # no move clears 1000 dB
     assert doc["result"]["factors"] == [0.5, 1.5, 1.0, 1.0]  # kept as given (mean 1 already)
     assert doc["result"]["searched"]["fit"] != doc["result"]["uniform"]["fit"]
+    assert doc["result"]["start_fit"] == doc["result"]["searched"]["fit"]  # round 1's moves were measured from it
+
+
+def test_no_rounds_samples_the_given_allocation(tmp_path):
+    """--rounds 0 --start: an allocation made elsewhere (bench/search_model.py's optimum) scored on both seed sets."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--fit-seeds", "0,1", "--check-seeds", "2", "--rounds", "0", "--device", "cpu",
+           "--start", "{0: [0.25, 1.5], 1: [1.25, 1]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "search.json").read_text())
+    assert doc["rounds"] == [] and doc["moves"] == [] and doc["result"]["factors"] == [0.25, 1.5, 1.25, 1.0]
+    assert doc["result"]["searched"]["check"] != doc["result"]["uniform"]["check"]
+    assert "No rounds: the allocation given with --start" in (out / "search.md").read_text()
 
 
 def test_search_refuses_start_factors_outside_the_bounds(tmp_path):

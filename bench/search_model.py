@@ -1,0 +1,232 @@
+"""A quadratic model of how the sampled videos answer per-head densities (docs/calibration.md, "A model of the
+output"): from one round of single-head moves around an allocation (bench/quality_search.py: each head's factor
+raised and lowered by a step, the other heads rescaled so the mean stays 1), fit for every head
+
+    gain(delta) = a * delta + b * delta**2        (mean PSNR change in dB for a change delta of that head's factor)
+
+through the two measured moves and the allocation itself, then choose the changes (summing to 0, so the average
+density stays; each within +-radius and the factor bounds) that maximise the summed gain. The model assumes the heads'
+gains add; offline on a search.json this script checks that assumption on the later rounds (how well each round's
+single-move gains repeat in the next), what the model predicts for the allocations the searches found (measured
+there), and the model's own optimum for each radius:
+
+    python bench/search_model.py docs/bench-runs/search-1/mc_sparse/search.json \\
+        [--evaluate docs/bench-runs/search-2/search.json] [--radius 0.5,0.75] [--out table.md]
+
+bench/quality_search.py --mode quadratic uses ``fit`` and ``solve`` to search this way on the testbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+MIN_CURVATURE = 0.05  # dB per unit factor squared: a head measured flat or convex is taken as slightly concave, so
+# the model never extrapolates a straight line to the radius (two points and the centre cannot show a maximum there)
+
+
+def head_of(move: str) -> str:
+    """'3.1+' -> '3.1' (bench/quality_search.py names moves '<layer>.<head><+|->')."""
+    return move[:-1]
+
+
+def round_gains(doc: dict, rnd: int, base: float) -> dict[str, float]:
+    """{move: mean PSNR change against ``base``} for the single-head moves scored in round ``rnd`` of a search.json
+    (not the model's allocations of ``--mode quadratic``)."""
+    return {m["move"]: m["psnr_mean"] - base for m in doc["moves"] if m["round"] == rnd and m["move"][-1] in "+-"}
+
+
+def round_bases(doc: dict) -> dict[int, float]:
+    """The fit PSNR each round's moves start from: the start allocation's for round 1, then the previous round's
+    best (search.json's 'rounds')."""
+    start = doc["result"].get("start_fit", {}).get("psnr_mean")
+    if start is None:
+        start = doc["result"]["uniform"]["fit"]["psnr_mean"]
+    bases = {1: start}
+    for rd in doc["rounds"]:
+        bases[rd["round"] + 1] = rd["best_psnr"]
+    return bases
+
+
+def fit(gains: dict[str, float], step: float, heads: list[str]) -> dict[str, tuple[float, float]]:
+    """{head: (a, b)} through gain(0) = 0, gain(+step) and gain(-step) (``gains``: {move: dB}); a head with one move
+    measured (the other left the factor bounds) gets curvature -MIN_CURVATURE and the slope through that move, one
+    with neither (a, b) = (0, -MIN_CURVATURE). b is capped at -MIN_CURVATURE (module docstring)."""
+    out = {}
+    for h in heads:
+        up, down = gains.get(h + "+"), gains.get(h + "-")
+        if up is not None and down is not None:
+            a = (up - down) / (2 * step)
+            b = (up + down) / (2 * step * step)
+        elif up is not None or down is not None:
+            b = -MIN_CURVATURE
+            g, s = (up, step) if up is not None else (down, -step)
+            a = (g - b * s * s) / s
+        else:
+            a, b = 0.0, -MIN_CURVATURE
+        out[h] = (a, min(b, -MIN_CURVATURE))
+    return out
+
+
+def predict(model: dict[str, tuple[float, float]], deltas: dict[str, float]) -> float:
+    """Summed modelled gain (dB) of the factor changes ``deltas`` ({head: delta}; heads not listed: 0)."""
+    return sum(a * deltas.get(h, 0.0) + b * deltas.get(h, 0.0) ** 2 for h, (a, b) in model.items())
+
+
+def solve(model: dict[str, tuple[float, float]], radius: float, factors: dict[str, float] | None = None,
+          lo: float = 0.25, hi: float = 4.0) -> dict[str, float]:
+    """The changes {head: delta} maximising ``predict`` with sum(delta) = 0, |delta| <= radius and every factor
+    (``factors``: {head: current factor}, default 1) kept in [lo, hi]. Every head's gain is concave (``fit``), so
+    the optimum sets each derivative a + 2 b delta to one multiplier, clipped to the head's interval: found by
+    bisection on the multiplier (sum of deltas falls as it rises)."""
+    factors = factors or {}
+    box = {h: (max(-radius, lo - factors.get(h, 1.0)), min(radius, hi - factors.get(h, 1.0))) for h in model}
+    if any(low > high for low, high in box.values()):
+        raise ValueError("a factor lies outside the bounds; no change keeps it inside")
+    if sum(low for low, _ in box.values()) > 0 or sum(high for _, high in box.values()) < 0:
+        raise ValueError("no changes within the radius keep the mean")
+
+    def deltas(lam: float) -> dict[str, float]:
+        return {h: min(max((lam - a) / (2 * b), box[h][0]), box[h][1]) for h, (a, b) in model.items()}
+
+    # at lam_lo every head sits at its upper end, at lam_hi at its lower end
+    lam_lo = min(a + 2 * b * box[h][1] for h, (a, b) in model.items())
+    lam_hi = max(a + 2 * b * box[h][0] for h, (a, b) in model.items())
+    for _ in range(200):
+        mid = (lam_lo + lam_hi) / 2
+        if sum(deltas(mid).values()) > 0:
+            lam_lo = mid
+        else:
+            lam_hi = mid
+    out = deltas((lam_lo + lam_hi) / 2)
+    # the bisection leaves a residue of ~1e-12 in the sum; put it on the head with the most room
+    rest = sum(out.values())
+    h = max(out, key=lambda k: box[k][1] - out[k] if rest < 0 else out[k] - box[k][0])
+    out[h] -= rest
+    return out
+
+
+def heads_of(doc: dict) -> list[str]:
+    t = doc["meta"]["testbed"]
+    return [f"{layer}.{head}" for layer in range(t["layers"]) for head in range(t["heads"])]
+
+
+def searched_deltas(doc: dict, start: dict[str, float]) -> dict[str, float]:
+    """{head: searched factor - start factor} of a search.json's result."""
+    heads = heads_of(doc)
+    return {h: f - start.get(h, 1.0) for h, f in zip(heads, doc["result"]["factors"])}
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    return pearson(ranks(x), ranks(y))
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else 0.0
+
+
+def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name: str = "search") -> dict:
+    """The report's numbers: round-to-round stability, the model's predictions for the searched allocations (of
+    ``doc``, called ``name``, and of ``others``: (name, search.json) pairs), and its optimum per radius (the model
+    fitted on round 1 of ``doc``, which must start from uniform)."""
+    if doc["meta"].get("start"):
+        raise SystemExit("the model's search must start from the uniform allocation (its meta 'start' is set)")
+    heads, step = heads_of(doc), doc["meta"]["step"]
+    bases = round_bases(doc)
+    gains = {r: round_gains(doc, r, bases[r]) for r in sorted({m["round"] for m in doc["moves"]})}
+    stability = []
+    for r in sorted(gains):
+        if r - 1 in gains:
+            common = sorted(set(gains[r]) & set(gains[r - 1]))
+            if len(common) >= 3:
+                x, y = [gains[r - 1][m] for m in common], [gains[r][m] for m in common]
+                stability.append(dict(rounds=(r - 1, r), moves=len(common), spearman=round(spearman(x, y), 3),
+                                      pearson=round(pearson(x, y), 3)))
+    model = fit(gains[1], step, heads)
+    uniform = doc["result"]["uniform"]["fit"]["psnr_mean"]
+    checks = []
+    for label, d in [(name, doc)] + list(others):
+        deltas = {h: f - 1.0 for h, f in zip(heads, d["result"]["factors"])}
+        base = d["result"]["uniform"]["fit"]["psnr_mean"]
+        checks.append(dict(name=label, command=d["meta"]["command"], predicted=round(predict(model, deltas), 3),
+                           measured=round(d["result"]["searched"]["fit"]["psnr_mean"] - base, 3),
+                           max_change=round(max(abs(v) for v in deltas.values()), 3)))
+    optima = []
+    for r in radii:
+        deltas = solve(model, r)
+        optima.append(dict(radius=r, predicted=round(predict(model, deltas), 3),
+                           factors={h: round(1.0 + deltas[h], 4) for h in heads}))
+    return dict(source=doc["meta"]["command"], method=doc["meta"]["method"], density=doc["meta"]["density"],
+                step=step, uniform_fit=uniform, stability=stability,
+                model={h: [round(a, 4), round(b, 4)] for h, (a, b) in model.items()}, checks=checks, optima=optima)
+
+
+def layer_densities_text(factors: dict[str, float], layers: int, heads: int) -> str:
+    parts = []
+    for layer in range(layers):
+        f = [factors[f"{layer}.{h}"] for h in range(heads)]
+        parts.append(f"{layer}: " + (f"{f[0]:g}" if len(set(f)) == 1 else "[" + ", ".join(f"{x:g}" for x in f) + "]"))
+    return "{" + ", ".join(parts) + "}"
+
+
+def table(result: dict, layers: int, heads: int) -> str:
+    lines = [f"Model fitted on round 1 of {result['checks'][0]['name']} ({result['method']} at "
+             f"{result['density']:g}, moves of ±{result['step']:g}; uniform fit PSNR {result['uniform_fit']:.2f} dB).",
+             "",
+             "| rounds | single moves in both | Spearman ρ of their gains | Pearson r |", "|---|---|---|---|"]
+    for s in result["stability"]:
+        lines.append(f"| {s['rounds'][0]} → {s['rounds'][1]} | {s['moves']} | {s['spearman']:+.2f} | "
+                     f"{s['pearson']:+.2f} |")
+    lines += ["", "| allocation | largest factor change | modelled gain dB | measured fit gain dB |",
+              "|---|---|---|---|"]
+    for c in result["checks"]:
+        lines.append(f"| the allocation {c['name']} found | {c['max_change']:.2f} | {c['predicted']:+.2f} | "
+                     f"{c['measured']:+.2f} |")
+    for o in result["optima"]:
+        lines.append(f"| model optimum, radius {o['radius']:g} | {o['radius']:g} | {o['predicted']:+.2f} | "
+                     f"not measured |")
+    lines.append("")
+    for o in result["optima"]:
+        lines.append(f"- radius {o['radius']:g}: `{layer_densities_text(o['factors'], layers, heads)}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("search", help="search.json of bench/quality_search.py that started from uniform")
+    ap.add_argument("--evaluate", nargs="*", default=[], help="further search.json files (e.g. a continued "
+                    "search) whose searched allocation the model predicts")
+    ap.add_argument("--radius", default="0.5,0.75", help="largest factor change of one head, comma list")
+    ap.add_argument("--out", default=None, help="write the markdown table here (default: print it)")
+    ap.add_argument("--factors", type=float, default=None, metavar="RADIUS",
+                    help="print only the model optimum's layer_densities for this radius (for --start of "
+                    "bench/quality_search.py) and exit")
+    args = ap.parse_args(argv)
+    doc = json.loads(Path(args.search).read_text())
+    others = [(f"`{p}`", json.loads(Path(p).read_text())) for p in args.evaluate]
+    radii = [args.factors] if args.factors is not None else [float(x) for x in args.radius.split(",") if x.strip()]
+    result = analyse(doc, others, radii, name=f"`{args.search}`")
+    t = doc["meta"]["testbed"]
+    if args.factors is not None:
+        print(layer_densities_text(result["optima"][0]["factors"], t["layers"], t["heads"]))
+        return
+    text = table(result, t["layers"], t["heads"])
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""bench/search_model.py: the per-head quadratic model of the output search (docs/calibration.md, "A model of the
+output") — the fit through two moves, the constrained optimum, and the offline report on a search.json — and
+bench/quality_search.py's --mode quadratic on the stand-in testbed."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+BENCH = ROOT / "bench"
+FAKE_TESTBED = ROOT / "tests" / "quality_testbed_fake"
+
+
+@pytest.fixture
+def sm(bench_import):
+    return bench_import("search_model")
+
+
+def test_the_fit_goes_through_both_moves_and_caps_the_curvature(sm):
+    truth = {"0.0": (0.4, -0.8), "0.1": (-0.2, -0.3), "1.0": (0.1, 0.6)}  # the last is convex
+    step = 0.5
+    gains = {h + s: a * d + b * d * d for h, (a, b) in truth.items() for s, d in (("+", step), ("-", -step))}
+    model = sm.fit(gains, step, list(truth) + ["1.1"])
+    for h in ("0.0", "0.1"):
+        assert model[h] == pytest.approx(truth[h])
+    assert model["1.0"] == pytest.approx((0.1, -sm.MIN_CURVATURE))  # convex: taken as slightly concave
+    assert model["1.1"] == (0.0, -sm.MIN_CURVATURE)  # never measured: no slope
+    one_sided = sm.fit({"0.0+": 0.3}, step, ["0.0"])["0.0"]
+    a, b = one_sided
+    assert b == -sm.MIN_CURVATURE and a * step + b * step * step == pytest.approx(0.3)
+
+
+def test_the_optimum_keeps_the_mean_the_radius_and_the_bounds(sm):
+    model = {"0.0": (1.0, -1.0), "0.1": (-1.0, -1.0)}
+    d = sm.solve(model, radius=1.0)
+    assert d["0.0"] == pytest.approx(0.5) and d["0.1"] == pytest.approx(-0.5)  # 2x - 2x^2 is largest at 0.5
+    d = sm.solve(model, radius=0.3)
+    assert d["0.0"] == pytest.approx(0.3) and sum(d.values()) == pytest.approx(0.0, abs=1e-12)
+    # head 0.1's factor is 0.4: with lo 0.25 it may fall by 0.15 only, so head 0.0 rises by 0.15 only
+    d = sm.solve(model, radius=1.0, factors={"0.0": 1.6, "0.1": 0.4}, lo=0.25, hi=4.0)
+    assert d["0.1"] == pytest.approx(-0.15) and d["0.0"] == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="outside the bounds"):
+        sm.solve(model, radius=0.1, factors={"0.0": 0.1, "0.1": 1.9}, lo=0.25)  # 0.1 cannot reach 0.25
+    d = sm.solve(model, radius=1.0, factors={"0.0": 0.1, "0.1": 1.9}, lo=0.25)  # a radius that can: back inside
+    assert d["0.0"] >= 0.15 - 1e-12 and sum(d.values()) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_optimum_beats_every_point_of_a_grid(sm):
+    """Three heads, radius 0.5: no allocation on a 0.05 grid that keeps the mean scores above the solution."""
+    model = {"0.0": (0.3, -0.4), "0.1": (-0.5, -0.2), "1.0": (0.05, -1.5)}
+    best = sm.predict(model, sm.solve(model, radius=0.5))
+    grid = [i * 0.05 for i in range(-10, 11)]
+    for x, y in itertools.product(grid, grid):
+        z = -x - y
+        if abs(z) <= 0.5 + 1e-9:
+            assert sm.predict(model, {"0.0": x, "0.1": y, "1.0": z}) <= best + 1e-9
+
+
+def synthetic_search(truth: dict, step: float, rounds_taken: list[str]) -> dict:
+    """A search.json whose PSNR is 30 dB plus an additive quadratic truth of the factors (what the model assumes),
+    with greedy rounds taking the given moves (factor changes of +-step on one head, no rescaling)."""
+    heads = list(truth)
+
+    def psnr(f):
+        return 30.0 + sum(a * (f[h] - 1) + b * (f[h] - 1) ** 2 for h, (a, b) in truth.items())
+
+    f = {h: 1.0 for h in heads}
+    moves, rounds = [], []
+    for r, take in enumerate(rounds_taken + [None], start=1):
+        for h in heads:
+            for s, d in (("+", step), ("-", -step)):
+                g = dict(f)
+                g[h] += d
+                moves.append(dict(round=r, move=h + s, psnr_mean=psnr(g), psnr_min=0.0, density_sparse=0.1))
+        if take is not None:
+            f[take[:-1]] += step if take[-1] == "+" else -step
+        rounds.append(dict(round=r, scored=2 * len(heads), candidates=2 * len(heads), complete=True, taken=take,
+                           best_psnr=psnr(f)))
+    return {"meta": {"command": "synthetic", "method": "mc_sparse", "density": 0.1, "step": step, "start": None,
+                     "testbed": {"layers": 2, "heads": 2}},
+            "moves": moves, "rounds": rounds,
+            "result": {"uniform": {"fit": {"psnr_mean": 30.0}}, "searched": {"fit": {"psnr_mean": psnr(f)}},
+                       "factors": [f[h] for h in heads]}}
+
+
+def test_on_an_additive_truth_the_report_predicts_what_was_measured(sm, tmp_path):
+    truth = {"0.0": (0.6, -0.5), "0.1": (-0.4, -0.3), "1.0": (0.2, -0.9), "1.1": (-0.1, -0.2)}
+    doc = synthetic_search(truth, 0.5, ["0.0+", "0.1-"])
+    result = sm.analyse(doc, [], [0.5])
+    assert result["model"]["0.0"] == pytest.approx(list(truth["0.0"]), abs=1e-4)
+    check = result["checks"][0]
+    assert check["predicted"] == pytest.approx(check["measured"], abs=1e-3)
+    assert all(s["spearman"] > 0.5 for s in result["stability"])  # a later round's gains repeat, up to curvature
+    opt = result["optima"][0]
+    assert opt["predicted"] >= check["predicted"] - 1e-9  # the optimum within the radius beats the greedy search's
+    assert sum(opt["factors"].values()) == pytest.approx(4.0, abs=1e-3)
+    path = tmp_path / "search.json"
+    path.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, str(BENCH / "search_model.py"), str(path), "--radius", "0.5",
+                           "--out", str(tmp_path / "t.md")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "t.md").read_text()
+    assert "| 1 → 2 |" in md and "model optimum, radius 0.5" in md and "- radius 0.5: `{0: [" in md
+
+
+def test_the_report_refuses_a_search_that_did_not_start_from_uniform(sm):
+    doc = synthetic_search({"0.0": (0.1, -0.1), "0.1": (0.0, -0.1), "1.0": (0.0, -0.1), "1.1": (0.0, -0.1)},
+                           0.5, [])
+    doc["meta"]["start"] = "{0: [0.5, 1.5]}"
+    with pytest.raises(SystemExit, match="uniform"):
+        sm.analyse(doc, [], [0.5])
+
+
+def test_quadratic_search_end_to_end_on_the_fake_testbed(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--fit-seeds", "0,1", "--check-seeds", "2", "--rounds", "2", "--device", "cpu", "--mode", "quadratic",
+           "--radius", "0.4", "--min-gain-db", "-1000"]  # every round takes its best allocation
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "search.json").read_text())
+    assert doc["meta"]["mode"] == "quadratic" and doc["meta"]["radius"] == 0.4
+    for rd in doc["rounds"]:
+        assert rd["complete"] and rd["scored"] == rd["candidates"] and rd["model_predicted"] is not None
+        mine = [m for m in doc["moves"] if m["round"] == rd["round"]]
+        model = [m for m in mine if "predicted_gain" in m]
+        assert len(model) == 1 and model[0]["move"] == "model r0.4" and len(mine) == rd["scored"] + 1
+        assert rd["taken"] == max(mine, key=lambda m: m["psnr_mean"])["move"]
+    factors = doc["result"]["factors"]
+    assert abs(sum(factors) / len(factors) - 1.0) < 1e-3 and all(0.25 - 1e-6 <= f <= 4.0 + 1e-6 for f in factors)
+    md = (out / "search.md").read_text()
+    assert "quadratic model" in md and "(model: predicted" in md
