@@ -35,7 +35,7 @@ from pathlib import Path
 from _pack import load
 from quality import build_model, load_testbed, sha256, versions, write_json
 from quality_engine import EngineAttention
-from search_model import fit, predict, solve
+from search_model import fit, moved, predict, solve, start_factors
 
 
 def say(msg: str) -> None:
@@ -46,42 +46,10 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def moved(factors: list[float], i: int, delta: float, lo: float, hi: float) -> list[float] | None:
-    """``factors`` with head i changed by ``delta`` and every other head scaled so the mean stays 1; None when a
-    factor would leave [lo, hi]."""
-    n = len(factors)
-    fi = factors[i] + delta
-    rest = sum(factors) - factors[i]
-    if not (lo <= fi <= hi) or rest <= 0:
-        return None
-    scale = (n - fi) / rest
-    out = [fi if j == i else f * scale for j, f in enumerate(factors)]
-    if any(not (lo - 1e-9 <= f <= hi + 1e-9) for f in out):
-        return None
-    return out
-
-
 def as_layer_densities(factors: list[float], heads: int) -> dict:
     """{layer: [factor per head]} from the flat list (layer-major), rounded for the config and the report."""
     return {layer: [round(f, 4) for f in factors[layer * heads:(layer + 1) * heads]]
             for layer in range(len(factors) // heads)}
-
-
-def start_factors(text: str, layers: int, heads: int, parse) -> list[float]:
-    """Flat per-head factors (layer-major, mean 1) from a ``layer_densities`` text (unlisted layers and heads keep
-    1), e.g. the factors an earlier search printed; ``parse``: engine/layer_density.parse_layer_densities."""
-    flat = [1.0] * (layers * heads)
-    for layer, f in parse(text):
-        if not 0 <= layer < layers:
-            raise SystemExit(f"--start: layer {layer} is not among the testbed's {layers} layers")
-        per_head = f if isinstance(f, tuple) else (f,) * heads
-        if len(per_head) != heads:
-            raise SystemExit(f"--start: layer {layer} lists {len(per_head)} factors for {heads} heads")
-        flat[layer * heads:(layer + 1) * heads] = [float(x) for x in per_head]
-    mean = sum(flat) / len(flat)
-    if mean <= 0:
-        raise SystemExit("--start: the factors must average more than 0")
-    return [x / mean for x in flat]
 
 
 def _model_note(doc: dict, rd: dict) -> str:

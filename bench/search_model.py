@@ -27,6 +27,38 @@ MIN_CURVATURE = 0.05  # dB per unit factor squared: a head measured flat or conv
 # the model never extrapolates a straight line to the radius (two points and the centre cannot show a maximum there)
 
 
+def moved(factors: list[float], i: int, delta: float, lo: float, hi: float) -> list[float] | None:
+    """``factors`` with head i changed by ``delta`` and every other head scaled so the mean stays 1; None when a
+    factor would leave [lo, hi]."""
+    n = len(factors)
+    fi = factors[i] + delta
+    rest = sum(factors) - factors[i]
+    if not (lo <= fi <= hi) or rest <= 0:
+        return None
+    scale = (n - fi) / rest
+    out = [fi if j == i else f * scale for j, f in enumerate(factors)]
+    if any(not (lo - 1e-9 <= f <= hi + 1e-9) for f in out):
+        return None
+    return out
+
+
+def start_factors(text: str, layers: int, heads: int, parse) -> list[float]:
+    """Flat per-head factors (layer-major, mean 1) from a ``layer_densities`` text (unlisted layers and heads keep
+    1), e.g. the factors an earlier search printed; ``parse``: engine/layer_density.parse_layer_densities."""
+    flat = [1.0] * (layers * heads)
+    for layer, f in parse(text):
+        if not 0 <= layer < layers:
+            raise SystemExit(f"--start: layer {layer} is not among the testbed's {layers} layers")
+        per_head = f if isinstance(f, tuple) else (f,) * heads
+        if len(per_head) != heads:
+            raise SystemExit(f"--start: layer {layer} lists {len(per_head)} factors for {heads} heads")
+        flat[layer * heads:(layer + 1) * heads] = [float(x) for x in per_head]
+    mean = sum(flat) / len(flat)
+    if mean <= 0:
+        raise SystemExit("--start: the factors must average more than 0")
+    return [x / mean for x in flat]
+
+
 def head_of(move: str) -> str:
     """'3.1+' -> '3.1' (bench/quality_search.py names moves '<layer>.<head><+|->')."""
     return move[:-1]
@@ -38,12 +70,16 @@ def round_gains(doc: dict, rnd: int, base: float) -> dict[str, float]:
     return {m["move"]: m["psnr_mean"] - base for m in doc["moves"] if m["round"] == rnd and m["move"][-1] in "+-"}
 
 
-def round_bases(doc: dict) -> dict[int, float]:
-    """The fit PSNR each round's moves start from: the start allocation's for round 1, then the previous round's
-    best (search.json's 'rounds')."""
+def round_bases(doc: dict) -> dict[int, float | None]:
+    """The fit PSNR each round's moves start from: the start allocation's for round 1 (None where a search from
+    another allocation recorded neither it nor a first round without a move: the files of before 'start_fit'), then
+    the previous round's best (search.json's 'rounds')."""
     start = doc["result"].get("start_fit", {}).get("psnr_mean")
     if start is None:
-        start = doc["result"]["uniform"]["fit"]["psnr_mean"]
+        if not doc["meta"].get("start"):
+            start = doc["result"]["uniform"]["fit"]["psnr_mean"]
+        elif doc["rounds"] and doc["rounds"][0]["taken"] is None:
+            start = doc["rounds"][0]["best_psnr"]
     bases = {1: start}
     for rd in doc["rounds"]:
         bases[rd["round"] + 1] = rd["best_psnr"]
@@ -113,12 +149,6 @@ def heads_of(doc: dict) -> list[str]:
     return [f"{layer}.{head}" for layer in range(t["layers"]) for head in range(t["heads"])]
 
 
-def searched_deltas(doc: dict, start: dict[str, float]) -> dict[str, float]:
-    """{head: searched factor - start factor} of a search.json's result."""
-    heads = heads_of(doc)
-    return {h: f - start.get(h, 1.0) for h, f in zip(heads, doc["result"]["factors"])}
-
-
 def spearman(x: list[float], y: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
@@ -137,10 +167,35 @@ def pearson(x: list[float], y: list[float]) -> float:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else 0.0
 
 
-def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name: str = "search") -> dict:
+def neighbour_check(model: dict, doc: dict, heads: list[str], parse) -> dict:
+    """The model against a search that started from another allocation (its meta 'start'): the modelled and the
+    measured gain of each of its round-1 moves (from that allocation), their rank correlation, and how many of the
+    moves the model expects to gain gained. ``parse``: engine/layer_density.parse_layer_densities."""
+    layers, per = doc["meta"]["testbed"]["layers"], doc["meta"]["testbed"]["heads"]
+    start = start_factors(doc["meta"]["start"], layers, per, parse)
+    base = round_bases(doc)[1]
+    p0 = predict(model, {h: f - 1.0 for h, f in zip(heads, start)})
+    step, rows = doc["meta"]["step"], []
+    # without the start's own PSNR the gains' signs are unknown, their ranks are not: measured against round 1's best
+    for move, measured in round_gains(doc, 1, doc["rounds"][0]["best_psnr"] if base is None else base).items():
+        i = heads.index(head_of(move))
+        f = moved(start, i, step if move[-1] == "+" else -step, 0.0, float(len(start)))
+        rows.append((move, predict(model, {h: x - 1.0 for h, x in zip(heads, f)}) - p0, measured))
+    up = [r for r in rows if r[1] > 0]
+    known = base is not None and bool(rows)
+    return dict(moves=len(rows), step=step, spearman=round(spearman([r[1] for r in rows], [r[2] for r in rows]), 3),
+                predicted_up=len(up), measured_up=sum(1 for r in up if r[2] > 0) if known else None,
+                predicted_best=round(max((r[1] for r in rows), default=0.0), 3),
+                measured_range=(round(min(r[2] for r in rows), 3), round(max(r[2] for r in rows), 3)) if known
+                else None)
+
+
+def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name: str = "search",
+            parse=None) -> dict:
     """The report's numbers: round-to-round stability, the model's predictions for the searched allocations (of
-    ``doc``, called ``name``, and of ``others``: (name, search.json) pairs), and its optimum per radius (the model
-    fitted on round 1 of ``doc``, which must start from uniform)."""
+    ``doc``, called ``name``, and of ``others``: (name, search.json) pairs), for the single moves of the ``others``
+    that started from another allocation (``neighbour_check``; ``parse`` reads their start), and its optimum per
+    radius (the model fitted on round 1 of ``doc``, which must start from uniform)."""
     if doc["meta"].get("start"):
         raise SystemExit("the model's search must start from the uniform allocation (its meta 'start' is set)")
     heads, step = heads_of(doc), doc["meta"]["step"]
@@ -163,6 +218,10 @@ def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name:
         checks.append(dict(name=label, command=d["meta"]["command"], predicted=round(predict(model, deltas), 3),
                            measured=round(d["result"]["searched"]["fit"]["psnr_mean"] - base, 3),
                            max_change=round(max(abs(v) for v in deltas.values()), 3)))
+    neighbours = []
+    for label, d in others:
+        if d["meta"].get("start") and parse is not None:
+            neighbours.append(dict(name=label, **neighbour_check(model, d, heads, parse)))
     optima = []
     for r in radii:
         deltas = solve(model, r)
@@ -170,7 +229,8 @@ def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name:
                            factors={h: round(1.0 + deltas[h], 4) for h in heads}))
     return dict(source=doc["meta"]["command"], method=doc["meta"]["method"], density=doc["meta"]["density"],
                 step=step, uniform_fit=uniform, stability=stability,
-                model={h: [round(a, 4), round(b, 4)] for h, (a, b) in model.items()}, checks=checks, optima=optima)
+                model={h: [round(a, 4), round(b, 4)] for h, (a, b) in model.items()}, checks=checks,
+                neighbours=neighbours, optima=optima)
 
 
 def layer_densities_text(factors: dict[str, float], layers: int, heads: int) -> str:
@@ -197,6 +257,16 @@ def table(result: dict, layers: int, heads: int) -> str:
     for o in result["optima"]:
         lines.append(f"| model optimum, radius {o['radius']:g} | {o['radius']:g} | {o['predicted']:+.2f} | "
                      f"not measured |")
+    if result["neighbours"]:
+        lines += ["", "| single moves from where another search started | moves | Spearman ρ, modelled vs measured "
+                  "gain | the model expects a gain from | of which gained | measured gains dB |",
+                  "|---|---|---|---|---|---|"]
+        for n in result["neighbours"]:
+            rng = "start's PSNR not recorded" if n["measured_range"] is None else (
+                f"{n['measured_range'][0]:+.3f} to {n['measured_range'][1]:+.3f}")
+            up = "–" if n["measured_up"] is None else n["measured_up"]
+            lines.append(f"| {n['name']} (±{n['step']:g}) | {n['moves']} | {n['spearman']:+.2f} | "
+                         f"{n['predicted_up']} (best modelled {n['predicted_best']:+.3f} dB) | {up} | {rng} |")
     lines.append("")
     for o in result["optima"]:
         lines.append(f"- radius {o['radius']:g}: `{layer_densities_text(o['factors'], layers, heads)}`")
@@ -217,7 +287,11 @@ def main(argv=None):
     doc = json.loads(Path(args.search).read_text())
     others = [(f"`{p}`", json.loads(Path(p).read_text())) for p in args.evaluate]
     radii = [args.factors] if args.factors is not None else [float(x) for x in args.radius.split(",") if x.strip()]
-    result = analyse(doc, others, radii, name=f"`{args.search}`")
+    parse = None
+    if any(d["meta"].get("start") for _, d in others):
+        from _pack import load  # the pack's own reader of layer_densities texts (bench/ is on the path)
+        parse = load("engine.layer_density").parse_layer_densities
+    result = analyse(doc, others, radii, name=f"`{args.search}`", parse=parse)
     t = doc["meta"]["testbed"]
     if args.factors is not None:
         print(layer_densities_text(result["optima"][0]["factors"], t["layers"], t["heads"]))

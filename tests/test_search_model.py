@@ -106,6 +106,36 @@ def test_on_an_additive_truth_the_report_predicts_what_was_measured(sm, tmp_path
     assert "| 1 → 2 |" in md and "model optimum, radius 0.5" in md and "- radius 0.5: `{0: [" in md
 
 
+def test_moves_from_another_allocation_are_predicted_where_the_truth_is_the_model(sm):
+    """A search that started elsewhere (its meta 'start', its start's PSNR in 'start_fit'): on an additive quadratic
+    truth the model fitted at uniform predicts each of its moves (rescaling included) exactly."""
+    from comfyui_sparse_attention.engine.layer_density import parse_layer_densities
+    truth = {"0.0": (0.6, -0.5), "0.1": (-0.4, -0.3), "1.0": (0.2, -0.9), "1.1": (-0.1, -0.2)}
+    heads = list(truth)
+
+    def psnr(f):
+        return 30.0 + sum(a * (x - 1) + b * (x - 1) ** 2 for (a, b), x in zip(truth.values(), f))
+
+    fitted = sm.analyse(synthetic_search(truth, 0.5, []), [], [0.5])
+    model = {h: tuple(v) for h, v in fitted["model"].items()}
+    start = [1.4, 0.6, 1.1, 0.9]
+    moves = []
+    for i, h in enumerate(heads):
+        for s, d in (("+", 0.25), ("-", -0.25)):
+            moves.append(dict(round=1, move=h + s, psnr_mean=psnr(sm.moved(start, i, d, 0.0, 4.0)), psnr_min=0.0,
+                              density_sparse=0.1))
+    other = {"meta": {"command": "x", "step": 0.25, "start": "{0: [1.4, 0.6], 1: [1.1, 0.9]}",
+                      "testbed": {"layers": 2, "heads": 2}},
+             "moves": moves, "rounds": [dict(round=1, taken="0.0+", best_psnr=max(m["psnr_mean"] for m in moves))],
+             "result": {"start_fit": {"psnr_mean": psnr(start)}}}
+    n = sm.neighbour_check(model, other, heads, parse_layer_densities)
+    assert n["moves"] == 8 and n["spearman"] == pytest.approx(1.0)
+    assert n["measured_up"] == n["predicted_up"] > 0
+    del other["result"]["start_fit"]  # an older file: the start's PSNR unknown, the ranks still compared
+    n = sm.neighbour_check(model, other, heads, parse_layer_densities)
+    assert n["measured_up"] is None and n["measured_range"] is None and n["spearman"] == pytest.approx(1.0)
+
+
 def test_the_report_refuses_a_search_that_did_not_start_from_uniform(sm):
     doc = synthetic_search({"0.0": (0.1, -0.1), "0.1": (0.0, -0.1), "1.0": (0.0, -0.1), "1.1": (0.0, -0.1)},
                            0.5, [])
