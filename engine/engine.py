@@ -51,6 +51,8 @@ class SparseEngine:
         self._static: dict[tuple, object] = {}
         self._anchored_at: dict[tuple, int] = {}
         self._seen_at: dict[tuple, int] = {}  # the last step each key ran sparse (anchor or reuse)
+        self._run_start: int | None = None  # the step of the run's first call (> 0: a later sampler of a split)
+        self._first_sparse: int | None = None  # the run's first step with a sparse (anchor or reuse) call
         self._step: int | None = None
         self.last_stats: RunStats | None = None
         self.lock = threading.RLock()
@@ -93,6 +95,7 @@ class SparseEngine:
         self._static.clear()
         self._anchored_at.clear()
         self._seen_at.clear()
+        self._run_start = self._first_sparse = None
         self._step = None
 
     # decisions
@@ -145,7 +148,11 @@ class SparseEngine:
         elif last is None:
             due = schedule.is_anchor(ctx.step, warmup, ctx.total_steps)
         else:  # an anchor step that no call reached (a step cache skipped it) makes this step the anchor
-            due = schedule.anchor_between(last, ctx.step, warmup, ctx.total_steps)
+            # the run's first sparse step, off the schedule, in a later sampler of a split run (engine/schedule.py,
+            # AnchorSchedule.due); an entry first anchored later (a key new mid-run) keeps the schedule
+            stand_in = (self._run_start or 0) > 0 and last == self._first_sparse \
+                and not schedule.is_anchor(last, warmup, ctx.total_steps)
+            due = schedule.due(last, ctx.step, warmup, ctx.total_steps, stand_in)
         return ANCHOR if due else REUSE
 
     def _dense_set(self) -> frozenset:
@@ -172,6 +179,8 @@ class SparseEngine:
 
     def _attend(self, q, k, v, ctx, scale, dense_fn):
         if self._step != ctx.step:
+            if self._run_start is None:
+                self._run_start = ctx.step
             self._step = self.stats.step = ctx.step
             self.cache.new_step()
         n = q.shape[2]
@@ -182,6 +191,8 @@ class SparseEngine:
                 out = self._dense(q, k, v, scale, dense_fn)
             self.stats.add(ctx.layer, decision, 1.0, step=ctx.step)
             return out
+        if self._first_sparse is None:
+            self._first_sparse = ctx.step
         if decision == ANCHOR:
             out = self._reuse_parts(q, k, v, ctx, scale)
             if out is not None:

@@ -17,6 +17,10 @@ from typing import Callable, Sequence
 from .messages import MAX_TEXT, shown
 
 MAX_ITEMS = 10_000  # listed anchor steps (a schedule never lists more steps than a run has)
+STAND_IN_SHARE = 0.05  # an anchor the schedule did not place, at the first sparse step of a sampler that starts
+# mid-run, stands in for the scheduled anchors this share of the run after it (at least the next step): Wan 2.2's
+# low-noise expert under a whole-run preset anchored at 50 % (its first step) and again at 53 %; the experts' own
+# schedule, 0, 20 % and 50 %, holds 32.9 dB at 20 steps (docs/decisions.md, "A sampler's first anchor stands in")
 _NUM = r"\d+(?:\.\d*)?|\.\d+"
 
 
@@ -80,14 +84,18 @@ def reuse_steps(schedule: "AnchorSchedule", warmup_steps: int | float, first: in
                 total: int | None) -> int:
     """How many of the steps ``first`` .. ``first + count - 1`` of a run of ``total`` steps reuse a cached selection,
     decided as the engine decides them (engine/engine.py, ``decide``): warm-up steps dense, the first sparse step an
-    anchor, then an anchor wherever an anchor step lies since the last one, a reuse step otherwise."""
+    anchor (standing in for the scheduled anchors just after it when the sampler starts mid-run off the schedule:
+    ``AnchorSchedule.due``), then an anchor wherever an anchor step lies since the last one, a reuse step
+    otherwise."""
     warmup = resolve_warmup(warmup_steps, total)
-    last, reuse = None, 0
+    last, stand_in, reuse = None, False, 0
     for step in range(first, first + count):
         if step < warmup:
             continue
-        if last is None or schedule.anchor_between(last, step, warmup, total):
-            last = step
+        if last is None:
+            last, stand_in = step, first > 0 and not schedule.is_anchor(step, warmup, total)
+        elif schedule.due(last, step, warmup, total, stand_in):
+            last, stand_in = step, False
         else:
             reuse += 1
     return reuse
@@ -219,6 +227,20 @@ class AnchorSchedule:
             return False
         first = warmup_steps + -(-(lo - warmup_steps) // every) * every  # first periodic anchor at or after lo
         return first <= step
+
+    def stand_in_steps(self, total: int | None) -> int:
+        """How many steps after a stand-in anchor (``due``) its selection serves the schedule's own anchors: 5 % of
+        the run, at least 1 (1 when the run's length is unknown)."""
+        return max(1, int(STAND_IN_SHARE * total)) if total else 1
+
+    def due(self, last: int, step: int, warmup_steps: int, total: int | None = None, stand_in: bool = False) -> bool:
+        """Whether the selection anchored at ``last`` is renewed at ``step`` (``anchor_between``). ``stand_in``: the
+        anchor at ``last`` was a sampler's first sparse step, off the schedule, in a run that started before that
+        sampler (a split run's later sampler): it stands in for the scheduled anchors up to ``stand_in_steps`` after
+        it, whose selection would be hardly fresher."""
+        if stand_in:
+            last += self.stand_in_steps(total)
+        return self.anchor_between(last, step, warmup_steps, total)
 
     def text(self) -> str:
         """The widget form, e.g. "10,26", "20%,50%", "every 5", "0 + every 25%" or "" (parse round-trips)."""

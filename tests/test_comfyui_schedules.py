@@ -34,6 +34,12 @@ def results():
             comfy.sample.sample(m, noise, 20, 3.0, "euler", "simple", pos, neg, latent, start_step=start,
                                 last_step=last, disable_pbar=True, seed=0)
             out[name] = [p.last_stats.schedule_line(), p.clock.offset, p.clock.total, p.clock.source]
+        # a whole-run preset's anchors (0, 20 %, 53 %) on the second sampler of a split: its first step stands in
+        m2, p2 = install(model, cfg.replace(warmup_steps=0, anchor_steps="20%, 53%"))
+        for total, start in ((20, 10), (50, 25)):
+            comfy.sample.sample(m2, noise, total, 3.0, "euler", "simple", pos, neg, latent, start_step=start,
+                                last_step=10000, disable_pbar=True, seed=0)
+            out[f"stand_in_{{total}}"] = [p2.last_stats.schedule_line(), p2.clock.offset, p2.clock.total]
         out["report"] = render_report(p, -1)[0]
         # real schedulers: a split at several points is placed in its run
         ms = m.get_model_object("model_sampling")
@@ -76,6 +82,13 @@ def test_a_split_run_places_warmup_and_anchors_in_the_whole_run(results):
     assert results["low"][:3] == ["Arrrrrrrrr", 10, 20]   # steps 10-19 of the same 20: the 50 % anchor at step 10
     assert "20-step 'simple' schedule this sampler is part of" in results["low"][3]
     assert "run: 20 steps" in results["report"] and "this sampler ran steps 10-19" in results["report"]
+
+
+def test_a_later_samplers_first_anchor_serves_the_presets_next_one(results):
+    """Wan 2.2's low-noise expert under a Wan 2.1 preset: the anchor at its first step (50 %) serves the 53 % anchor
+    one step later at 20 steps (two at 50), instead of anchoring twice in a row (docs/decisions.md)."""
+    assert results["stand_in_20"] == ["A" + "r" * 9, 10, 20]
+    assert results["stand_in_50"] == ["A" + "r" * 24, 25, 50]
 
 
 def test_real_schedulers_are_placed(results):

@@ -78,6 +78,23 @@ def test_schedule_decisions():
                                                                  "reuse", "anchor"]
 
 
+def test_a_later_samplers_first_anchor_stands_in_for_the_next_scheduled_one(problem):
+    """Wan 2.2's low-noise expert under a whole-run preset (anchors 0, 20 %, 53 %) on a 10 + 10 split: its first step
+    (10) anchors, off the schedule, and serves the 53 % anchor (11) too; a scheduled anchor past 5 % of the run still
+    anchors, and a whole run keeps every scheduled anchor after an off-schedule first one (warm-up)."""
+    def schedule_of(anchors, first, count, total, warmup=0):
+        eng = SparseEngine(SparseConfig(**{**BASE, "warmup_steps": warmup, "anchor_steps": anchors}))
+        eng.begin_run()
+        for s in range(first, first + count):
+            q, k, v = problem.qkv(min(s - first, problem.steps - 1))
+            eng.attend(q, k, v, CallContext(layer=0, step=s, total_steps=total, layout=problem.layout))
+        return eng.end_run(log_summary=False).schedule_line()
+    assert schedule_of("0, 20%, 53%", 10, 10, 20) == "A" + "r" * 9
+    assert schedule_of("0, 20%, 53%, 60%", 10, 10, 20) == "Ar" + "A" + "r" * 7
+    assert schedule_of("0, 20%, 53%", 0, 10, 20) == "ArrrArrrrr"      # the first expert: 0 and 4 (20 %)
+    assert schedule_of("4", 0, 8, 8, warmup=3) == "DDDAArrr"        # a whole run: warm-up 3, then 3 and 4
+
+
 def run_engine(cfg, problem, steps, layers=(0,)):
     """Per-step rel-L2 of the engine output vs dense, and the run statistics."""
     eng = SparseEngine(cfg)

@@ -132,7 +132,11 @@ def test_reuse_steps_counts_what_the_engine_would_reuse():
     assert reuse_steps(presets, 0, 0, 3, 3) == 0            # 0, 1 (0.6), 2 (1.59): every step anchors
     assert reuse_steps(presets, 0, 0, 4, 4) == 1            # 0, 1 (0.8), 2 (2.12): step 3 reuses
     assert reuse_steps(presets, 0, 10, 1, 20) == 0          # a one-step part of a split
-    assert reuse_steps(presets, 0, 10, 10, 20) == 8         # the second expert: 10 (its first), 11 (53 %), then reuse
+    assert reuse_steps(presets, 0, 10, 10, 20) == 9         # the second expert: 10 (its first) stands in for 11 (53 %)
+    assert reuse_steps(presets, 0, 25, 25, 50) == 24        # 25 + 25: 27 (53 %) lies within 5 % of the run after 25
+    assert reuse_steps(AnchorSchedule.parse("20%, 53%, 60%"), 0, 10, 10, 20) == 8  # 12 (60 %) lies past it: anchors
+    assert reuse_steps(AnchorSchedule.parse("20%, 50%, 55%"), 0, 10, 10, 20) == 8  # 10 on the schedule: 11 anchors
+    assert reuse_steps(AnchorSchedule.parse("4"), 3, 0, 10, 10) == 5  # a whole run: warm-up 3, anchors 3 and 4
     assert reuse_steps(AnchorSchedule.parse(""), 2, 0, 3, 3) == 0   # 2 warm-up steps, one sparse step: an anchor
     assert reuse_steps(AnchorSchedule.parse("every 1"), 0, 0, 8, 8) == 0
     assert reuse_steps(AnchorSchedule.parse("every 2"), 0.25, 0, 8, 8) == 3  # warm-up 2; anchors 2, 4, 6
