@@ -523,7 +523,7 @@ FAMILIES: tuple[Family, ...] = (
     WanFamily("wan", ("wan",), joint_text=False, indexed=True, blocks=("blocks",), preset=_wan_preset),
     Family("flux", ("flux",), joint_text=True, indexed=True, blocks=FLUX_BLOCKS, model_patch=True,
            image_kind="image", preset="flux"),
-    Family("chroma", ("chroma",), joint_text=True, indexed=True, blocks=FLUX_BLOCKS, model_patch=True,
+    Family("chroma", ("chroma", "chroma_radiance"), joint_text=True, indexed=True, blocks=FLUX_BLOCKS, model_patch=True,
            image_kind="image", preset="flux"),
     HunyuanVideoFamily("hunyuan_video", ("hunyuan_video",), joint_text=True, indexed=True, blocks=FLUX_BLOCKS,
                        model_patch=True, preset=_hunyuan_video_preset),

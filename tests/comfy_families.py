@@ -156,6 +156,23 @@ def _chroma(seed):
     return _finish(sm.Chroma(params), seed), torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg
 
 
+@family("chroma_radiance", "comfy.supported_models", "ChromaRadiance")
+def _chroma_radiance(seed):
+    """Chroma Radiance: Chroma's blocks on 16x16 pixel patches (no VAE), a NeRF head per patch."""
+    import comfy.ldm.chroma_radiance.model as radiance
+    import comfy.supported_models as sm
+    params = {"image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3, "context_in_dim": 48,
+              "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 2,
+              "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 16, "qkv_bias": True, "in_dim": 64,
+              "out_dim": 64, "hidden_dim": 64, "n_layers": 1, "txt_ids_dims": [], "vec_in_dim": None,
+              "nerf_hidden_size": 16, "nerf_mlp_ratio": 2, "nerf_depth": 1, "nerf_max_freqs": 4, "nerf_tile_size": 0,
+              "nerf_final_head_type": "linear", "nerf_embedder_dtype": None, "use_x0": False,
+              "use_sequential_txt_ids": False}
+    _fill_missing(params, radiance.ChromaRadianceParams)
+    pos, neg = _pair(seed, 7, 48)
+    return _finish(sm.ChromaRadiance(params), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)), pos, neg
+
+
 def _lumina_params(**over):
     params = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
               "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,
