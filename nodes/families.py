@@ -545,6 +545,7 @@ FAMILIES: tuple[Family, ...] = (
            model_patch=True, preset="kandinsky5"),
     Family("cogvideox", ("cogvideo",), joint_text=True, blocks=("transformer_blocks",), model_patch=True,
            preset="cogvideox"),
+    Family("mochi", ("genmo",), joint_text=True, text_first=False, blocks=("blocks",)),
     MiniMaxFamily("minimax_h3", ("minimax",), joint_text=True, blocks=("blocks",), preset="minimax_h3"),
     Trellis2Family("trellis2", ("trellis2",), joint_text=False, patch=(1, 1, 1), preset="trellis2"),
     Family("hunyuan3d", ("hunyuan3d",), joint_text=True, patch=(1, 1, 1), latent="set", blocks=FLUX_BLOCKS,

@@ -173,6 +173,20 @@ def _chroma_radiance(seed):
     return _finish(sm.ChromaRadiance(params), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)), pos, neg
 
 
+@family("mochi", "comfy.supported_models", "GenmoMochi")
+def _mochi(seed):
+    """Mochi: video tokens (1x2x2 patches) then the valid text tokens in one joint self-attention per block."""
+    import comfy.supported_models as sm
+    config = {"image_model": "mochi_preview", "patch_size": 2, "in_channels": 12, "hidden_size_x": 64,
+              "hidden_size_y": 32, "depth": 2, "num_heads": 2, "mlp_ratio_x": 192.0, "mlp_ratio_y": 2.0, "use_t5": True,
+              "t5_feat_dim": 48, "t5_token_length": 7, "learn_sigma": False, "qk_norm": True, "qkv_bias": False,
+              "out_bias": True, "attn_drop": 0.0, "patch_embed_bias": True, "posenc_preserve_area": True,
+              "timestep_mlp_bias": True, "attend_to_padding": False, "timestep_scale": 1000.0, "rope_theta": 10000.0}
+    # the fields model_detection sets for Mochi Preview, at toy sizes (its blocks assert an MLP of 12 288)
+    pos, neg = _pair(seed, 7, 48, attention_mask=torch.ones(1, 7, dtype=torch.long))  # T5 mask: 7 valid
+    return _finish(sm.GenmoMochi(config), seed), torch.randn(1, 12, 3, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
 def _lumina_params(**over):
     params = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
               "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,

@@ -24,6 +24,7 @@ RUNS = {"trellis2": (2, 1.0)}  # 4 096 tokens: no CFG
 EXPECTED = {
     "chroma": ({"main": "text 7 | image 6x8 = 55"}, [0, 1, 2, 3], {}),
     "chroma_radiance": ({"main": "text 7 | image 6x8 = 55"}, [0, 1, 2, 3], {}),  # 96x128 pixels in 16x16 patches
+    "mochi": ({"main": "video 3x6x8 | text 7 = 151"}, [0, 1], {}),
     "lumina2": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 3],  # 2: caption refiner
                 {"text or reference tokens only": 2}),
     "z_image": ({"main": "text 32 (caption and its padding) | image 6x8 | pad 16 (image padding) = 96",
