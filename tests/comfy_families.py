@@ -187,6 +187,84 @@ def _mochi(seed):
     return _finish(sm.GenmoMochi(config), seed), torch.randn(1, 12, 3, 12, 16, generator=_g(seed + 1)), pos, neg
 
 
+@family("auraflow", "comfy.supported_models", "AuraFlow")
+def _auraflow(seed):
+    """AuraFlow: [8 register tokens | text] then the image (2x2 patches); 2 double (MMDiT) + 2 single layers."""
+    import comfy.supported_models as sm
+    # model_detection sets max_seq, cond_seq_dim, n_double_layers, n_layers; the rest are MMDiT's defaults
+    cfg = sm.AuraFlow({"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": 64, "n_layers": 4,
+                       "n_double_layers": 2, "n_heads": 2, "global_conddim": 64, "cond_seq_dim": 48, "max_seq": 64})
+    pos, neg = _pair(seed, 7, 48)
+    return _finish(cfg, seed), torch.randn(1, 4, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
+@family("ideogram4", "comfy.supported_models", "Ideogram4")
+def _ideogram4(seed, valid=7):
+    """Ideogram 4: [text | image], one token per latent cell (the 128 channels are 2x2 x 32 packed)."""
+    import comfy.supported_models as sm
+    cfg = sm.Ideogram4({"image_model": "ideogram4", "in_channels": 128, "num_layers": 2})
+    # unet_extra_config pins the released widths: overwrite them after construction
+    cfg.unet_config.update({"num_attention_heads": 2, "attention_head_dim": 32, "intermediate_size": 128,
+                            "adaln_dim": 32, "llm_features_dim": 48, "rope_theta": 10000, "mrope_section": [6, 5, 5]})
+    mask = torch.zeros(1, 7, dtype=torch.long)
+    mask[:, :valid] = 1  # all ones: model_base drops it (no mask reaches attention)
+    pos, neg = _pair(seed, 7, 48, attention_mask=mask)
+    return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
+
+
+@family("mage_flow", "comfy.supported_models", "MageFlow")
+def _mage_flow(seed, refs=True):
+    """Mage Flow: Qwen-Image blocks, [text | image | refs], one token per latent cell (patch 1)."""
+    import comfy.supported_models as sm
+    cfg = sm.MageFlow({"image_model": "mage_flow", "in_channels": 128, "out_channels": 128, "num_layers": 2,
+                       "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 48,
+                       "axes_dims_rope": [8, 12, 12]})
+    extra = {"reference_latents": [torch.randn(1, 128, 4, 4, generator=_g(seed + 5))]} if refs else {}
+    pos, neg = _pair(seed, 7, 48, **extra)
+    return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
+
+
+@family("joyimage", "comfy.supported_models", "JoyImage")
+def _joyimage(seed, refs=False):
+    """JoyImage: [target image | reference images | text] per block (Wan 2.1 latent, 1x2x2 patches)."""
+    import comfy.supported_models as sm
+    cfg = sm.JoyImage({"image_model": "joyimage", "in_channels": 16, "hidden_size": 64, "patch_size": [1, 2, 2],
+                       "num_layers": 2, "num_attention_heads": 2, "text_dim": 48})
+    cfg.unet_config["rope_dim_list"] = [8, 12, 12]  # unet_extra_config pins [16, 56, 56] (head dim 128)
+    extra = {"reference_latents": [torch.randn(1, 16, 1, 8, 8, generator=_g(seed + 5))]} if refs else {}
+    pos, neg = _pair(seed, 7, 48, **extra)
+    return _finish(cfg, seed), torch.randn(1, 16, 1, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
+def _pixeldit_params(**over):
+    params = {"image_model": "pixeldit_t2i", "in_channels": 3, "num_groups": 2, "hidden_size": 64,
+              "pixel_hidden_size": 8, "pixel_attn_hidden_size": 48, "pixel_num_groups": 2, "patch_depth": 2,
+              "pixel_depth": 2, "patch_size": 16, "txt_embed_dim": 48, "txt_max_length": 300}
+    params.update(over)
+    return params
+
+
+@family("pixeldit", "comfy.supported_models", "PixelDiTT2I")
+def _pixeldit(seed):
+    """PixelDiT T2I (pixel space): patch blocks over [text | 16x16 patches], then pixel blocks whose
+    self-attention runs over the patches alone (another head width)."""
+    import comfy.supported_models as sm
+    pos, neg = _pair(seed, 7, 48)
+    return (_finish(sm.PixelDiTT2I(_pixeldit_params()), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)),
+            pos, neg)
+
+
+@family("pid", "comfy.supported_models", "PiD")
+def _pid(seed):
+    """PiD: PixelDiT plus a low-quality latent branch (lq_latent: a Flux latent, 4x upscale)."""
+    import comfy.supported_models as sm
+    params = _pixeldit_params(image_model="pid", lq_latent_channels=16, lq_hidden_dim=16, lq_num_res_blocks=1,
+                              lq_interval=2, latent_spatial_down_factor=8)
+    lq = torch.randn(1, 16, 3, 4, generator=_g(seed + 5))  # 96x128 pixels / (4 x 8)
+    pos, neg = _pair(seed, 7, 48, lq_latent=lq, degrade_sigma=torch.tensor([0.0]))
+    return _finish(sm.PiD(params), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)), pos, neg
+
+
 def _lumina_params(**over):
     params = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
               "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,

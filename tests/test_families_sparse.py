@@ -25,6 +25,12 @@ EXPECTED = {
     "chroma": ({"main": "text 7 | image 6x8 = 55"}, [0, 1, 2, 3], {}),
     "chroma_radiance": ({"main": "text 7 | image 6x8 = 55"}, [0, 1, 2, 3], {}),  # 96x128 pixels in 16x16 patches
     "mochi": ({"main": "video 3x6x8 | text 7 = 151"}, [0, 1], {}),
+    "auraflow": ({"main": "text 15 | image 6x8 = 63"}, [0, 1, 2, 3], {}),  # text 15: 8 registers + 7 prompt tokens
+    "ideogram4": ({"main": "text 7 | image 6x8 = 55"}, [0, 1], {}),
+    "joyimage": ({"main": "image 6x8 | text 7 = 55"}, [0, 1], {}),
+    "mage_flow": ({"main": "text 7 | image 6x8 | ref 16 (reference image) = 71"}, [0, 1], {}),
+    "pixeldit": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 2, 3], {}),  # 2-3: pixel
+    "pid": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 2, 3], {}),  # blocks, image only
     "lumina2": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 3],  # 2: caption refiner
                 {"text or reference tokens only": 2}),
     "z_image": ({"main": "text 32 (caption and its padding) | image 6x8 | pad 16 (image padding) = 96",
@@ -179,6 +185,8 @@ def test_density_follows_the_segments_modality_pairs(runs, name):
             stream = "audio"  # layers 2-3: the audio self-attention of blocks 0-1
         elif name in ("lumina2", "z_image") and int(i) == 3:
             stream = "extra"  # layer 3: the noise refiner (image only)
+        elif name in ("pixeldit", "pid") and int(i) >= 2:
+            stream = "extra"  # layers 2-3: the pixel blocks' self-attention over the patches alone
         else:
             stream = "main"
         want, low = mc_density(layouts[stream]), mc_density(layouts[stream], slack=2)
