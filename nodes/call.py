@@ -23,6 +23,7 @@ class AttentionCall:
     heads: int
     transformer_options: dict
     skip_output_reshape: bool
+    kv_expanded: bool = False  # grouped-query k/v repeated to the query heads (the dense path drops enable_gqa)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """(B, H, N, D) -> the layout the caller asked for."""
@@ -44,8 +45,7 @@ def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
     if mask is not None:
         return "calls with an attention mask"
     skip_reshape = kwargs.get("skip_reshape", False)
-    if kwargs.get("enable_gqa") and k.shape[-3 if skip_reshape else -1] != q.shape[-3 if skip_reshape else -1]:
-        return "grouped-query attention"
+    gqa = bool(kwargs.get("enable_gqa"))
     if skip_reshape:
         qh, kh, vh = q, k, v
     else:
@@ -55,9 +55,23 @@ def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
         if hd % heads:
             return "an unexpected call signature"
         d = hd // heads
-        # k/v may arrive as (B, N, H*D) or already split (B, N, H, D) (SD3 passes v that way): views either way
-        qh, kh, vh = (t.reshape(b, -1, heads, d).transpose(1, 2) for t in (q, k, v))
-    if qh.dim() != 4:
+        qh = q.reshape(b, -1, heads, d).transpose(1, 2)
+        # k/v may arrive as (B, N, H*D) or already split (B, N, H, D) (SD3 passes v that way): views either way;
+        # grouped-query k/v carry fewer heads of the same width
+        kvh = (k.shape[-1] // d if k.dim() == 3 else k.shape[-2]) if gqa else heads
+        if gqa and (k.shape[-1] % d if k.dim() == 3 else k.shape[-1] != d):
+            return "an unexpected call signature"
+        kh, vh = (t.reshape(b, -1, kvh, d).transpose(1, 2) for t in (k, v))
+    if qh.dim() != 4 or kh.dim() != 4 or vh.dim() != 4:
         return "an unexpected call signature"
+    expanded = False
+    if gqa and kh.shape[1] != qh.shape[1]:
+        # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head): query head i reads k/v head
+        # i // group, as torch's enable_gqa does; the kernels take equal heads, so k/v are repeated to them
+        if kh.shape[1] != vh.shape[1] or kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
+            return "grouped-query attention"
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        expanded = True
     return AttentionCall(qh, kh, vh, int(heads), kwargs.get("transformer_options") or {},
-                         kwargs.get("skip_output_reshape", False))
+                         kwargs.get("skip_output_reshape", False), expanded)

@@ -322,6 +322,42 @@ class HiDreamFamily(Family):
 
 
 @dataclass(frozen=True)
+class OmniGen2Family(Family):
+    """OmniGen2 and Boogu: refiners over the caption, the image and the reference images (``ref_latents``, their
+    own pass over all of them), then joint blocks over [text | refs | image]; Boogu's double blocks add a pass over
+    [refs | image]. The refs' token counts come from ``ref_latents`` (each padded to the patch), so those passes are
+    told from the joint ones by their size and laid out as reference and image tokens."""
+
+    def ref_tokens(self, conds: dict) -> list[int]:
+        refs = conds.get("ref_latents")
+        if refs is None:
+            return []
+        _, ph, pw = self.token_patch
+        shapes = [_shape(r) for r in (refs if isinstance(refs, (list, tuple)) else [refs])]
+        return [math.ceil(s[-2] / ph) * math.ceil(s[-1] / pw) for s in shapes if s is not None and len(s) >= 4]
+
+    def stream(self, forward, nq: int, nk: int, width: int, transformer_options: dict) -> str | None:
+        if nq == nk:
+            refs = sum(self.ref_tokens(forward.conds))
+            if refs and nq in (refs, refs + forward.image_tokens()):
+                return "extra"  # the reference refiner; Boogu's [refs | image] pass
+        return super().stream(forward, nq, nk, width, transformer_options)
+
+    def build_layout(self, n_tokens, x_shape, transformer_options, conds, stream) -> TokenLayout:
+        refs = self.ref_tokens(conds)
+        grid = self.image_grid(x_shape, transformer_options, conds)
+        if not refs or grid is None:
+            return super().build_layout(n_tokens, x_shape, transformer_options, conds, stream)
+        image = Segment(self.image_kind, math.prod(grid), grid)
+        ref_segs = tuple(Segment("ref", r, label="reference image") for r in refs)
+        if stream != "main":
+            if n_tokens == sum(refs) + image.length:
+                return TokenLayout.of(*ref_segs, image)
+            return super().build_layout(n_tokens, x_shape, transformer_options, conds, stream)
+        return TokenLayout.of(Segment("text", None), *ref_segs, image)
+
+
+@dataclass(frozen=True)
 class LTXVideoFamily(Family):
     """LTX-Video: one token per latent voxel; keyframe guide frames (``keyframe_idxs``) are appended to the
     latent and their surviving tokens follow the generated video."""
@@ -556,6 +592,10 @@ FAMILIES: tuple[Family, ...] = (
            model_patch=True, image_kind="image"),
     Family("pixeldit", ("pixeldit",), joint_text=True, blocks=("patch_blocks",), model_patch=True,
            image_kind="image"),
+    OmniGen2Family("omnigen2", ("omnigen",), joint_text=True, blocks=("layers",), model_patch=True,
+                   image_kind="image"),
+    OmniGen2Family("boogu", ("boogu",), joint_text=True, blocks=("double_stream_layers", "single_stream_layers"),
+                   model_patch=True, image_kind="image"),
     MiniMaxFamily("minimax_h3", ("minimax",), joint_text=True, blocks=("blocks",), preset="minimax_h3"),
     Trellis2Family("trellis2", ("trellis2",), joint_text=False, patch=(1, 1, 1), preset="trellis2"),
     Family("hunyuan3d", ("hunyuan3d",), joint_text=True, patch=(1, 1, 1), latent="set", blocks=FLUX_BLOCKS,

@@ -311,6 +311,8 @@ class SparseAttentionPatch:
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
+            if call.kv_expanded:  # k/v already repeated to the query heads
+                kw.pop("enable_gqa", None)
             return self._dense(func, (dq, dk, dv, call.heads), kw, to)
 
         try:

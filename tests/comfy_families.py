@@ -265,6 +265,63 @@ def _pid(seed):
     return _finish(sm.PiD(params), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)), pos, neg
 
 
+def _omnigen2_config(cls, **over):
+    params = {"image_model": "omnigen2", "patch_size": 2, "in_channels": 16, "hidden_size": 64, "num_layers": 2,
+              "num_refiner_layers": 1, "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16,
+              "ffn_dim_multiplier": None, "norm_eps": 1e-5, "axes_dim_rope": [8, 12, 12], "axes_lens": [300, 512, 512],
+              "text_feat_dim": 48, "timestep_scale": 1000.0}
+    params.update(over)
+    return cls(params)
+
+
+def _omnigen2_cond(seed, refs=None):
+    # num_tokens comes from the text attention mask (model_base.Omnigen2.extra_conds); all ones -> no mask passed on
+    extra = {"attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    if refs is not None:
+        extra["reference_latents"] = refs
+    return _pair(seed, 7, 48, **extra)
+
+
+@family("omnigen2", "comfy.supported_models", "Omnigen2")
+def _omnigen2(seed, kv_heads=2, refs=False):
+    """OmniGen2: refiners (caption; image; reference images) then joint layers over [text | refs | image]."""
+    import comfy.supported_models as sm
+    refs = [torch.randn(1, 16, 8, 8, generator=_g(seed + 5))] if refs else None  # one reference: 4x4 tokens
+    pos, neg = _omnigen2_cond(seed, refs)
+    cfg = _omnigen2_config(sm.Omnigen2, num_kv_heads=kv_heads)
+    return _finish(cfg, seed), torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
+@family("omnigen2_ref", "comfy.supported_models", "Omnigen2")
+def _omnigen2_ref(seed):
+    return _omnigen2(seed, refs=True)
+
+
+@family("omnigen2_gqa", "comfy.supported_models", "Omnigen2")
+def _omnigen2_gqa(seed):
+    """As released (21 query heads, 7 kv heads): k/v reach the override with fewer heads and enable_gqa=True."""
+    return _omnigen2(seed, kv_heads=1)
+
+
+@family("boogu", "comfy.supported_models", "Boogu")
+def _boogu(seed, refs=False):
+    """Boogu: OmniGen2's refiners, then double-stream blocks (joint [text | refs | image] + image-only
+    self-attention each), then single-stream blocks over [text | refs | image]."""
+    import comfy.supported_models as sm
+    cfg = sm.Boogu({"image_model": "boogu", "patch_size": 2, "in_channels": 16, "hidden_size": 64, "num_layers": 2,
+                    "num_double_stream_layers": 2, "num_refiner_layers": 1, "num_attention_heads": 2,
+                    "num_kv_heads": 2, "multiple_of": 16, "axes_dim_rope": [8, 12, 12],
+                    "axes_lens": [300, 512, 512], "instruction_feat_dim": 48, "timestep_scale": 1000.0})
+    refs = [torch.randn(1, 16, 8, 8, generator=_g(seed + 5))] if refs else None
+    pos, neg = _omnigen2_cond(seed, refs)
+    return _finish(cfg, seed), torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
+@family("boogu_ref", "comfy.supported_models", "Boogu")
+def _boogu_ref(seed):
+    return _boogu(seed, refs=True)
+
+
 def _lumina_params(**over):
     params = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
               "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,
