@@ -353,6 +353,10 @@ class OmniGen2Family(Family):
         if stream != "main":
             if n_tokens == sum(refs) + image.length:
                 return TokenLayout.of(*ref_segs, image)
+            if n_tokens == sum(refs):
+                # the reference refiner, kept dense as other refiners are; when the references make as many tokens
+                # as the target, the noise refiner has this size too and cannot be told apart: both run dense
+                return TokenLayout.of(*ref_segs)
             return super().build_layout(n_tokens, x_shape, transformer_options, conds, stream)
         return TokenLayout.of(Segment("text", None), *ref_segs, image)
 

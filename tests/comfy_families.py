@@ -297,6 +297,14 @@ def _omnigen2_ref(seed):
     return _omnigen2(seed, refs=True)
 
 
+@family("omnigen2_ref_same", "comfy.supported_models", "Omnigen2")
+def _omnigen2_ref_same(seed):
+    """An edit whose reference has the target's token count (transposed: 8x6 tokens against 6x8)."""
+    import comfy.supported_models as sm
+    pos, neg = _omnigen2_cond(seed, [torch.randn(1, 16, 16, 12, generator=_g(seed + 5))])
+    return _finish(_omnigen2_config(sm.Omnigen2), seed), torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg
+
+
 @family("omnigen2_gqa", "comfy.supported_models", "Omnigen2")
 def _omnigen2_gqa(seed):
     """As released (21 query heads, 7 kv heads): k/v reach the override with fewer heads and enable_gqa=True."""

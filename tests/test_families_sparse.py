@@ -37,13 +37,18 @@ EXPECTED = {
                  {"text or reference tokens only": 2}),
     "omnigen2_gqa": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 3],
                      {"text or reference tokens only": 2}),  # 2 query heads per k/v head, as released (21 / 7)
-    "omnigen2_ref": ({"main": "text 7 | ref 16 (reference image) | image 6x8 = 71", "extra": "image 6x8 = 48"},
+    "omnigen2_ref": ({"main": "text 7 | ref 16 (reference image) | image 6x8 = 71",
+                      "extra": ("image 6x8 = 48", "ref 16 (reference image) = 16")},
                      [0, 1, 3], {"text or reference tokens only": 4}),  # and the reference refiner (layer 4)
+    # a reference of the target's token count: the noise and reference refiners cannot be told apart, both dense
+    "omnigen2_ref_same": ({"main": "text 7 | ref 48 (reference image) | image 6x8 = 103",
+                           "extra": "ref 48 (reference image) = 48"}, [0, 1], {"text or reference tokens only": 6}),
     "boogu": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 2, 3, 5, 6, 7],
               {"text or reference tokens only": 2}),
     # with a reference: its refiner is extra layer 6 (dense); 7-8, the image-only passes, run over [ref | image]
     "boogu_ref": ({"main": "text 7 | ref 16 (reference image) | image 6x8 = 71",
-                   "extra": ("image 6x8 = 48", "ref 16 (reference image) | image 6x8 = 64")}, [0, 1, 2, 3, 5, 7, 8],
+                   "extra": ("image 6x8 = 48", "ref 16 (reference image) | image 6x8 = 64",
+                             "ref 16 (reference image) = 16")}, [0, 1, 2, 3, 5, 7, 8],
                   {"text or reference tokens only": 4}),
     "lumina2": ({"main": "text 7 | image 6x8 = 55", "extra": "image 6x8 = 48"}, [0, 1, 3],  # 2: caption refiner
                 {"text or reference tokens only": 2}),
@@ -208,6 +213,7 @@ def test_density_follows_the_segments_modality_pairs(runs, name):
             stream = "extra"  # the refiners and Boogu's image-only passes
         else:
             stream = "main"
-        layout = layouts[stream] if isinstance(layouts[stream], str) else layouts[stream][int(i) >= 7]  # boogu_ref
+        # several extra layouts: the first is the noise refiner's; boogu_ref's layers 7-8 run over [ref | image]
+        layout = layouts[stream] if isinstance(layouts[stream], str) else layouts[stream][int(i) >= 7]
         want, low = mc_density(layout), mc_density(layout, slack=2)
         assert low - 1e-9 <= row["density"] <= want + 1e-9, (i, row, want, layout)
