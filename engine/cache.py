@@ -75,8 +75,9 @@ class Entry:
     def to(self, device, non_blocking=False) -> "Entry":
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pinned(self) -> "Entry":
-        """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous).
+    def pinned(self, owner=None) -> "Entry":
+        """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous). ``owner``: the
+        caching cache's pool token (buffers given back after a failed copy are its, engine/pinned_pool.py).
 
         A CUDA tensor is copied straight into a page-locked buffer, asynchronously on the current stream (no
         pageable bounce buffer, no host wait; later readers are ordered after it by the stream)."""
@@ -97,7 +98,7 @@ class Entry:
         except BaseException:  # host memory ran out midway: the buffers already taken are nobody's (their copies
             # were issued on this device's current stream, where the next writer of a recycled buffer queues too)
             for c in taken:
-                POOL.release(c)
+                POOL.release(c, owner=owner)
             raise
         if any(t.is_cuda for t in _tensors(self)):
             out.ready = torch.cuda.Event()
@@ -205,7 +206,7 @@ class SelectionCache:
         self._host_used: float | None = None  # when the first host entry since the last clear was stored
         # (time.monotonic); the pinned pool frees at clear what was not used since. A cache dropped without clear
         # gives its host entries' buffers back when it is collected.
-        self._pool_token = object()  # names this cache to the pool (release, free_released_by) without keeping it
+        self._pool_token = object()  # names this cache to the pool (release, forget) without keeping it
         weakref.finalize(self, _release_all, self.on_cpu, self._pool_token).atexit = False  # at exit the process
         # frees it all
 
@@ -444,7 +445,7 @@ class SelectionCache:
             self._cuda_device = tensors[0].device
         if self._host_used is None:
             self._host_used = time.monotonic()
-        return entry.pinned()
+        return entry.pinned(self._pool_token)
 
     def _release(self, tensors) -> None:
         """Give a forgotten host entry's pooled buffers back (engine/pinned_pool.py): the copies already issued on
@@ -535,12 +536,8 @@ def _layer_of(key):
 def _release_all(on_cpu: dict, token) -> None:
     """A collected cache (its patched model deleted) gives its host entries' buffers back and the pool frees the free
     buffers it released last: nothing keeps page-locked memory for a model that is gone, and what other caches keep
-    for their next run stays (engine/pinned_pool.py). No events are recorded: a cache nobody holds issues no copies,
-    and its last ones ended with its last call."""
-    for entry in on_cpu.values():
-        for t in _tensors(entry):
-            POOL.release(t, owner=token)
-    POOL.free_released_by(token)
+    for their next run stays (engine/pinned_pool.py, ``forget``: safe wherever the garbage collector runs it)."""
+    POOL.forget([t for entry in on_cpu.values() for t in _tensors(entry)], token)
 
 
 def _tensors(entry: Entry):

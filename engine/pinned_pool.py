@@ -15,6 +15,9 @@ keep their residual on a small card, so large host entries live here instead: or
   with them; a collected cache gives its buffers back and frees the free buffers it released last, not those another
   cache keeps for its next run or is about to take again. Free buffers idle for a minute are also freed before new
   memory is page-locked, so sizes that change mid-run do not pile up.
+- A collected cache's finalizer (``forget``) may run wherever the garbage collector runs, including inside one of
+  the pool's own calls on the same thread, whose lock is held there: it never waits for the lock, and work it cannot
+  do at once is queued and done at the pool's next call.
 - ``release`` finds the buffer by the tensor's storage: the cache releases only tensors of entries it holds, never a
   stale view of a buffer recycled since.
 - A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +51,7 @@ class _Buffer:
     in_use: bool = True
     last_used: float = field(default_factory=time.monotonic)  # handed out or released (time.monotonic)
     events: list = field(default_factory=list)  # recorded at release: the copies issued before it
-    owner: object = None  # the token of the cache that released it last (``free_released_by``)
+    owner: object = None  # the token of the cache that released it last (``forget``)
 
 
 class PinnedPool:
@@ -61,6 +65,7 @@ class PinnedPool:
         self.min_bytes = min_bytes
         self._buffers: dict[int, _Buffer] = {}  # base data_ptr -> buffer
         self._lock = threading.Lock()
+        self._forgotten: deque = deque()  # (tensors, owner) of collected caches, given back at the next call
         self._failed = False
 
     # sizes
@@ -68,12 +73,14 @@ class PinnedPool:
     def free_bytes(self) -> int:
         """Bytes page-locked in buffers no entry holds now (reused before new memory is locked)."""
         with self._lock:
+            self._drain()
             return sum(b.base.numel() for b in self._buffers.values() if not b.in_use)
 
     @property
     def held_bytes(self) -> int:
         """Bytes page-locked by the pool, in use or free."""
         with self._lock:
+            self._drain()
             return sum(b.base.numel() for b in self._buffers.values())
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor | None:
@@ -87,6 +94,7 @@ class PinnedPool:
         if nbytes < self.min_bytes or self._failed:
             return None
         with self._lock:
+            self._drain()
             fits = [b for b in self._buffers.values()
                     if not b.in_use and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
             buf = min(fits, key=lambda b: b.base.numel()) if fits else None
@@ -111,39 +119,62 @@ class PinnedPool:
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the pool's buffers (in use or free)."""
         with self._lock:
+            self._drain()
             return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
 
     def release(self, t: torch.Tensor, streams=(), owner=None) -> None:
         """The tensor's buffer is free again (no-op for tensors the pool did not hand out). t: a CPU tensor (any
         shape and dtype) whose storage is a pool buffer. ``streams``: the CUDA streams that may still be reading it
         (copies to the device, prefetches); events recorded on them now are waited for before the buffer is
-        written again. ``owner``: a token of the releasing cache, for ``free_released_by``."""
+        written again. ``owner``: a token of the releasing cache, for ``forget``."""
         if t.device.type != "cpu":
             return
-        ptr = t.untyped_storage().data_ptr()
         with self._lock:
-            buf = self._buffers.get(ptr)
-            if buf is None or not buf.in_use:
-                return
-            buf.in_use, buf.last_used, buf.owner = False, time.monotonic(), owner
-            buf.events = []
-            for s in streams:
-                ev = torch.cuda.Event()
-                ev.record(s)
-                buf.events.append(ev)
+            self._drain()
+            self._release(t, streams, owner)
+
+    def _release(self, t: torch.Tensor, streams, owner) -> None:
+        buf = self._buffers.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        if buf is None or not buf.in_use:
+            return
+        buf.in_use, buf.last_used, buf.owner = False, time.monotonic(), owner
+        buf.events = []
+        for s in streams:
+            ev = torch.cuda.Event()
+            ev.record(s)
+            buf.events.append(ev)
 
     def trim(self, since: float) -> int:
         """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
         (a ``time.monotonic()`` reading: the start of the run that ends). The engines of several devices each trim
         at their run's end without freeing what the others use. Returns the bytes freed."""
         with self._lock:
+            self._drain()
             return self._free_unused(before=since)
 
-    def free_released_by(self, owner) -> int:
-        """Unregister and free the free buffers ``owner`` (a token given to ``release``) released last and nobody
-        took since: what a cache that is gone kept for its next run. Returns the bytes freed."""
-        with self._lock:
-            return self._free_unused(before=float("inf"), owner=owner)
+    def forget(self, tensors, owner) -> None:
+        """A collected cache (``owner``: its token, never None) is gone: its ``tensors`` (CPU tensors it still held)
+        are given back, and its free buffers — those it released last and nobody took since, which it kept for its
+        next run — are unregistered and freed. Called from the cache's finalizer, which may run inside one of the
+        pool's own calls (the garbage collector runs at any allocation): it never waits for the lock; when the lock
+        is held, the work is queued and done at the pool's next call. No events are recorded: a cache nobody holds
+        issues no copies, and its last ones ended with its last call."""
+        if owner is None:
+            raise ValueError("forget: a cache's token is needed (None would free every free buffer)")
+        self._forgotten.append((list(tensors), owner))  # deque.append: atomic, no lock
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """The queued work of ``forget`` (the lock is held)."""
+        while self._forgotten:
+            tensors, owner = self._forgotten.popleft()
+            for t in tensors:
+                self._release(t, (), owner)
+            self._free_unused(before=float("inf"), owner=owner)
 
     def _free_unused(self, before: float, owner=None) -> int:
         """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading); with

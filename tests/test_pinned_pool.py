@@ -133,7 +133,7 @@ def test_engines_of_several_devices_keep_each_others_buffers_across_runs(monkeyp
 
 def fake_pinned(pool):
     """Entry.pinned with the pool's buffers (on the CPU, Entry.pinned copies plainly)."""
-    def pinned(self):
+    def pinned(self, owner=None):
         def cp(t):
             c = pool.empty(t.shape, t.dtype)
             return t.detach().clone() if c is None else c.copy_(t)
@@ -217,3 +217,19 @@ def test_a_collected_cache_frees_only_the_buffers_it_released(pooled_cache):
     del kept
     gc.collect()
     assert pool.held_bytes == 0 and not rt.locked
+
+
+def test_a_finalizer_inside_the_pools_own_call_never_waits_for_its_lock():
+    """The garbage collector can run a collected cache's finalizer inside one of the pool's calls on the same
+    thread, with the pool's lock held there: the buffers are given back at the pool's next call instead of the
+    thread waiting on itself for ever."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    t, other = pool.empty((3000,), torch.uint8), pool.empty((2000,), torch.uint8)
+    pool.release(other, owner=object())  # another cache's, kept for its next run
+    with pool._lock:  # inside the pool's critical section
+        pool.forget([t], object())  # returns at once
+        assert len(rt.locked) == 2
+    assert pool.held_bytes == 2000 and list(rt.locked.values()) == [2000]  # done at the next call
+    with pytest.raises(ValueError, match="token"):
+        pool.forget([], None)  # None would match every buffer released without an owner
