@@ -15,7 +15,8 @@ import torch
 
 @dataclass
 class AttentionCall:
-    """One override call. q, k, v: (B, H, N, D) views of the caller's tensors."""
+    """One override call. q: (B, H, N, D), k, v: (B, H / kv_group, N, D) views of the caller's tensors (grouped-
+    query attention passes fewer k/v heads; ``kv`` repeats them to H when the pack takes the call)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -23,7 +24,14 @@ class AttentionCall:
     heads: int
     transformer_options: dict
     skip_output_reshape: bool
-    kv_expanded: bool = False  # grouped-query k/v repeated to the query heads (the dense path drops enable_gqa)
+    kv_group: int = 1  # query heads per k/v head
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v with the query's heads, (B, H, N, D): query head i reads k/v head i // kv_group, as torch's
+        ``enable_gqa`` does (the kernels take equal head counts). Copies only for grouped-query calls."""
+        if self.kv_group == 1:
+            return self.k, self.v
+        return self.k.repeat_interleave(self.kv_group, dim=1), self.v.repeat_interleave(self.kv_group, dim=1)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """(B, H, N, D) -> the layout the caller asked for."""
@@ -62,16 +70,14 @@ def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
         if gqa and (k.shape[-1] % d if k.dim() == 3 else k.shape[-1] != d):
             return "an unexpected call signature"
         kh, vh = (t.reshape(b, -1, kvh, d).transpose(1, 2) for t in (k, v))
-    if qh.dim() != 4 or kh.dim() != 4 or vh.dim() != 4:
+    if qh.dim() != 4 or kh.dim() != 4 or vh.dim() != 4 or kh.shape[:3] != vh.shape[:3]:
         return "an unexpected call signature"
-    expanded = False
-    if gqa and kh.shape[1] != qh.shape[1]:
-        # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head): query head i reads k/v head
-        # i // group, as torch's enable_gqa does; the kernels take equal heads, so k/v are repeated to them
-        if kh.shape[1] != vh.shape[1] or kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
+    group = 1
+    if kh.shape[1] != qh.shape[1] or vh.shape[1] != kh.shape[1]:
+        # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head), repeated to the query heads by
+        # AttentionCall.kv once the pack takes the call (a call it skips copies nothing)
+        if not gqa or vh.shape[1] != kh.shape[1] or kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
             return "grouped-query attention"
         group = qh.shape[1] // kh.shape[1]
-        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
-        expanded = True
     return AttentionCall(qh, kh, vh, int(heads), kwargs.get("transformer_options") or {},
-                         kwargs.get("skip_output_reshape", False), expanded)
+                         kwargs.get("skip_output_reshape", False), group)

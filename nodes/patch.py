@@ -303,7 +303,7 @@ class SparseAttentionPatch:
         if isinstance(plan, str):
             return self._fallback(run, plan, func, args, kwargs)
         call, ctx, engine = plan
-        q, k, v = call.q, call.k, call.v
+        q, (k, v) = call.q, call.kv()
         nq = q.shape[2]
 
         def dense_fn(dq, dk, dv):
@@ -311,7 +311,7 @@ class SparseAttentionPatch:
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
-            if call.kv_expanded:  # k/v already repeated to the query heads
+            if call.kv_group > 1:  # k/v already repeated to the query heads
                 kw.pop("enable_gqa", None)
             return self._dense(func, (dq, dk, dv, call.heads), kw, to)
 

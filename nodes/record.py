@@ -143,7 +143,8 @@ class RecordPatch:
                     row = cond_row(to, call.q.shape[0])
                     if row is not None and not self.buffer.has(layer, forward.step):
                         lay = forward.layout(call.q.shape[2], to)
-                        self.buffer.add(layer, forward.step, call.q[row], call.k[row], call.v[row], lay)
+                        k, v = call.kv()  # grouped-query k/v with the query's heads, as the engine sees them
+                        self.buffer.add(layer, forward.step, call.q[row], k[row], v[row], lay)
                         self._progress()
         if self.previous is not None:
             return self.previous(func, *args, **kwargs)

@@ -169,7 +169,7 @@ def test_call_translation():
     assert translate((q, q, q, 5), {}) == "an unexpected call signature"
     bhnd = torch.randn(2, 4, 10, 8)
     call = translate((bhnd, bhnd, bhnd, 4), {"skip_reshape": True, "skip_output_reshape": True})
-    assert call.q is bhnd and call.output(bhnd) is bhnd and not call.kv_expanded
+    assert call.q is bhnd and call.output(bhnd) is bhnd and call.kv_group == 1 and call.kv() == (bhnd, bhnd)
 
 
 def test_grouped_query_calls_are_repeated_to_the_query_heads():
@@ -179,14 +179,16 @@ def test_grouped_query_calls_are_repeated_to_the_query_heads():
     q, k, v = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     want = sdpa(q, k, v, enable_gqa=True)
     call = translate((q, k, v, 6), {"skip_reshape": True, "enable_gqa": True})
-    assert call.kv_expanded and call.k.shape == call.v.shape == q.shape
-    assert torch.allclose(sdpa(call.q, call.k, call.v), want, atol=1e-6)
+    assert call.kv_group == 3 and call.k is k  # nothing copied until the pack takes the call
+    ek, ev = call.kv()
+    assert ek.shape == ev.shape == q.shape and torch.allclose(sdpa(call.q, ek, ev), want, atol=1e-6)
     flat = [t.transpose(1, 2).reshape(2, 10, -1) for t in (q, k, v)]  # (B, N, H*D), k/v with 2 heads of 8
     call = translate((*flat, 6), {"enable_gqa": True})
-    assert call.kv_expanded and torch.allclose(call.output(sdpa(call.q, call.k, call.v)),
-                                                want.transpose(1, 2).reshape(2, 10, 48), atol=1e-6)
+    assert call.kv_group == 3 and torch.allclose(call.output(sdpa(call.q, *call.kv())),
+                                                 want.transpose(1, 2).reshape(2, 10, 48), atol=1e-6)
     same = translate((q, q, q, 6), {"skip_reshape": True, "enable_gqa": True})  # HiDream O1: equal heads
-    assert not same.kv_expanded and same.k is q
+    assert same.kv_group == 1 and same.k is q
+    assert translate((q, k, v, 6), {"skip_reshape": True}) == "grouped-query attention"  # fewer heads, no flag
     assert translate((q, torch.randn(2, 4, 10, 8), torch.randn(2, 4, 10, 8), 6),
                      {"skip_reshape": True, "enable_gqa": True}) == "grouped-query attention"
     assert translate((flat[0], torch.randn(2, 10, 12), flat[2], 6), {"enable_gqa": True}) == \
