@@ -235,12 +235,15 @@ class AnchorSchedule:
 
     def due(self, last: int, step: int, warmup_steps: int, total: int | None = None, stand_in: bool = False) -> bool:
         """Whether the selection anchored at ``last`` is renewed at ``step`` (``anchor_between``). ``stand_in``: the
-        anchor at ``last`` was a sampler's first sparse step, off the schedule, in a run that started before that
-        sampler (a split run's later sampler): it stands in for the scheduled anchors up to ``stand_in_steps`` after
-        it, whose selection would be hardly fresher."""
-        if stand_in:
-            last += self.stand_in_steps(total)
-        return self.anchor_between(last, step, warmup_steps, total)
+        anchor at ``last`` was the first sparse step, off the schedule, of a sampler that starts mid-run (a split
+        run's later sampler, or denoise < 1): it stands in for the listed anchors (steps and fractions) up to
+        ``stand_in_steps`` after it, whose selection would be hardly fresher; periodic anchors keep their period."""
+        if not stand_in:
+            return self.anchor_between(last, step, warmup_steps, total)
+        listed = AnchorSchedule(self.steps, 0, self.fractions, None)
+        periodic = AnchorSchedule((), self.every, (), self.every_fraction)
+        return listed.anchor_between(last + self.stand_in_steps(total), step, warmup_steps, total) \
+            or periodic.anchor_between(last, step, warmup_steps, total)
 
     def text(self) -> str:
         """The widget form, e.g. "10,26", "20%,50%", "every 5", "0 + every 25%" or "" (parse round-trips)."""

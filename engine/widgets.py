@@ -96,9 +96,9 @@ WIDGETS: tuple[Widget, ...] = (
     Widget("anchor_steps", "string", ("anchor_steps",), default=lambda c: c.anchor_steps.text(),
            tooltip="Steps that recompute the selection (and residual): steps '10,26', shares of the run "
                    "'20%,50%', 'every 5' or 'every 25%', or combined '0 + every 10'. The first sparse step is "
-                   "always an anchor, so '' means one anchor there; a later sampler of a split run (Wan 2.2's "
-                   "second expert) anchors at its first step, which then serves the listed anchors up to 5% of "
-                   "the run after it."),
+                   "always an anchor, so '' means one anchor there; a sampler that starts mid-run (Wan 2.2's "
+                   "second expert, denoise < 1) anchors at its first step, which then serves the listed anchors up "
+                   "to 5% of the run after it."),
     Widget("residual_caching", "bool", ("residual",),
            tooltip="Cache dense-minus-sparse at anchors and add it back at the other steps (better quality, one "
                    "output-sized tensor per layer of memory)."),

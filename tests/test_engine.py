@@ -93,6 +93,7 @@ def test_a_later_samplers_first_anchor_stands_in_for_the_next_scheduled_one(prob
     assert schedule_of("0, 20%, 53%, 60%", 10, 10, 20) == "Ar" + "A" + "r" * 7
     assert schedule_of("0, 20%, 53%", 0, 10, 20) == "ArrrArrrrr"      # the first expert: 0 and 4 (20 %)
     assert schedule_of("4", 0, 8, 8, warmup=3) == "DDDAArrr"        # a whole run: warm-up 3, then 3 and 4
+    assert schedule_of("every 2", 47, 6, 100) == "AArArA"             # periodic anchors keep their period
 
 
 def run_engine(cfg, problem, steps, layers=(0,)):

@@ -137,6 +137,8 @@ def test_reuse_steps_counts_what_the_engine_would_reuse():
     assert reuse_steps(AnchorSchedule.parse("20%, 53%, 60%"), 0, 10, 10, 20) == 8  # 12 (60 %) lies past it: anchors
     assert reuse_steps(AnchorSchedule.parse("20%, 50%, 55%"), 0, 10, 10, 20) == 8  # 10 on the schedule: 11 anchors
     assert reuse_steps(AnchorSchedule.parse("4"), 3, 0, 10, 10) == 5  # a whole run: warm-up 3, anchors 3 and 4
+    assert reuse_steps(AnchorSchedule.parse("every 2"), 0, 47, 10, 100) == 4  # periodic anchors keep their period:
+    # 47 (first, off the schedule), 48, 50, 52, 54, 56 anchor
     assert reuse_steps(AnchorSchedule.parse(""), 2, 0, 3, 3) == 0   # 2 warm-up steps, one sparse step: an anchor
     assert reuse_steps(AnchorSchedule.parse("every 1"), 0, 0, 8, 8) == 0
     assert reuse_steps(AnchorSchedule.parse("every 2"), 0.25, 0, 8, 8) == 3  # warm-up 2; anchors 2, 4, 6
