@@ -5,7 +5,8 @@
 #    radius 0.5 and 0.75; predicted +1.19 / +1.33 dB for mc_sparse at 0.10), sampled on the fit and the check
 #    videos: does the model's allocation beat the greedy search's +0.97 dB without any further search?
 # 2. the search with the model in the loop (bench/quality_search.py --mode quadratic, radius 0.75) from uniform.
-# 3. block_topk at 0.10: the model's optimum (radius 0.5; predicted +0.38 dB against the search's +0.28 on check).
+# 3. block_topk at 0.10: the model's optimum (radius 0.5; predicted +0.38 dB on the fit videos, where the greedy
+#    search measured +0.34, +0.28 on its check videos).
 # Each part keeps what it measured; all packed into $OUT/search_model.tar.gz.
 #   bash bench/device_search_model.sh
 set -uo pipefail

@@ -93,7 +93,8 @@ def section(doc: dict) -> str:
                       + _model_note(doc, rd)
                       for i, rd in enumerate(doc["rounds"])) + "."]
     else:
-        lines += ["", "No rounds: the allocation given with --start, sampled as it is."]
+        lines += ["", "No rounds: the allocation given with --start, sampled as it is." if m.get("start") else
+                  "No rounds: the uniform allocation only."]
     lines += ["", f"Searched factors: `{r['layer_densities']}`", ""]
     return "\n".join(lines)
 
