@@ -190,16 +190,23 @@ UNKNOWN_ASSUMPTION = ("the pack assumes a self-attention sequence of image token
 
 
 def _sets_block_index(cls) -> bool | None:
-    """Whether the module defining a model class sets ``block_index`` (None when its source cannot be read).
-    ComfyUI added block indices family by family; 0.3.75's Wan, Lumina and Cosmos blocks have none."""
-    module = sys.modules.get(cls.__module__)
-    path = getattr(module, "__file__", None)
-    if not path:
-        return None
-    try:
-        return "block_index" in Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
+    """Whether the modules defining a model class or the classes it inherits from set ``block_index`` (None when no
+    source can be read). ComfyUI added block indices family by family; 0.3.75's Wan, Lumina and Cosmos blocks have
+    none; Chroma Radiance inherits Chroma's forward."""
+    seen, readable = set(), False
+    for klass in cls.__mro__:
+        module = sys.modules.get(klass.__module__)
+        path = getattr(module, "__file__", None)
+        if not path or path in seen or klass.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        seen.add(path)
+        try:
+            if "block_index" in Path(path).read_text(encoding="utf-8", errors="replace"):
+                return True
+            readable = True
+        except OSError:
+            pass
+    return False if readable else None
 
 
 def _count_blocks(dm, names) -> int:

@@ -193,3 +193,26 @@ def test_grouped_query_calls_are_repeated_to_the_query_heads():
                      {"skip_reshape": True, "enable_gqa": True}) == "grouped-query attention"
     assert translate((flat[0], torch.randn(2, 10, 12), flat[2], 6), {"enable_gqa": True}) == \
         "an unexpected call signature"  # 12 is not a whole number of 8-wide heads
+
+
+def test_block_indices_are_looked_for_in_the_classes_a_model_inherits_from(tmp_path, monkeypatch):
+    """Chroma Radiance's module has no ``block_index``: it inherits Chroma's forward, whose module sets it."""
+    import sys
+    import types
+
+    from comfyui_sparse_attention.nodes.families import _sets_block_index
+
+    def module(name, text):
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        mod = types.ModuleType(name)
+        mod.__file__ = str(path)
+        monkeypatch.setitem(sys.modules, name, mod)
+        return name
+
+    parent = type("Chroma", (torch.nn.Module,), {"__module__": module("fake_chroma", "to['block_index'] = i\n")})
+    child = type("ChromaRadiance", (parent,), {"__module__": module("fake_radiance", "class ChromaRadiance: pass\n")})
+    plain = type("WanModel", (torch.nn.Module,), {"__module__": module("fake_wan_0375", "no indices here\n")})
+    assert _sets_block_index(child) is True and _sets_block_index(plain) is False
+    gone = type("Gone", (), {"__module__": "not_a_loaded_module"})
+    assert _sets_block_index(gone) is None
