@@ -41,8 +41,9 @@ class AttentionCall:
         return out.transpose(1, 2).reshape(b, n, h * d)
 
 
-def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
-    """The call as an AttentionCall, or the reason it cannot be one (its calls then run dense, untouched)."""
+def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> AttentionCall | str:
+    """The call as an AttentionCall, or the reason it cannot be one (its calls then run dense, untouched).
+    ``ignore_mask``: the call's mask is known to change nothing (its family said so for this forward)."""
     if len(args) < 3:
         return "an unexpected call signature"
     q, k, v = args[:3]
@@ -50,7 +51,7 @@ def translate(args: tuple, kwargs: dict) -> AttentionCall | str:
     mask = args[4] if len(args) > 4 else kwargs.get("mask")
     if heads is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "an unexpected call signature"
-    if mask is not None:
+    if mask is not None and not ignore_mask:
         return "calls with an attention mask"
     skip_reshape = kwargs.get("skip_reshape", False)
     gqa = bool(kwargs.get("enable_gqa"))

@@ -167,6 +167,11 @@ class Family:
             out["extra"] = blocks
         return out
 
+    def mask_is_noop(self, conds: dict) -> bool:
+        """Whether the attention mask this family's self-attention calls carry changes nothing for a forward with
+        these conditionings (then the pack takes the calls as if unmasked); False: a masked call runs dense."""
+        return False
+
     def preset_for(self, diffusion_model) -> str:
         """Name of the preset that suits this model (presets/<name>.yaml)."""
         return self.preset(diffusion_model) if callable(self.preset) else self.preset
@@ -366,6 +371,21 @@ class OmniGen2Family(Family):
                 return TokenLayout.of(*ref_segs)
             return super().build_layout(n_tokens, x_shape, transformer_options, conds, stream)
         return TokenLayout.of(Segment("text", None), *ref_segs, image)
+
+
+@dataclass(frozen=True)
+class LensFamily(Family):
+    """Lens: [image | text] in every block, with an additive key mask on every call, built from the text mask of the
+    conditioning (``attention_mask``; all ones when there is none): zero for image and valid text keys, the dtype's
+    minimum for padded text. Without padding it changes nothing."""
+
+    def mask_is_noop(self, conds: dict) -> bool:
+        mask = conds.get("attention_mask")
+        if mask is None:
+            return True
+        if not hasattr(mask, "all") or getattr(getattr(mask, "device", None), "type", None) == "meta":
+            return False
+        return bool(mask.bool().all())
 
 
 @dataclass(frozen=True)
@@ -605,6 +625,8 @@ FAMILIES: tuple[Family, ...] = (
            image_kind="image"),
     OmniGen2Family("omnigen2", ("omnigen",), joint_text=True, blocks=("layers",), model_patch=True,
                    image_kind="image"),
+    LensFamily("lens", ("lens",), joint_text=True, text_first=False, indexed=True, patch=(1, 1, 1),
+               blocks=("transformer_blocks",), image_kind="image"),
     OmniGen2Family("boogu", ("boogu",), joint_text=True, blocks=("double_stream_layers", "single_stream_layers"),
                    model_patch=True, image_kind="image"),
     MiniMaxFamily("minimax_h3", ("minimax",), joint_text=True, blocks=("blocks",), preset="minimax_h3"),

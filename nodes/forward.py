@@ -235,6 +235,13 @@ class Forward:
         self._image_tokens: int | None = None
         self._options = transformer_options
 
+    def mask_is_noop(self) -> bool:
+        """Whether the attention masks of this forward's self-attention calls change nothing (``Family.mask_is_noop``,
+        asked once per forward: it may read a tensor's values)."""
+        if "mask_is_noop" not in self.state:
+            self.state["mask_is_noop"] = bool(self.family.mask_is_noop(self.conds))
+        return self.state["mask_is_noop"]
+
     def image_tokens(self) -> int:
         """Number of generated image/video tokens of this forward (0 when the family cannot tell)."""
         if self._image_tokens is None:

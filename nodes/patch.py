@@ -338,7 +338,8 @@ class SparseAttentionPatch:
             return run.dense_reason
         forward = to.get(INFO_KEY)
         layer = forward.next_layer(to, args, kwargs) if forward is not None else None
-        call = translate(args, kwargs)
+        masked = (args[4] if len(args) > 4 else kwargs.get("mask")) is not None
+        call = translate(args, kwargs, ignore_mask=masked and forward is not None and forward.mask_is_noop())
         if isinstance(call, str):
             return call
         q, k = call.q, call.k

@@ -330,6 +330,31 @@ def _boogu_ref(seed):
     return _boogu(seed, refs=True)
 
 
+@family("lens", "comfy.supported_models", "Lens")
+def _lens(seed):
+    """Lens: [image | text] per block, one token per latent cell (Flux 2 latent, 128 channels); an additive
+    key mask (B, 1, 1, N) is always passed."""
+    import comfy.supported_models as sm
+    cfg = sm.Lens({"image_model": "lens", "in_channels": 128, "out_channels": 32, "num_layers": 2,
+                   "attention_head_dim": 32, "num_attention_heads": 2, "enc_hidden_dim": 48,
+                   "axes_dims_rope": [8, 12, 12], "multi_layer_encoder_feature": False, "selected_layer_index": [0]})
+    pos, neg = _pair(seed, 7, 48)
+    return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
+
+
+@family("lens_padded", "comfy.supported_models", "Lens")
+def _lens_padded(seed):
+    """Lens with a padded text mask (5 of 7 tokens valid): its calls' key mask is real, they run dense."""
+    import comfy.supported_models as sm
+    cfg = sm.Lens({"image_model": "lens", "in_channels": 128, "out_channels": 32, "num_layers": 2,
+                   "attention_head_dim": 32, "num_attention_heads": 2, "enc_hidden_dim": 48,
+                   "axes_dims_rope": [8, 12, 12], "multi_layer_encoder_feature": False, "selected_layer_index": [0]})
+    mask = torch.ones(1, 7, dtype=torch.long)
+    mask[:, 5:] = 0
+    pos, neg = _pair(seed, 7, 48, attention_mask=mask)
+    return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
+
+
 def _lumina_params(**over):
     params = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 64, "cap_feat_dim": 48,
               "n_layers": 2, "n_refiner_layers": 1, "n_heads": 4, "n_kv_heads": 2, "qk_norm": True,

@@ -26,6 +26,7 @@ EXPECTED = {
     "chroma_radiance": ({"main": "text 7 | image 6x8 = 55"}, [0, 1, 2, 3], {}),  # 96x128 pixels in 16x16 patches
     "mochi": ({"main": "video 3x6x8 | text 7 = 151"}, [0, 1], {}),
     "auraflow": ({"main": "text 15 | image 6x8 = 63"}, [0, 1, 2, 3], {}),  # text 15: 8 registers + 7 prompt tokens
+    "lens": ({"main": "image 6x8 | text 7 = 55"}, [0, 1], {}),  # its key mask (no padded text) changes nothing
     "ideogram4": ({"main": "text 7 | image 6x8 = 55"}, [0, 1], {}),
     "joyimage": ({"main": "image 6x8 | text 7 = 55"}, [0, 1], {}),
     "mage_flow": ({"main": "text 7 | image 6x8 | ref 16 (reference image) = 71"}, [0, 1], {}),
@@ -73,6 +74,9 @@ EXPECTED = {
     "trellis2": ({"main": "voxels 16x16x16 (structure grid) = 4096"}, [0], {"cross-attention": 2}),
     "trellis2_shape": ({"main": "voxels 40 (active voxels) = 40"}, [0], {"cross-attention": 2}),
 }
+
+# builders whose every self-attention call must stay dense, with the reason counted
+DENSE_ONLY = ("lens_padded",)
 
 BODY = """
 import sys, traceback, torch
@@ -127,7 +131,7 @@ def runs():
     if version < (0, 33, 0):
         pytest.skip(f"the tiny builders use ComfyUI 0.33.0's classes; the tree under test is "
                     f"{'.'.join(map(str, version))}")
-    return run_in_comfyui(comfyui_path(), BODY.format(tests=str(ROOT / "tests"), families=tuple(EXPECTED),
+    return run_in_comfyui(comfyui_path(), BODY.format(tests=str(ROOT / "tests"), families=tuple(EXPECTED) + DENSE_ONLY,
                                                       runs=RUNS), timeout=1500)
 
 
@@ -217,3 +221,13 @@ def test_density_follows_the_segments_modality_pairs(runs, name):
         layout = layouts[stream] if isinstance(layouts[stream], str) else layouts[stream][int(i) >= 7]
         want, low = mc_density(layout), mc_density(layout, slack=2)
         assert low - 1e-9 <= row["density"] <= want + 1e-9, (i, row, want, layout)
+
+
+def test_lens_with_padded_text_runs_its_masked_calls_dense(runs):
+    """Lens's key mask is real when the text is padded: every call dense, counted as masked, output unchanged."""
+    r = result(runs, "lens_padded")
+    assert r["dense_equal_rel"] <= 1e-3
+    for method in ("mc", "block"):
+        m = r[method]
+        assert m["totals"]["anchors"] == m["totals"]["reuses"] == 0, m["totals"]
+        assert m["fallbacks"].get("calls with an attention mask", 0) > 0, m["fallbacks"]

@@ -216,3 +216,19 @@ def test_block_indices_are_looked_for_in_the_classes_a_model_inherits_from(tmp_p
     assert _sets_block_index(child) is True and _sets_block_index(plain) is False
     gone = type("Gone", (), {"__module__": "not_a_loaded_module"})
     assert _sets_block_index(gone) is None
+
+
+def test_lens_masks_change_nothing_without_padded_text():
+    """Lens passes an additive key mask on every call, built from the conditioning's text mask: without one, or with
+    one of all ones, it is all zeros and the pack takes the calls; a padded text makes it real (dense)."""
+    from comfyui_sparse_attention.nodes.families import BY_NAME
+
+    lens = BY_NAME["lens"]
+    assert lens.mask_is_noop({}) and lens.mask_is_noop({"attention_mask": torch.ones(2, 7, dtype=torch.long)})
+    assert not lens.mask_is_noop({"attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0, 0]])})
+    assert not lens.mask_is_noop({"attention_mask": torch.ones(1, 7, device="meta")})
+    assert not BY_NAME["qwen_image"].mask_is_noop({})  # other families: a masked call runs dense
+    mask = torch.zeros(1, 1, 1, 10)
+    q = torch.randn(1, 2, 10, 8)
+    assert translate((q, q, q, 2), {"skip_reshape": True, "mask": mask}) == "calls with an attention mask"
+    assert translate((q, q, q, 2), {"skip_reshape": True, "mask": mask}, ignore_mask=True).q is q
