@@ -143,17 +143,24 @@ def forwards(log: list) -> list[dict]:
 # --- builders --------------------------------------------------------------------------------------------
 # Latent shapes are small on purpose: every grid side > 1 so that row-major token order is observable.
 
-@family("chroma", "comfy.supported_models", "Chroma")
-def _chroma(seed):
-    import comfy.ldm.chroma.model as chroma
-    import comfy.supported_models as sm
+def _chroma_params(module, **over):
+    """Chroma's tiny configuration (Chroma Radiance adds its fields), the dataclass's other fields neutral."""
     params = {"image_model": "chroma", "in_channels": 64, "out_channels": 64, "context_in_dim": 48, "hidden_size": 64,
               "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 2, "axes_dim": [8, 12, 12],
               "theta": 10000, "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 64,
               "n_layers": 1, "txt_ids_dims": [], "vec_in_dim": None}
-    _fill_missing(params, chroma.ChromaParams)
+    params.update(over)
+    _fill_missing(params, module)
+    return params
+
+
+@family("chroma", "comfy.supported_models", "Chroma")
+def _chroma(seed):
+    import comfy.ldm.chroma.model as chroma
+    import comfy.supported_models as sm
     pos, neg = _pair(seed, 7, 48)
-    return _finish(sm.Chroma(params), seed), torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg
+    return (_finish(sm.Chroma(_chroma_params(chroma.ChromaParams)), seed),
+            torch.randn(1, 16, 12, 16, generator=_g(seed + 1)), pos, neg)
 
 
 @family("chroma_radiance", "comfy.supported_models", "ChromaRadiance")
@@ -161,14 +168,10 @@ def _chroma_radiance(seed):
     """Chroma Radiance: Chroma's blocks on 16x16 pixel patches (no VAE), a NeRF head per patch."""
     import comfy.ldm.chroma_radiance.model as radiance
     import comfy.supported_models as sm
-    params = {"image_model": "chroma_radiance", "in_channels": 3, "out_channels": 3, "context_in_dim": 48,
-              "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "depth_single_blocks": 2,
-              "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 16, "qkv_bias": True, "in_dim": 64,
-              "out_dim": 64, "hidden_dim": 64, "n_layers": 1, "txt_ids_dims": [], "vec_in_dim": None,
-              "nerf_hidden_size": 16, "nerf_mlp_ratio": 2, "nerf_depth": 1, "nerf_max_freqs": 4, "nerf_tile_size": 0,
-              "nerf_final_head_type": "linear", "nerf_embedder_dtype": None, "use_x0": False,
-              "use_sequential_txt_ids": False}
-    _fill_missing(params, radiance.ChromaRadianceParams)
+    params = _chroma_params(radiance.ChromaRadianceParams, image_model="chroma_radiance", in_channels=3,
+                            out_channels=3, patch_size=16, nerf_hidden_size=16, nerf_mlp_ratio=2, nerf_depth=1,
+                            nerf_max_freqs=4, nerf_tile_size=0, nerf_final_head_type="linear",
+                            nerf_embedder_dtype=None, use_x0=False, use_sequential_txt_ids=False)
     pos, neg = _pair(seed, 7, 48)
     return _finish(sm.ChromaRadiance(params), seed), torch.randn(1, 3, 96, 128, generator=_g(seed + 1)), pos, neg
 
@@ -331,28 +334,24 @@ def _boogu_ref(seed):
 
 
 @family("lens", "comfy.supported_models", "Lens")
-def _lens(seed):
+def _lens(seed, valid=None):
     """Lens: [image | text] per block, one token per latent cell (Flux 2 latent, 128 channels); an additive
-    key mask (B, 1, 1, N) is always passed."""
+    key mask (B, 1, 1, N) is always passed, built from the text mask (``valid`` tokens of 7; None: no mask)."""
     import comfy.supported_models as sm
     cfg = sm.Lens({"image_model": "lens", "in_channels": 128, "out_channels": 32, "num_layers": 2,
                    "attention_head_dim": 32, "num_attention_heads": 2, "enc_hidden_dim": 48,
                    "axes_dims_rope": [8, 12, 12], "multi_layer_encoder_feature": False, "selected_layer_index": [0]})
-    pos, neg = _pair(seed, 7, 48)
+    extra = {}
+    if valid is not None:
+        extra["attention_mask"] = (torch.arange(7) < valid).long().unsqueeze(0)
+    pos, neg = _pair(seed, 7, 48, **extra)
     return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
 
 
 @family("lens_padded", "comfy.supported_models", "Lens")
 def _lens_padded(seed):
     """Lens with a padded text mask (5 of 7 tokens valid): its calls' key mask is real, they run dense."""
-    import comfy.supported_models as sm
-    cfg = sm.Lens({"image_model": "lens", "in_channels": 128, "out_channels": 32, "num_layers": 2,
-                   "attention_head_dim": 32, "num_attention_heads": 2, "enc_hidden_dim": 48,
-                   "axes_dims_rope": [8, 12, 12], "multi_layer_encoder_feature": False, "selected_layer_index": [0]})
-    mask = torch.ones(1, 7, dtype=torch.long)
-    mask[:, 5:] = 0
-    pos, neg = _pair(seed, 7, 48, attention_mask=mask)
-    return _finish(cfg, seed), torch.randn(1, 128, 6, 8, generator=_g(seed + 1)), pos, neg
+    return _lens(seed, valid=5)
 
 
 def _lumina_params(**over):
