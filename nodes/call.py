@@ -41,6 +41,11 @@ class AttentionCall:
         return out.transpose(1, 2).reshape(b, n, h * d)
 
 
+def carries_mask(args: tuple, kwargs: dict) -> bool:
+    """Whether the call passes an attention mask (positional 5th argument or keyword)."""
+    return (args[4] if len(args) > 4 else kwargs.get("mask")) is not None
+
+
 def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> AttentionCall | str:
     """The call as an AttentionCall, or the reason it cannot be one (its calls then run dense, untouched).
     ``ignore_mask``: the call's mask is known to change nothing (its family said so for this forward)."""
@@ -48,10 +53,9 @@ def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> Attention
         return "an unexpected call signature"
     q, k, v = args[:3]
     heads = args[3] if len(args) > 3 else kwargs.get("heads")
-    mask = args[4] if len(args) > 4 else kwargs.get("mask")
     if heads is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "an unexpected call signature"
-    if mask is not None and not ignore_mask:
+    if carries_mask(args, kwargs) and not ignore_mask:
         return "calls with an attention mask"
     skip_reshape = kwargs.get("skip_reshape", False)
     gqa = bool(kwargs.get("enable_gqa"))

@@ -29,7 +29,7 @@ import torch
 
 from ..engine import DeviceEngines, RunClock, SparseConfig
 from ..engine.schedule import reuse_steps
-from .call import translate
+from .call import carries_mask, translate
 from .families import UNKNOWN, Family, family_of
 from .forward import INFO_KEY, Forward, StepCounter, run_sigmas
 from .run_clock import called_by_ksampler, clock_for
@@ -338,8 +338,8 @@ class SparseAttentionPatch:
             return run.dense_reason
         forward = to.get(INFO_KEY)
         layer = forward.next_layer(to, args, kwargs) if forward is not None else None
-        masked = (args[4] if len(args) > 4 else kwargs.get("mask")) is not None
-        call = translate(args, kwargs, ignore_mask=masked and forward is not None and forward.mask_is_noop())
+        noop = carries_mask(args, kwargs) and forward is not None and forward.mask_is_noop()
+        call = translate(args, kwargs, ignore_mask=noop)
         if isinstance(call, str):
             return call
         q, k = call.q, call.k

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..engine import AnchorSchedule
 from ..engine.recording import RecordingBuffer, RecordingTooLarge
-from .call import translate
+from .call import carries_mask, translate
 from .families import family_of
 from .forward import Forward, StepCounter
 from .patch import OVERRIDE, SparseAttentionPatch, find_patch, route_module_attention
@@ -138,7 +138,7 @@ class RecordPatch:
         if layer is not None:  # a self-attention call (cross-attention calls get no layer number)
             forward.state.setdefault("record_seen", set()).add(layer)  # per forward: MultiGPU runs two at once
             if self._wanted(layer, forward.step):
-                call = translate(args, kwargs)
+                call = translate(args, kwargs, ignore_mask=carries_mask(args, kwargs) and forward.mask_is_noop())
                 if not isinstance(call, str):
                     row = cond_row(to, call.q.shape[0])
                     if row is not None and not self.buffer.has(layer, forward.step):
