@@ -165,12 +165,16 @@ class SparseEngine:
     # the call
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CallContext, *, scale=None,
                dense_fn=None) -> torch.Tensor:
-        """Attention for one call. q: (B, H, Nq, D); k, v: (B, H, Nk, D); returns (B, H, Nq, D) in q's dtype.
+        """Attention for one call. q: (B, H, Nq, D); k, v: (B, H, Nk, D), or (B, H / g, Nk, D) for grouped-query
+        attention (query head i reads k/v head i // g, as torch's ``enable_gqa``); returns (B, H, Nq, D) in q's
+        dtype.
 
         dense_fn(q, k, v) -> (B, H, Nq, D): the model's own dense attention (used for dense calls, so
-        any installed backend stays in charge of them); default: kernels.attention_dense. Tensors on the meta
-        device (shape-only passes) run dense and are not counted. A cached entry that cannot serve this call
-        (another batch size, head count or device under the same key) is replaced by a new anchor.
+        any installed backend stays in charge of them; it gets grouped-query k/v as they are); default:
+        kernels.attention_dense. The sparse path repeats grouped-query k/v to H heads (the kernels take equal head
+        counts). Tensors on the meta device (shape-only passes) run dense and are not counted. A cached entry that
+        cannot serve this call (another batch size, head count or device under the same key) is replaced by a new
+        anchor.
         """
         if q.device.type == "meta":
             return self._dense(q, k, v, scale, dense_fn)
@@ -193,6 +197,7 @@ class SparseEngine:
             return out
         if self._first_sparse is None:
             self._first_sparse = ctx.step
+        k, v = _with_query_heads(q, k, v)
         if decision == ANCHOR:
             out = self._reuse_parts(q, k, v, ctx, scale)
             if out is not None:
@@ -324,6 +329,7 @@ class SparseEngine:
     def _dense(self, q, k, v, scale, dense_fn):
         if dense_fn is not None:
             return dense_fn(q, k, v)
+        k, v = _with_query_heads(q, k, v)
         return kernels.attention_dense(q, k, v, scale=scale, backend=self.cfg.backend)
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
@@ -393,3 +399,12 @@ class SparseEngine:
                                                   backend=self.cfg.backend)
             return self._static[skey]
         return select_heads(policy, q, k, lse, ctx.layout, self.cfg, dens, scale=scale, backend=self.cfg.backend)
+
+
+def _with_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query k/v, (B, H / g, N, D), repeated to q's H heads (query head i reads k/v head i // g, as torch's
+    ``enable_gqa``); k/v with q's heads are returned as they are."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    g = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)

@@ -16,7 +16,7 @@ import torch
 @dataclass
 class AttentionCall:
     """One override call. q: (B, H, N, D), k, v: (B, H / kv_group, N, D) views of the caller's tensors (grouped-
-    query attention passes fewer k/v heads; ``kv`` repeats them to H when the pack takes the call)."""
+    query attention passes fewer k/v heads: the engine repeats them for its sparse calls, ``kv`` for a recording)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -26,12 +26,14 @@ class AttentionCall:
     skip_output_reshape: bool
     kv_group: int = 1  # query heads per k/v head
 
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v with the query's heads, (B, H, N, D): query head i reads k/v head i // kv_group, as torch's
-        ``enable_gqa`` does (the kernels take equal head counts). Copies only for grouped-query calls."""
+    def kv(self, row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v with the query's heads: (B, H, N, D), or (H, N, D) of batch ``row``; query head i reads k/v head
+        i // kv_group, as torch's ``enable_gqa`` does. Copies only for grouped-query calls (only the row asked)."""
+        k, v = (self.k, self.v) if row is None else (self.k[row], self.v[row])
         if self.kv_group == 1:
-            return self.k, self.v
-        return self.k.repeat_interleave(self.kv_group, dim=1), self.v.repeat_interleave(self.kv_group, dim=1)
+            return k, v
+        dim = 1 if row is None else 0
+        return k.repeat_interleave(self.kv_group, dim=dim), v.repeat_interleave(self.kv_group, dim=dim)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """(B, H, N, D) -> the layout the caller asked for."""
@@ -79,8 +81,8 @@ def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> Attention
         return "an unexpected call signature"
     group = 1
     if kh.shape[1] != qh.shape[1] or vh.shape[1] != kh.shape[1]:
-        # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head), repeated to the query heads by
-        # AttentionCall.kv once the pack takes the call (a call it skips copies nothing)
+        # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head): repeated to the query heads only
+        # on the engine's sparse path (dense calls keep the model's own grouped-query attention)
         if not gqa or vh.shape[1] != kh.shape[1] or kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
             return "grouped-query attention"
         group = qh.shape[1] // kh.shape[1]

@@ -303,7 +303,7 @@ class SparseAttentionPatch:
         if isinstance(plan, str):
             return self._fallback(run, plan, func, args, kwargs)
         call, ctx, engine = plan
-        q, (k, v) = call.q, call.kv()
+        q, k, v = call.q, call.k, call.v  # grouped-query k/v as they are: the engine repeats them for sparse calls
         nq = q.shape[2]
 
         def dense_fn(dq, dk, dv):
@@ -311,8 +311,6 @@ class SparseAttentionPatch:
             kw.update(skip_reshape=True, skip_output_reshape=True)
             kw.pop("mask", None)
             kw.pop("heads", None)
-            if call.kv_group > 1:  # k/v already repeated to the query heads
-                kw.pop("enable_gqa", None)
             return self._dense(func, (dq, dk, dv, call.heads), kw, to)
 
         try:

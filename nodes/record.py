@@ -143,8 +143,8 @@ class RecordPatch:
                     row = cond_row(to, call.q.shape[0])
                     if row is not None and not self.buffer.has(layer, forward.step):
                         lay = forward.layout(call.q.shape[2], to)
-                        k, v = call.kv()  # grouped-query k/v with the query's heads, as the engine sees them
-                        self.buffer.add(layer, forward.step, call.q[row], k[row], v[row], lay)
+                        k, v = call.kv(row)  # grouped-query k/v with the query's heads, as sparse calls see them
+                        self.buffer.add(layer, forward.step, call.q[row], k, v, lay)
                         self._progress()
         if self.previous is not None:
             return self.previous(func, *args, **kwargs)

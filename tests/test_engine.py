@@ -603,3 +603,24 @@ def test_the_kept_block_plans_are_bounded_in_bytes(monkeypatch):
     monkeypatch.setattr(bg, "PLAN_BYTES_KEPT", 0)
     bg.block_plan(512, layouts[0], cfg, "cpu")
     assert len(bg._plans) == 1  # the newest alone, whatever its size
+
+
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_grouped_query_kv_stay_grouped_for_dense_calls_and_are_repeated_for_sparse_ones(problem, method):
+    """OmniGen2 / Boogu pass k/v with fewer heads: a dense call (warm-up) hands them to the model's own attention as
+    they are (no copy), the sparse path repeats them to the query heads, exactly as torch's enable_gqa reads them."""
+    q, k, v = problem.qkv(1)  # 2 heads
+    kg, vg = k[:, :1], v[:, :1]  # one k/v head shared by both query heads
+    seen = []
+
+    def dense_fn(dq, dk, dv):
+        seen.append(dk.shape[1])
+        return torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True)
+    eng = SparseEngine(SparseConfig(method=method, **{**BASE, "density": 1.0, "warmup_steps": 1}))
+    eng.begin_run()
+    want = torch.nn.functional.scaled_dot_product_attention(q, kg, vg, enable_gqa=True)
+    for step in (0, 1, 2):  # warm-up (dense), anchor, reuse
+        out = eng.attend(q, kg, vg, CallContext(layer=0, step=step, layout=problem.layout), dense_fn=dense_fn)
+        assert torch.allclose(out, want, atol=1e-4), step
+    assert seen and set(seen) == {1}  # the dense calls got the grouped k/v as they are
+    assert eng.end_run(log_summary=False).totals()["anchors"] == 1

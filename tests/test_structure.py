@@ -182,6 +182,7 @@ def test_grouped_query_calls_are_repeated_to_the_query_heads():
     assert call.kv_group == 3 and call.k is k  # nothing copied until the pack takes the call
     ek, ev = call.kv()
     assert ek.shape == ev.shape == q.shape and torch.allclose(sdpa(call.q, ek, ev), want, atol=1e-6)
+    assert torch.equal(call.kv(1)[0], ek[1]) and torch.equal(call.kv(1)[1], ev[1])  # one row, as recorded
     flat = [t.transpose(1, 2).reshape(2, 10, -1) for t in (q, k, v)]  # (B, N, H*D), k/v with 2 heads of 8
     call = translate((*flat, 6), {"enable_gqa": True})
     assert call.kv_group == 3 and torch.allclose(call.output(sdpa(call.q, *call.kv())),
