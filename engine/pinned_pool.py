@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -72,15 +73,13 @@ class PinnedPool:
     @property
     def free_bytes(self) -> int:
         """Bytes page-locked in buffers no entry holds now (reused before new memory is locked)."""
-        with self._lock:
-            self._drain()
+        with self._locked():
             return sum(b.base.numel() for b in self._buffers.values() if not b.in_use)
 
     @property
     def held_bytes(self) -> int:
         """Bytes page-locked by the pool, in use or free."""
-        with self._lock:
-            self._drain()
+        with self._locked():
             return sum(b.base.numel() for b in self._buffers.values())
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor | None:
@@ -93,8 +92,7 @@ class PinnedPool:
         nbytes = numel * dtype.itemsize
         if nbytes < self.min_bytes or self._failed:
             return None
-        with self._lock:
-            self._drain()
+        with self._locked():
             fits = [b for b in self._buffers.values()
                     if not b.in_use and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
             buf = min(fits, key=lambda b: b.base.numel()) if fits else None
@@ -118,8 +116,7 @@ class PinnedPool:
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the pool's buffers (in use or free)."""
-        with self._lock:
-            self._drain()
+        with self._locked():
             return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
 
     def release(self, t: torch.Tensor, streams=(), owner=None) -> None:
@@ -129,8 +126,7 @@ class PinnedPool:
         written again. ``owner``: a token of the releasing cache, for ``forget``."""
         if t.device.type != "cpu":
             return
-        with self._lock:
-            self._drain()
+        with self._locked():
             self._release(t, streams, owner)
 
     def _release(self, t: torch.Tensor, streams, owner) -> None:
@@ -148,9 +144,21 @@ class PinnedPool:
         """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
         (a ``time.monotonic()`` reading: the start of the run that ends). The engines of several devices each trim
         at their run's end without freeing what the others use. Returns the bytes freed."""
+        with self._locked():
+            return self._free_unused(before=since)
+
+    @contextmanager
+    def _locked(self):
+        """The pool's lock, with the queued work of ``forget`` done first, and again after the call when a finalizer
+        queued some while it ran (the garbage collector runs at any allocation)."""
         with self._lock:
             self._drain()
-            return self._free_unused(before=since)
+            yield
+        if self._forgotten and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
 
     def forget(self, tensors, owner) -> None:
         """A collected cache (``owner``: its token, never None) is gone: its ``tensors`` (CPU tensors it still held)

@@ -50,14 +50,16 @@ def carries_mask(args: tuple, kwargs: dict) -> bool:
 
 def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> AttentionCall | str:
     """The call as an AttentionCall, or the reason it cannot be one (its calls then run dense, untouched).
-    ``ignore_mask``: the call's mask is known to change nothing (its family said so for this forward)."""
+    ``ignore_mask``: the call's key mask, (B, 1, 1, Nk), is known to change nothing (its family said so for this
+    forward); a mask of another shape (a patch's own) still runs the call dense."""
     if len(args) < 3:
         return "an unexpected call signature"
     q, k, v = args[:3]
     heads = args[3] if len(args) > 3 else kwargs.get("heads")
     if heads is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "an unexpected call signature"
-    if carries_mask(args, kwargs) and not ignore_mask:
+    mask = args[4] if len(args) > 4 else kwargs.get("mask")
+    if mask is not None and not ignore_mask:
         return "calls with an attention mask"
     skip_reshape = kwargs.get("skip_reshape", False)
     gqa = bool(kwargs.get("enable_gqa"))
@@ -70,6 +72,8 @@ def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> Attention
         if hd % heads:
             return "an unexpected call signature"
         d = hd // heads
+        if not gqa and k.dim() == 3 and k.shape[-1] != hd:
+            return "an unexpected call signature"  # k of another width: its heads cannot be read
         qh = q.reshape(b, -1, heads, d).transpose(1, 2)
         # k/v may arrive as (B, N, H*D) or already split (B, N, H, D) (SD3 passes v that way): views either way;
         # grouped-query k/v carry fewer heads of the same width
@@ -79,6 +83,9 @@ def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> Attention
         kh, vh = (t.reshape(b, -1, kvh, d).transpose(1, 2) for t in (k, v))
     if qh.dim() != 4 or kh.dim() != 4 or vh.dim() != 4 or kh.shape[:3] != vh.shape[:3]:
         return "an unexpected call signature"
+    if mask is not None and tuple(getattr(mask, "shape", ())) not in ((kh.shape[0], 1, 1, kh.shape[2]),
+                                                                       (1, 1, 1, kh.shape[2])):
+        return "calls with an attention mask"  # ignore_mask covers a family's key mask (B, 1, 1, Nk) only
     group = 1
     if kh.shape[1] != qh.shape[1] or vh.shape[1] != kh.shape[1]:
         # grouped-query attention (OmniGen2, Boogu: 3-4 query heads per k/v head): repeated to the query heads only

@@ -231,5 +231,24 @@ def test_a_finalizer_inside_the_pools_own_call_never_waits_for_its_lock():
         pool.forget([t], object())  # returns at once
         assert len(rt.locked) == 2
     assert pool.held_bytes == 2000 and list(rt.locked.values()) == [2000]  # done at the next call
+
+
+def test_work_a_finalizer_queued_during_a_call_is_done_when_that_call_ends():
+    """A finalizer run inside the pool's last call of a run (nothing may call the pool for a long time after): the
+    dead cache's buffers are freed as that call releases the lock, not at some later run."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    dead = pool.empty((3000,), torch.uint8)
+    token = object()
+    pool.release(dead, owner=token)
+    register = rt.register
+
+    def register_and_collect(ptr, nbytes):  # the garbage collector runs a finalizer inside empty()
+        pool.forget([], token)
+        return register(ptr, nbytes)
+    rt.register = register_and_collect
+    pool._register = register_and_collect
+    kept = pool.empty((5000,), torch.uint8)
+    assert list(rt.locked.values()) == [5000] and pool.owns(kept)  # the dead cache's 3000 bytes: freed already
     with pytest.raises(ValueError, match="token"):
         pool.forget([], None)  # None would match every buffer released without an owner

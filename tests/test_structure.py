@@ -233,3 +233,8 @@ def test_lens_masks_change_nothing_without_padded_text():
     q = torch.randn(1, 2, 10, 8)
     assert translate((q, q, q, 2), {"skip_reshape": True, "mask": mask}) == "calls with an attention mask"
     assert translate((q, q, q, 2), {"skip_reshape": True, "mask": mask}, ignore_mask=True).q is q
+    square = torch.zeros(1, 1, 10, 10)  # a patch's own mask (regional prompting): never ignored
+    assert translate((q, q, q, 2), {"skip_reshape": True, "mask": square}, ignore_mask=True) == \
+        "calls with an attention mask"
+    flat = torch.randn(1, 10, 16)
+    assert translate((flat, torch.randn(1, 10, 12), flat, 2), {}) == "an unexpected call signature"  # k of 12 wide
