@@ -17,7 +17,7 @@ keep their residual on a small card, so large host entries live here instead: or
   memory is page-locked, so sizes that change mid-run do not pile up.
 - A collected cache's finalizer (``forget``) may run wherever the garbage collector runs, including inside one of
   the pool's own calls on the same thread, whose lock is held there: it never waits for the lock, and work it cannot
-  do at once is queued and done at the pool's next call.
+  do at once is queued and done as that call ends (or at the pool's next call).
 - ``release`` finds the buffer by the tensor's storage: the cache releases only tensors of entries it holds, never a
   stale view of a buffer recycled since.
 - A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
@@ -165,8 +165,8 @@ class PinnedPool:
         are given back, and its free buffers — those it released last and nobody took since, which it kept for its
         next run — are unregistered and freed. Called from the cache's finalizer, which may run inside one of the
         pool's own calls (the garbage collector runs at any allocation): it never waits for the lock; when the lock
-        is held, the work is queued and done at the pool's next call. No events are recorded: a cache nobody holds
-        issues no copies, and its last ones ended with its last call."""
+        is held, the work is queued and done as the call holding it ends, or at the pool's next call. No events are
+        recorded: a cache nobody holds issues no copies, and its last ones ended with its last call."""
         if owner is None:
             raise ValueError("forget: a cache's token is needed (None would free every free buffer)")
         self._forgotten.append((list(tensors), owner))  # deque.append: atomic, no lock
