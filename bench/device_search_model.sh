@@ -2,10 +2,10 @@
 # One H200 call (carry: [".carry/quality"], built by `bash bench/quality_bundle.sh --no-sol`) for issue 18
 # (docs/calibration.md, "A model of the output"):
 # 1. the optima of the per-head quadratic model fitted offline on search-1's first round (bench/search_model.py,
-#    radius 0.5 and 0.75; predicted +1.19 / +1.33 dB for mc_sparse at 0.10), sampled on the fit and the check
+#    radius 0.5 and 0.75; predicted +1.12 / +1.26 dB for mc_sparse at 0.10), sampled on the fit and the check
 #    videos: does the model's allocation beat the greedy search's +0.97 dB without any further search?
 # 2. the search with the model in the loop (bench/quality_search.py --mode quadratic, radius 0.75) from uniform.
-# 3. block_topk at 0.10: the model's optimum (radius 0.5; predicted +0.38 dB on the fit videos, where the greedy
+# 3. block_topk at 0.10: the model's optimum (radius 0.5; predicted +0.35 dB on the fit videos, where the greedy
 #    search measured +0.34, +0.28 on its check videos).
 # Each part keeps what it measured; all packed into $OUT/search_model.tar.gz.
 #   bash bench/device_search_model.sh

@@ -191,7 +191,8 @@ def run(args) -> dict:
         predicted = None
         if args.mode == "quadratic" and complete and time.perf_counter() + (per_eval or 0) <= deadline:
             names = [f"{i // heads}.{i % heads}" for i in range(len(best))]
-            model = fit({name: s["psnr_mean"] - best_fit["psnr_mean"] for _, name, _, s in scored}, args.step, names)
+            model = fit({name: s["psnr_mean"] - best_fit["psnr_mean"] for _, name, _, s in scored}, args.step, names,
+                        factors=best)
             deltas = solve(model, args.radius, dict(zip(names, best)), args.min_factor, args.max_factor)
             predicted = predict(model, deltas)
             f = [x + deltas[n] for x, n in zip(best, names)]

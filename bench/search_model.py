@@ -86,10 +86,20 @@ def round_bases(doc: dict) -> dict[int, float | None]:
     return bases
 
 
-def fit(gains: dict[str, float], step: float, heads: list[str]) -> dict[str, tuple[float, float]]:
+def fit(gains: dict[str, float], step: float, heads: list[str],
+        factors: list[float] | None = None) -> dict[str, tuple[float, float]]:
     """{head: (a, b)} through gain(0) = 0, gain(+step) and gain(-step) (``gains``: {move: dB}); a head with one move
     measured (the other left the factor bounds) gets curvature -MIN_CURVATURE and the slope through that move, one
-    with neither (a, b) = (0, -MIN_CURVATURE). b is capped at -MIN_CURVATURE (module docstring)."""
+    with neither (a, b) = (0, -MIN_CURVATURE). b is capped at -MIN_CURVATURE (module docstring).
+
+    ``factors`` (the allocation the moves started from, one per head in ``heads`` order, mean 1): the moves were
+    bench/quality_search.py's, which rescale every other head to keep the mean, so each measured gain is the sum of
+    every head's term at that move's changes; the 2 x heads coefficients are solved from all the moves at once (least
+    squares, minimum norm) instead of crediting each gain to the moved head alone. Moves that keep the mean cannot
+    see a constant added to every slope: the fit takes the slopes of least norm, and every prediction the model is
+    used for (changes that keep the mean) is unaffected."""
+    if factors is not None:
+        return _fit_rescaled(gains, step, heads, factors)
     out = {}
     for h in heads:
         up, down = gains.get(h + "+"), gains.get(h + "-")
@@ -104,6 +114,28 @@ def fit(gains: dict[str, float], step: float, heads: list[str]) -> dict[str, tup
             a, b = 0.0, -MIN_CURVATURE
         out[h] = (a, min(b, -MIN_CURVATURE))
     return out
+
+
+def _fit_rescaled(gains, step, heads, factors) -> dict[str, tuple[float, float]]:
+    import torch
+
+    rows, rhs = [], []
+    for move, g in gains.items():
+        if move[-1] not in "+-" or head_of(move) not in heads:
+            continue
+        i = heads.index(head_of(move))
+        f = moved(factors, i, step if move[-1] == "+" else -step, 0.0, float(len(factors)))
+        if f is None:
+            continue
+        d = [x - y for x, y in zip(f, factors)]
+        rows.append(d + [x * x for x in d])
+        rhs.append(g)
+    n = len(heads)
+    if not rows:
+        return {h: (0.0, -MIN_CURVATURE) for h in heads}
+    sol = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                             torch.tensor(rhs, dtype=torch.float64).unsqueeze(1), driver="gelsd").solution[:, 0]
+    return {h: (float(sol[j]), min(float(sol[n + j]), -MIN_CURVATURE)) for j, h in enumerate(heads)}
 
 
 def predict(model: dict[str, tuple[float, float]], deltas: dict[str, float]) -> float:
@@ -209,7 +241,7 @@ def analyse(doc: dict, others: list[tuple[str, dict]], radii: list[float], name:
                 x, y = [gains[r - 1][m] for m in common], [gains[r][m] for m in common]
                 stability.append(dict(rounds=(r - 1, r), moves=len(common), spearman=round(spearman(x, y), 3),
                                       pearson=round(pearson(x, y), 3)))
-    model = fit(gains[1], step, heads)
+    model = fit(gains[1], step, heads, factors=[1.0] * len(heads))  # round 1 starts from uniform
     uniform = doc["result"]["uniform"]["fit"]["psnr_mean"]
     checks = []
     for label, d in [(name, doc)] + list(others):

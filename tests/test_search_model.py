@@ -59,41 +59,66 @@ def test_the_optimum_beats_every_point_of_a_grid(sm):
             assert sm.predict(model, {"0.0": x, "0.1": y, "1.0": z}) <= best + 1e-9
 
 
-def synthetic_search(truth: dict, step: float, rounds_taken: list[str]) -> dict:
+def synthetic_search(truth: dict, step: float, rounds_taken: list[str], sm) -> dict:
     """A search.json whose PSNR is 30 dB plus an additive quadratic truth of the factors (what the model assumes),
-    with greedy rounds taking the given moves (factor changes of +-step on one head, no rescaling)."""
+    with greedy rounds taking the given moves — bench/quality_search.py's moves: one head changed by +-step, the
+    others rescaled to keep the mean."""
     heads = list(truth)
 
     def psnr(f):
-        return 30.0 + sum(a * (f[h] - 1) + b * (f[h] - 1) ** 2 for h, (a, b) in truth.items())
+        return 30.0 + sum(a * (x - 1) + b * (x - 1) ** 2 for (a, b), x in zip(truth.values(), f))
 
-    f = {h: 1.0 for h in heads}
+    f = [1.0] * len(heads)
     moves, rounds = [], []
     for r, take in enumerate(rounds_taken + [None], start=1):
-        for h in heads:
+        for i, h in enumerate(heads):
             for s, d in (("+", step), ("-", -step)):
-                g = dict(f)
-                g[h] += d
-                moves.append(dict(round=r, move=h + s, psnr_mean=psnr(g), psnr_min=0.0, density_sparse=0.1))
+                g = sm.moved(f, i, d, 0.0, 4.0)
+                if g is not None:  # a move out of the bounds is not sampled
+                    moves.append(dict(round=r, move=h + s, psnr_mean=psnr(g), psnr_min=0.0, density_sparse=0.1))
         if take is not None:
-            f[take[:-1]] += step if take[-1] == "+" else -step
+            f = sm.moved(f, heads.index(take[:-1]), step if take[-1] == "+" else -step, 0.0, 4.0)
         rounds.append(dict(round=r, scored=2 * len(heads), candidates=2 * len(heads), complete=True, taken=take,
                            best_psnr=psnr(f)))
     return {"meta": {"command": "synthetic", "method": "mc_sparse", "density": 0.1, "step": step, "start": None,
                      "testbed": {"layers": 2, "heads": 2}},
             "moves": moves, "rounds": rounds,
             "result": {"uniform": {"fit": {"psnr_mean": 30.0}}, "searched": {"fit": {"psnr_mean": psnr(f)}},
-                       "factors": [f[h] for h in heads]}}
+                       "factors": f}}
+
+
+def test_moves_that_rescale_the_other_heads_are_fitted_as_such(sm):
+    """A move raises one head and lowers the others a little: the rescaled fit recovers every head's own terms,
+    where crediting each gain to the moved head alone gets the slopes wrong."""
+    truth = {"0.0": (0.6, -0.5), "0.1": (-0.4, -0.3), "1.0": (0.2, -0.9), "1.1": (-0.1, -0.2)}
+    heads, step, f = list(truth), 0.5, [1.0] * 4
+    gains = {}
+    for i, h in enumerate(heads):
+        for s, d in (("+", step), ("-", -step)):
+            g = sm.moved(f, i, d, 0.0, 4.0)
+            gains[h + s] = sum(a * (x - 1) + b * (x - 1) ** 2 for (a, b), x in zip(truth.values(), g))
+    exact = sm.fit(gains, step, heads, factors=f)
+    # moves keep the mean, so the slopes are known up to one constant added to all (which no such move sees): the
+    # fit's differ from the truth's by their mean; the curvatures are the truth's
+    shift = sum(a for a, _ in truth.values()) / 4
+    for h in heads:
+        assert exact[h] == pytest.approx((truth[h][0] - shift, truth[h][1]), abs=1e-9)
+    naive = sm.fit(gains, step, heads)
+    assert naive["0.0"][0] - naive["0.1"][0] != pytest.approx(truth["0.0"][0] - truth["0.1"][0], abs=1e-3)
 
 
 def test_on_an_additive_truth_the_report_predicts_what_was_measured(sm, tmp_path):
     truth = {"0.0": (0.6, -0.5), "0.1": (-0.4, -0.3), "1.0": (0.2, -0.9), "1.1": (-0.1, -0.2)}
-    doc = synthetic_search(truth, 0.5, ["0.0+", "0.1-"])
+    doc = synthetic_search(truth, 0.5, ["0.0+", "0.1-"], sm)
     result = sm.analyse(doc, [], [0.5])
-    assert result["model"]["0.0"] == pytest.approx(list(truth["0.0"]), abs=1e-4)
+    shift = sum(a for a, _ in truth.values()) / 4  # slopes known up to a common constant (mean-keeping moves)
+    assert result["model"]["0.0"] == pytest.approx([truth["0.0"][0] - shift, truth["0.0"][1]], abs=1e-4)
     check = result["checks"][0]
     assert check["predicted"] == pytest.approx(check["measured"], abs=1e-3)
-    assert all(s["spearman"] > 0.5 for s in result["stability"])  # a later round's gains repeat, up to curvature
+    # consecutive rounds compared on the moves both sampled (round 3 cannot lower head 0.1 again: out of bounds)
+    assert [(s["rounds"], s["moves"]) for s in result["stability"]] == [((1, 2), 8), ((2, 3), 7)]
+    assert sm.spearman([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(0.8)
+    assert sm.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and sm.pearson([1, 1], [2, 3]) == 0.0
     opt = result["optima"][0]
     assert opt["predicted"] >= check["predicted"] - 1e-9  # the optimum within the radius beats the greedy search's
     assert sum(opt["factors"].values()) == pytest.approx(4.0, abs=1e-3)
@@ -116,7 +141,7 @@ def test_moves_from_another_allocation_are_predicted_where_the_truth_is_the_mode
     def psnr(f):
         return 30.0 + sum(a * (x - 1) + b * (x - 1) ** 2 for (a, b), x in zip(truth.values(), f))
 
-    fitted = sm.analyse(synthetic_search(truth, 0.5, []), [], [0.5])
+    fitted = sm.analyse(synthetic_search(truth, 0.5, [], sm), [], [0.5])
     model = {h: tuple(v) for h, v in fitted["model"].items()}
     start = [1.4, 0.6, 1.1, 0.9]
     moves = []
@@ -138,7 +163,7 @@ def test_moves_from_another_allocation_are_predicted_where_the_truth_is_the_mode
 
 def test_the_report_refuses_a_search_that_did_not_start_from_uniform(sm):
     doc = synthetic_search({"0.0": (0.1, -0.1), "0.1": (0.0, -0.1), "1.0": (0.0, -0.1), "1.1": (0.0, -0.1)},
-                           0.5, [])
+                           0.5, [], sm)
     doc["meta"]["start"] = "{0: [0.5, 1.5]}"
     with pytest.raises(SystemExit, match="uniform"):
         sm.analyse(doc, [], [0.5])
