@@ -197,7 +197,7 @@ class SparseEngine:
             return out
         if self._first_sparse is None:
             self._first_sparse = ctx.step
-        k, v = _with_query_heads(q, k, v)
+        k, v = with_query_heads(q, k, v)
         if decision == ANCHOR:
             out = self._reuse_parts(q, k, v, ctx, scale)
             if out is not None:
@@ -329,7 +329,7 @@ class SparseEngine:
     def _dense(self, q, k, v, scale, dense_fn):
         if dense_fn is not None:
             return dense_fn(q, k, v)
-        k, v = _with_query_heads(q, k, v)
+        k, v = with_query_heads(q, k, v)
         return kernels.attention_dense(q, k, v, scale=scale, backend=self.cfg.backend)
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
@@ -401,7 +401,7 @@ class SparseEngine:
         return select_heads(policy, q, k, lse, ctx.layout, self.cfg, dens, scale=scale, backend=self.cfg.backend)
 
 
-def _with_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def with_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query k/v, (B, H / g, N, D), repeated to q's H heads (query head i reads k/v head i // g, as torch's
     ``enable_gqa``); k/v with q's heads are returned as they are."""
     if k.shape[1] == q.shape[1]:

@@ -154,7 +154,12 @@ class PinnedPool:
         with self._lock:
             self._drain()
             yield
-        if self._forgotten and self._lock.acquire(blocking=False):
+        if self._forgotten:
+            self._drain_if_free()
+
+    def _drain_if_free(self) -> None:
+        """The queued work of ``forget``, now if the lock is free (never waiting for it)."""
+        if self._lock.acquire(blocking=False):
             try:
                 self._drain()
             finally:
@@ -170,11 +175,7 @@ class PinnedPool:
         if owner is None:
             raise ValueError("forget: a cache's token is needed (None would free every free buffer)")
         self._forgotten.append((list(tensors), owner))  # deque.append: atomic, no lock
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
+        self._drain_if_free()
 
     def _drain(self) -> None:
         """The queued work of ``forget`` (the lock is held)."""

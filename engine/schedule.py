@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Sequence
 
 from .messages import MAX_TEXT, shown
@@ -240,10 +241,15 @@ class AnchorSchedule:
         ``stand_in_steps`` after it, whose selection would be hardly fresher; periodic anchors keep their period."""
         if not stand_in:
             return self.anchor_between(last, step, warmup_steps, total)
-        listed = AnchorSchedule(self.steps, 0, self.fractions, None)
-        periodic = AnchorSchedule((), self.every, (), self.every_fraction)
+        listed, periodic = self._parts
         return listed.anchor_between(last + self.stand_in_steps(total), step, warmup_steps, total) \
             or periodic.anchor_between(last, step, warmup_steps, total)
+
+    @cached_property
+    def _parts(self) -> tuple["AnchorSchedule", "AnchorSchedule"]:
+        """(the listed steps and fractions, the periodic anchors) as two schedules, built once per schedule."""
+        return (AnchorSchedule(self.steps, 0, self.fractions, None),
+                AnchorSchedule((), self.every, (), self.every_fraction))
 
     def text(self) -> str:
         """The widget form, e.g. "10,26", "20%,50%", "every 5", "0 + every 25%" or "" (parse round-trips)."""

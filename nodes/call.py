@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.engine import with_query_heads
+
 
 @dataclass
 class AttentionCall:
@@ -29,11 +31,10 @@ class AttentionCall:
     def kv(self, row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v with the query's heads: (B, H, N, D), or (H, N, D) of batch ``row``; query head i reads k/v head
         i // kv_group, as torch's ``enable_gqa`` does. Copies only for grouped-query calls (only the row asked)."""
-        k, v = (self.k, self.v) if row is None else (self.k[row], self.v[row])
-        if self.kv_group == 1:
-            return k, v
-        dim = 1 if row is None else 0
-        return k.repeat_interleave(self.kv_group, dim=dim), v.repeat_interleave(self.kv_group, dim=dim)
+        if row is None:
+            return with_query_heads(self.q, self.k, self.v)
+        k, v = with_query_heads(self.q[row:row + 1], self.k[row:row + 1], self.v[row:row + 1])
+        return k[0], v[0]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """(B, H, N, D) -> the layout the caller asked for."""
@@ -43,9 +44,14 @@ class AttentionCall:
         return out.transpose(1, 2).reshape(b, n, h * d)
 
 
+def _mask_of(args: tuple, kwargs: dict):
+    """The call's attention mask (positional 5th argument or keyword), or None."""
+    return args[4] if len(args) > 4 else kwargs.get("mask")
+
+
 def carries_mask(args: tuple, kwargs: dict) -> bool:
-    """Whether the call passes an attention mask (positional 5th argument or keyword)."""
-    return (args[4] if len(args) > 4 else kwargs.get("mask")) is not None
+    """Whether the call passes an attention mask."""
+    return _mask_of(args, kwargs) is not None
 
 
 def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> AttentionCall | str:
@@ -58,7 +64,7 @@ def translate(args: tuple, kwargs: dict, ignore_mask: bool = False) -> Attention
     heads = args[3] if len(args) > 3 else kwargs.get("heads")
     if heads is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "an unexpected call signature"
-    mask = args[4] if len(args) > 4 else kwargs.get("mask")
+    mask = _mask_of(args, kwargs)
     if mask is not None and not ignore_mask:
         return "calls with an attention mask"
     skip_reshape = kwargs.get("skip_reshape", False)
