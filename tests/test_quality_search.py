@@ -112,3 +112,32 @@ def test_search_refuses_overlapping_seed_sets(tmp_path):
            str(tmp_path), "--random-init-small", "--fit-seeds", "0,1", "--check-seeds", "1,2", "--device", "cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "must not share a seed" in proc.stderr
+
+
+def test_allocations_are_sampled_side_by_side_on_the_fake_testbed(tmp_path, bench_import):
+    """bench/quality_allocations.py: uniform and every named allocation on each video, gains against uniform."""
+    alloc = bench_import("quality_allocations")
+    assert alloc.parse_allocs(["a={0: [2, 1]}", "b = {1: 0.5}"]) == [("a", "{0: [2, 1]}"), ("b", "{1: 0.5}")]
+    for bad, why in (("a", "NAME=LAYER_DENSITIES"), ("uniform={0: 2}", "taken"), ("=x", "NAME=")):
+        with pytest.raises(SystemExit, match=why):
+            alloc.parse_allocs([bad])
+    with pytest.raises(SystemExit, match="taken"):
+        alloc.parse_allocs(["a={0: 2}", "a={1: 2}"])
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_allocations.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--seeds", "0,1,2", "--batch", "2", "--device", "cpu", "--alloc", "same={0: 1}", "--alloc",
+           "tilted={0: [3, 1]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "allocations.json").read_text())
+    res = doc["results"]
+    assert list(res) == ["uniform", "same", "tilted"]
+    assert all(len(r["psnr"]) == len(r["ssim"]) == 3 and len(r["seconds"]) == 2 for r in res.values())
+    # factors that average to 1 everywhere are the uniform density itself: the same videos
+    assert res["same"]["psnr"] == res["uniform"]["psnr"]
+    assert doc["meta"]["allocations"]["uniform"] is None
+    tilted = doc["meta"]["allocations"]["tilted"]
+    assert tilted.startswith("{0: [") and res["tilted"]["psnr"] != res["uniform"]["psnr"]
+    md = (out / "allocations.md").read_text()
+    assert "| tilted |" in md and "seeds) [0, 1, 2] of [0, 1, 2]" in md
