@@ -12,9 +12,9 @@ source bench/device_part.sh
 [ "${QUALITY:-0}" = 1 ] && need_quality_carry  # before any run: a missing carry must not cost the other results
 new_root /tmp/checks
 record_gpu
-first="${FIRST:-engine or fp8 or on_cuda or variants_match_twin or anchor_residual or mass_weighted or fast_launch or dispatch}"
+first="${FIRST:-engine or fp8 or on_cuda or variants_match_twin or anchor_residual or mass_weighted or fast_launch or dispatch or packed}"
 part gpu-tests "${TESTS_S:-150}" env SPARSE_ATTN_TUNE=first python3 -m pytest -q -rs -m gpu \
-  tests/test_gpu_kernels.py tests/test_torch_backend.py -p no:cacheprovider -k "$first"
+  tests/test_gpu_kernels.py tests/test_torch_backend.py tests/test_residual_packing.py -p no:cacheprovider -k "$first"
 part e2e-wan13b "${E2E_S:-210}" env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --models wan13b \
   --modes block_topk@0.08 --warmup-layers 0 --whole-run --total-steps 30
 [ "${QUALITY:-0}" = 1 ] && part quality-presets "${QUALITY_S:-200}" bash bench/device_quality.sh \

@@ -163,8 +163,8 @@ def main():
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
     res["cudnn_dense_ms"] = cudnn
     for method in args.methods.split(","):
-        cfg = eng.SparseConfig(method=method, density=args.density, residual=True, min_tokens=0,
-                               cache_budget_mb=1e6, offload=False)
+        cfg = eng.SparseConfig(method=method, density=args.density, residual=True, residual_precision="fp8",
+                               min_tokens=0, cache_budget_mb=1e6, offload=False)
         engine = eng.SparseEngine(cfg)
         layout = problem.layout
 

@@ -60,7 +60,7 @@ class Entry:
         counts = self.selection.kv_counts
         if tuple(counts.shape[:2]) != tuple(q.shape[:2]) or counts.device != q.device:
             return False
-        return self.residual is None or tuple(self.residual.data.shape) == tuple(q.shape)
+        return self.residual is None or tuple(self.residual.shape) == tuple(q.shape)
 
     @property
     def batch(self) -> int:
@@ -184,8 +184,11 @@ class SelectionCache:
     the reserve is the room the model's own activations keep) and the cache holds at most half the card.
     """
 
-    def __init__(self, device_budget: int | None, cpu_budget: int, offload: bool):
+    def __init__(self, device_budget: int | None, cpu_budget: int, offload: bool, pack_when_short: bool = False):
+        """pack_when_short: a residual that finds no room is packed to 4 bits (engine/residual.py) and tried again
+        before any residual is dropped (SparseConfig.residual_precision "auto")."""
         self.device_budget = None if device_budget is None else int(device_budget)
+        self.pack_when_short = pack_when_short
         self.cpu_budget = int(cpu_budget)
         self.offload = offload
         self.on_device: OrderedDict[tuple, Entry] = OrderedDict()
@@ -194,12 +197,14 @@ class SelectionCache:
         self.prefetched: dict[tuple, tuple[Entry, object]] = {}
         self.order_prev: list[tuple] = []
         self.order_now: list[tuple] = []
-        self.counters = dict(offloaded=0, fetched=0, prefetched=0, fallbacks=0, residual_dropped=0, spills=0)
+        self.counters = dict(offloaded=0, fetched=0, prefetched=0, fallbacks=0, residual_dropped=0, residual_packed=0,
+                             spills=0)
         self.peak_device = 0
         self.peak_cpu = 0
         self.auto_limit: int | None = None
         self.dropped_layers: set = set()  # layers whose residual was dropped for lack of room (this run)
         self.dropped_logged = False
+        self.packed_layers: set = set()  # layers whose residual was packed to 4 bits for lack of room (this run)
         self.prefetch_off = False  # after an out-of-memory error: one entry on the device at a time (this run)
         self._stream = None
         self._cuda_device: torch.device | None = None  # the device whose entries went to host memory
@@ -274,6 +279,18 @@ class SelectionCache:
             self.on_cpu[key] = self._to_host(entry)
             self.counters["offloaded"] += 1
             where = "cpu"
+        elif self.pack_when_short and entry.residual is not None and entry.residual.can_pack() and \
+                (sides := self._packing_makes_room(size - entry.residual.data.numel() // 2, entry)):
+            # half the bytes for -0.03 dB on the testbed (docs/decisions.md, "Residuals at 4 bits"), where dropping
+            # it would run the layer dense at its reuse steps; then the stored ones, if it still needs room
+            entry = Entry(entry.selection, entry.residual.pack(), importance=entry.importance)
+            self._pack_stored(entry.nbytes, entry, sides)
+            # host buffers this cache freed (replaced or packed entries) are not of the sizes it asks for now
+            POOL.free_released(self._pool_token)
+            where = self.put(key, entry)
+            if where in ("device", "cpu"):
+                self._note_packed(key)
+            return where
         elif self._make_room(size, entry):  # residuals that matter less than this one gave way
             return self.put(key, entry)
         elif entry.residual is not None and self._device_fits(entry.selection.nbytes, entry):
@@ -321,6 +338,66 @@ class SelectionCache:
             if self._device_fits(size, entry) or self._cpu_fits(size):
                 return True
         return freed and (self._device_fits(size, entry) or self._cpu_fits(size))
+
+    def _pack_stored(self, size: int, entry: Entry, sides: set) -> None:
+        """Pack stored fp8 residuals to 4 bits on ``sides`` ("device", "cpu": where packing can make room), the least
+        important first, until ``size`` bytes fit on one side (residual_precision "auto"): packing keeps a layer
+        sparse where dropping its residual sends it dense, so residuals are packed before ``_make_room`` drops any,
+        and only as many as it takes."""
+        stored = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
+                         if where in sides
+                         for k, e in store.items() if e.residual is not None and e.residual.can_pack()),
+                        key=lambda t: t[0])
+        for _, k, where in stored:
+            if self._device_fits(size, entry) or self._cpu_fits(size):
+                return
+            store = self.on_device if where == "device" else self.on_cpu
+            old = store[k].wait()
+            store[k] = Entry(old.selection, self._packed(old.residual, host=where == "cpu"), importance=old.importance)
+            del old  # the fp8 data goes now: the next fit check counts the room it leaves
+            self._note_packed(k)
+
+    def _packed(self, residual: Residual, host: bool) -> Residual:
+        """``residual`` packed where it lies. A host one is packed on the GPU it came from (its bytes there and back,
+        no pass of the host's CPU) into page-locked memory; its fp8 data's pooled buffer is given back."""
+        if not host:
+            return residual.pack()  # shares the row scale and the mass with the fp8 residual
+        d = residual.data
+        shape = (*d.shape[:-1], d.shape[-1] // 2)
+        buf = POOL.empty(shape, torch.uint8, self._cuda_device) if self._cuda_device is not None else None
+        try:
+            if buf is None and torch.cuda.is_available():
+                out = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            else:
+                out = buf
+            res = residual.pack(work=self._cuda_device, out=out)  # its copies back to the host wait for the GPU
+        except BaseException:  # e.g. out of GPU memory for the chunk: the buffer taken is nobody's
+            if buf is not None:
+                POOL.release(buf, owner=self._pool_token)
+            raise
+        self._release([d])
+        return res
+
+    def _packing_makes_room(self, size: int, entry: Entry) -> set:
+        """The sides ("device", "cpu") where ``size`` bytes of ``entry`` would fit once every stored fp8 residual
+        there is packed and every residual less important than ``entry``'s dropped; empty when neither: its residual
+        is then dropped anyway, and packing would lose precision for nothing."""
+        gain = {"device": 0, "cpu": 0}
+        for where, store in (("device", self.on_device), ("cpu", self.on_cpu)):
+            for e in store.values():
+                if e.residual is not None and e.importance < entry.importance:
+                    gain[where] += e.residual.nbytes
+                elif e.residual is not None and e.residual.can_pack():
+                    gain[where] += e.residual.data.numel() // 2
+        return {where for where, fits in (("device", self._device_fits(size - gain["device"], entry)),
+                                          ("cpu", self._cpu_fits(size - gain["cpu"]))) if fits}
+
+    def _note_packed(self, key: tuple) -> None:
+        if not self.packed_layers:
+            log.info("sparse attention: no room for every residual at fp8: some are stored at 4 bits (the report "
+                     "lists their layers)")
+        self.counters["residual_packed"] += 1
+        self.packed_layers.add(_layer_of(key))
 
     def _keep_selection_on_host(self, key: tuple, entry: Entry) -> bool:
         """Store ``entry``'s selection alone in host memory, up to SELECTION_SLACK past cpu_budget; its residual, if
@@ -482,6 +559,7 @@ class SelectionCache:
         return dict(device_budget_bytes=self.device_budget, auto_limit_bytes=self.auto_limit,
                     peak_device_bytes=self.peak_device, peak_cpu_bytes=self.peak_cpu, device_bytes=self.device_bytes,
                     cpu_bytes=self.cpu_bytes, dropped_residual_layers=sorted(self.dropped_layers, key=str),
+                    packed_residual_layers=sorted(self.packed_layers, key=str),
                     cpu_layers=sorted({_layer_of(k) for k in self.on_cpu}, key=str),
                     prefetch_off=self.prefetch_off, **self.counters)
 
@@ -492,6 +570,7 @@ class SelectionCache:
         self.auto_limit = None
         self.dropped_layers = set()
         self.dropped_logged = False
+        self.packed_layers = set()
         self.prefetch_off = False
         for k in self.counters:
             self.counters[k] = 0

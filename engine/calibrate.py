@@ -208,9 +208,10 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                         # Under "auto" the device decides, as in the engine: a CPU calibration measures it fixed
                         _, res = sel.anchor(q, k, v, backend=cfg.backend, mass=True,
                                             precision=residual_precision(cfg.residual_precision, q.device))
-                        residual = Residual(*res)
+                        residual = Residual(*res).stored_as(cfg.residual_precision)
                     else:
                         residual = Residual.encode(out - out_s, cfg.residual_precision)
+                    residual = residual.unpacked()  # 4-bit storage measured as the reuse call reads it
                     for s in later[a]:
                         q2, k2, v2, out2, _ = cache[s]
                         o = sel.run(q2, k2, v2, backend=cfg.backend)

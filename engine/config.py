@@ -18,7 +18,7 @@ from .policy import method_names
 from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
 
-RESIDUAL_PRECISIONS = ("fp8", "model")
+RESIDUAL_PRECISIONS = ("fp8", "int4", "auto", "model")
 RESIDUAL_WEIGHTINGS = ("auto", "mass", "fixed")
 GROUPINGS = ("pca", "cuboid")
 
@@ -39,8 +39,11 @@ class SparseConfig:
     anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
         steps / every fraction (engine/schedule.py, AnchorSchedule).
     residual: keep O_dense - O_sparse from the anchor and add it at reuse steps.
-    residual_precision: "fp8" (default: float8 with a per-row scale, half the bytes; the model's dtype
-        where fp8 is unavailable) or "model" (the model's dtype).
+    residual_precision: "auto" (default: "fp8", and 4 bits for a residual that finds no room at fp8, before any
+        residual is dropped and its layer sent dense at reuse steps), "fp8" (float8 with a per-row scale, half the
+        bytes of bf16; the model's dtype where fp8 is unavailable), "int4" (4 bits a value on the fp8 row's scale:
+        half of fp8's bytes, read back as fp8 by each reuse call; -0.03 dB on the testbed: docs/decisions.md,
+        "Residuals at 4 bits") or "model" (the model's dtype).
     residual_weighting: "mass": a block selection's reuse step weights the cached residual by the share of the
         softmax mass the left-out blocks have now (measured from the sparse call's own LSE) against their share at
         the anchor (docs/method.md, "The residual weighted by the mass"), except after anchors at the run's first
@@ -75,7 +78,7 @@ class SparseConfig:
     dense_layers: tuple[int, ...] = ()
     anchor_steps: AnchorSchedule = field(default_factory=AnchorSchedule)
     residual: bool = True
-    residual_precision: str = "fp8"
+    residual_precision: str = "auto"
     residual_weighting: str = "auto"
     select_every_step: bool = False
     mass: float | None = None

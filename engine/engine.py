@@ -46,7 +46,8 @@ class SparseEngine:
     def __init__(self, cfg: SparseConfig):
         self.cfg = cfg
         budget = None if cfg.cache_budget_mb == "auto" else int(cfg.cache_budget_mb * 2**20)
-        self.cache = SelectionCache(budget, int(cfg.cpu_budget_mb * 2**20), cfg.offload)
+        self.cache = SelectionCache(budget, int(cfg.cpu_budget_mb * 2**20), cfg.offload,
+                                    pack_when_short=cfg.residual_precision == "auto")
         self.stats = RunStats()
         self._static: dict[tuple, object] = {}
         self._anchored_at: dict[tuple, int] = {}
@@ -239,8 +240,12 @@ class SparseEngine:
             with self.stats.timed(ctx.layer, "selection", dev):
                 selection = self._select(policy, q, k, None, ctx, scale)
             if residual is not None and residual.mass is not None:  # the mass belongs to the anchor's selection
-                residual = Residual(residual.data, residual.scale)
+                residual = Residual(residual.data, residual.scale, packed=residual.packed)
             resident = False  # a new selection each call: nothing to replay
+        if residual is not None and residual.packed:  # 4-bit storage: the kernels read fp8 (engine/residual.py)
+            with self.stats.timed(ctx.layer, "transfer", dev):
+                residual = residual.unpacked()
+            resident = False  # a fresh fp8 copy each call: nothing to replay
 
         def call(q_, k_, v_):  # the residual is added in the kernel's epilogue
             return selection.run(q_, k_, v_, scale=scale, backend=backend, residual=residual)
@@ -364,9 +369,10 @@ class SparseEngine:
         return out_d
 
     def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
-        """Cache an anchor's selection with a residual the kernel already encoded."""
+        """Cache an anchor's selection with a residual the kernel already encoded (packed here for "int4")."""
         nr, no = residual.norm(), float(torch.linalg.vector_norm(out_d).float())
-        self.cache_entry(key, selection, residual if self.cfg.residual else None, nr / max(no, 1e-30), ctx)
+        residual = residual.stored_as(self.cfg.residual_precision) if self.cfg.residual else None
+        self.cache_entry(key, selection, residual, nr / max(no, 1e-30), ctx)
 
     def cache_entry(self, key, selection, residual, fidelity: float, ctx) -> str:
         # where residuals find no room their layers run dense at reuse steps (exact), so the layers kept sparse should

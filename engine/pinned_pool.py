@@ -140,6 +140,16 @@ class PinnedPool:
             ev.record(s)
             buf.events.append(ev)
 
+    def free_released(self, owner) -> int:
+        """Unregister and free now the free buffers ``owner`` (a cache's token, never None) released last and nobody
+        took since: a cache short of host room that changes its entries' sizes (residuals packed to 4 bits, engine/
+        residual.py) cannot reuse them, and the pool would count them as host memory to spare. Returns the bytes
+        freed."""
+        if owner is None:
+            raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")
+        with self._locked():
+            return self._free_unused(before=float("inf"), owner=owner)
+
     def trim(self, since: float) -> int:
         """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
         (a ``time.monotonic()`` reading: the start of the run that ends). The engines of several devices each trim

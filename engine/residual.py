@@ -6,6 +6,11 @@ with CFG), so by default it is stored as float8_e4m3fn with one fp32 scale per (
 row (amax / 448): half the bytes of bf16 plus 1/32 for the scales. The rounding error (3 mantissa bits,
 ≤ 2^-4 of each value) lands on R, itself a few per cent of the output, so the output moves by
 ≤ 2^-4 × |R| (docs/decisions.md has the measurement).
+
+Where memory is short a residual can be **packed** to 4 bits a value (``residual_precision`` "int4", or "auto" for
+the residuals that find no room at fp8): the fp8 row's scale stays, and each value keeps the nearest of the 15
+levels k × 64 (k = -7..7), which float8_e4m3fn represents exactly, so unpacking gives the kernels an ordinary fp8
+residual. Half of fp8's bytes; docs/decisions.md, "Residuals at 4 bits", has what it costs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from .config import RESIDUAL_PRECISIONS as PRECISIONS
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 26  # elements converted at a time (bounds the fp32 scratch to 256 MiB)
+PACKABLE = ("int4", "auto")  # stored precisions that the kernels write as fp8 and that may be packed to 4 bits
+PACK_STEP = 64.0  # one 4-bit level in fp8 units: 7 levels reach the fp8 row's 448 (kernels/_residual.py, FP8_MAX)
+PACK_NAN = 0  # the 4-bit code of a non-finite value (the fp8 data holds NaN there); codes 1..15 are levels -7..7
 _warned = False
 
 
@@ -44,8 +52,12 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 def residual_precision(precision: str, device: torch.device) -> str:
-    """The storage a residual gets on ``device``: "fp8" where supported (else "model", logged once)."""
+    """What the kernels write for a residual stored at ``precision`` (SparseConfig.residual_precision) on
+    ``device``: "fp8" for "fp8", "int4" and "auto" (packed afterwards: ``Residual.stored_as``) where fp8 is supported,
+    else "model" (logged once); "model" for "model"."""
     global _warned
+    if precision in PACKABLE:
+        precision = "fp8"
     if precision == "fp8" and not fp8_supported(device):
         if not _warned:
             _warned = True
@@ -63,6 +75,34 @@ def _head_chunks(x: torch.Tensor):
         yield slice(h0, h0 + step)
 
 
+def _row_chunks(x: torch.Tensor):
+    """Slices over dim 0 of ``x`` (rows, ...), each at most ~CHUNK_ELEMS elements."""
+    per_row = max(1, x[:1].numel())
+    step = max(1, CHUNK_ELEMS // per_row)
+    for r0 in range(0, x.shape[0], step):
+        yield slice(r0, r0 + step)
+
+
+_TABLES: dict = {}
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pack, unpack) lookup tables on ``device``: pack uint8 (256,), the 4-bit code of each fp8 bit pattern (its
+    nearest level, PACK_NAN for NaN); unpack int16 (256,), each packed byte's two fp8 bytes as they lie in memory."""
+    key = str(device)
+    if key not in _TABLES:
+        v = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+        code = torch.round(v / PACK_STEP).clamp(-7, 7) + 8
+        pack = torch.where(torch.isnan(v), torch.full_like(code, PACK_NAN), code).to(torch.uint8)
+        level = (torch.arange(16, dtype=torch.float32) - 8) * PACK_STEP
+        level[PACK_NAN] = float("nan")
+        fp8 = level.to(FP8).view(torch.uint8)
+        byte = torch.arange(256)
+        unpack = torch.stack((fp8[byte & 15], fp8[byte >> 4]), -1).contiguous().view(torch.int16).reshape(256)
+        _TABLES[key] = (pack.to(device), unpack.to(device))
+    return _TABLES[key]
+
+
 @dataclass
 class Residual:
     """data: (B, H, N, D) in the model's dtype, or float8_e4m3fn; scale: fp32 (B, H, N, 1) per-row scale
@@ -72,16 +112,18 @@ class Residual:
     data: torch.Tensor
     scale: torch.Tensor | None = None
     mass: torch.Tensor | None = None
+    packed: bool = False  # data: uint8 (B, H, N, D / 2), two 4-bit codes a byte (even column low), on fp8's scale
 
     @staticmethod
     def encode(diff: torch.Tensor, precision: str = "fp8") -> "Residual":
         """Store ``diff`` (B, H, N, D), any float dtype. precision "fp8" (falls back to "model", logged
-        once, where fp8 is unsupported) or "model" (kept as is)."""
+        once, where fp8 is unsupported), "int4" (fp8, then packed), "auto" (fp8: the cache packs it when it finds
+        no room) or "model" (kept as is)."""
         global _warned
         if precision not in PRECISIONS:
             raise ValueError(f"residual precision must be one of {PRECISIONS}, got {precision!r}")
         if precision == "model" or not fp8_supported(diff.device):
-            if precision == "fp8" and not _warned:
+            if precision != "model" and not _warned:
                 _warned = True
                 log.info("sparse attention: fp8 residuals are not available on %s; stored in %s",
                          diff.device.type, diff.dtype)
@@ -89,11 +131,59 @@ class Residual:
         # the kernels' encoder (the Triton epilogue decodes what it writes): a per-row scale from the row's finite
         # values, so an inf or NaN (non-finite model input) stays in its own element, as in the dense output
         data, scale = encode_residual(diff, "fp8", diff.dtype)
-        return Residual(data, scale)
+        return Residual(data, scale).stored_as(precision)
+
+    @property
+    def shape(self) -> tuple:
+        """(B, H, N, D) of the residual it stands for (a packed one's data holds D / 2 bytes a row)."""
+        b, h, n, d = self.data.shape
+        return (b, h, n, 2 * d) if self.packed else (b, h, n, d)
+
+    def can_pack(self) -> bool:
+        """An fp8 residual with an even head dimension, not packed yet."""
+        return not self.packed and FP8 is not None and self.data.dtype == FP8 and self.data.shape[-1] % 2 == 0
+
+    def stored_as(self, precision: str) -> "Residual":
+        """This residual as ``precision`` stores it: packed for "int4" (where it can be), else itself."""
+        return self.pack() if precision == "int4" and self.can_pack() else self
+
+    def pack(self, work: torch.device | None = None, out: torch.Tensor | None = None) -> "Residual":
+        """The 4-bit form of an fp8 residual (``can_pack``): each value's nearest level k x PACK_STEP (k = -7..7) on
+        the same row scale, NaN kept (code PACK_NAN); scale and mass are shared, not copied. ``work``: the device that
+        computes it (a host residual packed on its GPU: one pass over the bytes there, a few heads at a time);
+        ``out``: uint8 (B, H, N, D / 2) on the data's device to write (e.g. a page-locked buffer), else new."""
+        if not self.can_pack():
+            raise ValueError("only an unpacked fp8 residual with an even head dimension can be packed")
+        b, h, n, d = self.data.shape
+        if out is None:
+            out = torch.empty((b, h, n, d // 2), dtype=torch.uint8, device=self.data.device)
+        work = self.data.device if work is None else torch.device(work)
+        lut = _tables(work)[0]
+        src, dst = self.data.view(torch.uint8).reshape(b * h, n, d), out.view(b * h, n, d // 2)
+        for rows in _row_chunks(src):  # (batch, head) rows in memory order: contiguous slices both ways
+            byte = src[rows].to(work, non_blocking=True)
+            code = lut.index_select(0, byte.reshape(-1).int()).view(byte.shape)  # one lookup per fp8 bit pattern
+            dst[rows].copy_(code[..., 0::2] | (code[..., 1::2] << 4))
+        return Residual(out, self.scale, self.mass, packed=True)
+
+    def unpacked(self) -> "Residual":
+        """The fp8 residual a packed one stands for (new data; scale and mass shared); itself when not packed."""
+        if not self.packed:
+            return self
+        b, h, n, half = self.data.shape
+        out = torch.empty((b, h, n, 2 * half), dtype=torch.uint8, device=self.data.device)
+        lut = _tables(self.data.device)[1]
+        src, dst = self.data.reshape(b * h, n, half), out.view(b * h, n, 2 * half)
+        for rows in _row_chunks(src):  # one lookup per packed byte gives both fp8 bytes (even column first in memory)
+            p = src[rows]
+            dst[rows] = lut.index_select(0, p.reshape(-1).int()).view(*p.shape).view(torch.uint8)
+        return Residual(out.view(FP8), self.scale, self.mass)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         """out (B, H, N, D) += the residual, in place; returns out. fp8 rows are decoded in fp32 (an fp16 copy of
         a small row's scale would be subnormal or zero)."""
+        if self.packed:
+            return self.unpacked().add_to(out)
         if self.scale is None:
             return out.add_(self.data)
         for sl in _head_chunks(out):
@@ -102,6 +192,8 @@ class Residual:
 
     def norm(self) -> float:
         """L2 norm of the decoded residual, accumulated in fp32 one head chunk at a time."""
+        if self.packed:
+            return self.unpacked().norm()
         total = 0.0
         for sl in _head_chunks(self.data):
             x = self.data[:, sl].float()
@@ -112,6 +204,8 @@ class Residual:
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The residual as a (B, H, N, D) tensor of ``dtype``."""
+        if self.packed:
+            return self.unpacked().decode(dtype)
         if self.scale is None:
             return self.data.to(dtype)
         return (self.data.float() * self.scale).to(dtype)
@@ -126,9 +220,9 @@ class Residual:
     def map(self, fn) -> "Residual":
         """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
         return Residual(fn(self.data), None if self.scale is None else fn(self.scale),
-                        None if self.mass is None else fn(self.mass))
+                        None if self.mass is None else fn(self.mass), self.packed)
 
     def batch_slice(self, start: int, stop: int) -> "Residual":
         """Batch rows [start, stop) (views)."""
         return Residual(self.data[start:stop], None if self.scale is None else self.scale[start:stop],
-                        None if self.mass is None else self.mass[start:stop])
+                        None if self.mass is None else self.mass[start:stop], self.packed)

@@ -252,3 +252,20 @@ def test_work_a_finalizer_queued_during_a_call_is_done_when_that_call_ends():
     assert list(rt.locked.values()) == [5000] and pool.owns(kept)  # the dead cache's 3000 bytes: freed already
     with pytest.raises(ValueError, match="token"):
         pool.forget([], None)  # None would match every buffer released without an owner
+
+
+def test_a_cache_frees_at_once_the_buffers_it_released():
+    """free_released (a cache short of host room that packs its residuals to 4 bits, engine/cache.py): the free
+    buffers that cache released go now, not those of another cache, nor buffers in use."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    mine, theirs = object(), object()
+    a, b, c = (pool.empty((4096,), torch.uint8) for _ in range(3))
+    pool.release(a, owner=mine)
+    pool.release(b, owner=theirs)
+    assert pool.free_bytes == 8192 and len(rt.locked) == 3
+    assert pool.free_released(mine) == 4096
+    assert a.data_ptr() not in rt.locked and b.data_ptr() in rt.locked and c.data_ptr() in rt.locked
+    assert pool.free_bytes == 4096 and pool.held_bytes == 8192
+    with pytest.raises(ValueError, match="token"):
+        pool.free_released(None)

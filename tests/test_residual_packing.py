@@ -1,0 +1,265 @@
+"""Residuals packed to 4 bits (engine/residual.py; residual_precision "int4" and "auto"): the levels, the moves, the
+engine's reuse with them, and the cache packing residuals before it drops any (docs/decisions.md, "Residuals at 4
+bits")."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from sparse_ref import rel_l2
+
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+from comfyui_sparse_attention.engine import cache as cache_mod
+from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
+from comfyui_sparse_attention.engine.policy_static import build_static
+from comfyui_sparse_attention.engine.residual import PACK_STEP, Residual, residual_precision
+from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+pytestmark = pytest.mark.skipif(FP8 is None, reason="needs torch.float8_e4m3fn")
+
+
+def residual(seed=0, shape=(2, 3, 40, 64)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.rand(shape[:3] + (1,), generator=g) * 5
+
+
+def test_packing_keeps_the_nearest_level_on_the_row_scale():
+    x = residual()
+    x[0, 1, 3, 7] = float("nan")
+    x[1, 2, 5] = 0.0  # an all-zero row
+    fp8 = Residual.encode(x, "fp8")
+    packed = fp8.pack()
+    assert packed.packed and packed.data.dtype == torch.uint8 and tuple(packed.data.shape) == (2, 3, 40, 32)
+    assert packed.shape == tuple(x.shape) == fp8.shape and packed.scale is fp8.scale
+    assert packed.nbytes == fp8.nbytes - x.numel() // 2  # half of the data's bytes, the scale kept
+    buf = torch.empty(packed.data.shape, dtype=torch.uint8)  # a given buffer (a page-locked one in the cache)
+    into = fp8.pack(work=torch.device("cpu"), out=buf)
+    assert into.data is buf and torch.equal(buf, packed.data)
+    back = packed.unpacked()
+    assert not back.packed and back.data.dtype == FP8 and back.scale is fp8.scale
+    v8, v4 = fp8.data.float(), back.data.float()
+    nan = torch.isnan(v8)
+    assert torch.equal(torch.isnan(v4), nan) and nan.sum() == 1
+    # each value is the nearest level k x 64 of the fp8 value (ties to even), and fp8 holds every level exactly
+    want = torch.round(v8 / PACK_STEP).clamp(-7, 7) * PACK_STEP
+    assert torch.equal(v4[~nan], want[~nan])
+    assert ((v4[~nan] - v8[~nan]).abs() <= PACK_STEP / 2).all()
+    assert torch.equal(back.decode(torch.float32)[1, 2, 5], torch.zeros(64))
+    # what a packed residual adds is the unpacked one's, and its norm
+    out = torch.zeros_like(x)
+    torch.testing.assert_close(packed.add_to(out.clone()), back.add_to(out.clone()), equal_nan=True)
+    assert packed.norm() == back.norm() or (torch.isnan(torch.tensor(packed.norm())) and
+                                            torch.isnan(torch.tensor(back.norm())))
+    # levels that are already multiples of 64 pass unchanged
+    exact = Residual(torch.tensor([[[[-448.0, -64.0, 0.0, 192.0]]]]).to(FP8), torch.ones(1, 1, 1, 1))
+    assert torch.equal(exact.pack().unpacked().data.float(), exact.data.float())
+
+
+def test_packing_in_small_chunks_gives_the_same_bytes(monkeypatch):
+    from comfyui_sparse_attention.engine import residual as residual_mod
+    fp8 = Residual.encode(residual(2, (3, 5, 24, 64)), "fp8")
+    whole = fp8.pack()
+    monkeypatch.setattr(residual_mod, "CHUNK_ELEMS", 24 * 64 * 2 + 7)  # two (batch, head) rows a chunk
+    chunked = fp8.pack()
+    assert torch.equal(chunked.data, whole.data)
+    assert torch.equal(chunked.unpacked().data.view(torch.uint8), whole.unpacked().data.view(torch.uint8))
+
+
+def test_int4_is_fp8_then_packed_and_other_storage_is_not_packed():
+    x = residual(1)
+    int4 = Residual.encode(x, "int4")
+    assert int4.packed and torch.equal(int4.data, Residual.encode(x, "fp8").pack().data)
+    assert not Residual.encode(x, "auto").packed  # "auto" stores fp8; the cache packs it when room is short
+    model = Residual.encode(x, "model")
+    assert not model.can_pack() and model.stored_as("int4") is model
+    with pytest.raises(ValueError, match="fp8"):
+        model.pack()
+    assert not int4.can_pack()  # packed already
+    assert residual_precision("int4", torch.device("cpu")) == residual_precision("auto", torch.device("cpu")) == "fp8"
+    with pytest.raises(ValueError, match="residual precision"):
+        Residual.encode(x, "int3")
+    # moves and batch slices keep the form
+    moved = int4.map(lambda t: t.clone())
+    assert moved.packed and torch.equal(moved.decode(torch.float32), int4.decode(torch.float32))
+    part = int4.batch_slice(1, 2)
+    assert part.packed and part.shape == (1, 3, 40, 64)
+    torch.testing.assert_close(part.decode(torch.float32), int4.decode(torch.float32)[1:2])
+    for p in ("int4", "auto"):
+        assert SparseConfig(residual_precision=p).residual_precision == p
+    assert SparseConfig().residual_precision == "auto"  # the default packs only where room runs short
+    with pytest.raises(ValueError, match="residual_precision"):
+        SparseConfig(residual_precision="int8")
+
+
+BASE = dict(method="block_topk", density=0.15, warmup_steps=0, anchor_steps="", min_tokens=0, backend="torch",
+            block_q=64, block_k=64, offload=False)
+
+
+def run_engine(problem, steps=3, layers=(0,), **over):
+    eng = SparseEngine(SparseConfig(**{**BASE, **over}))
+    eng.begin_run()
+    outs = {}
+    for step in range(steps):
+        q, k, v = problem.qkv(step)
+        for layer in layers:
+            outs[layer, step] = eng.attend(q, k, v, CallContext(layer=layer, step=step, layout=problem.layout))
+    entries = {key[0]: e for key, e in list(eng.cache.on_device.items()) + list(eng.cache.on_cpu.items())}
+    return outs, eng.end_run(), entries
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return SyntheticVideoAttention(frames=4, height=16, width=16, text=32, heads=2, head_dim=64, steps=8, seed=3)
+
+
+def test_the_engine_stores_int4_residuals_packed_and_reuses_them(problem):
+    fp8, _, fp8_entries = run_engine(problem, residual_precision="fp8")
+    int4, stats, int4_entries = run_engine(problem, residual_precision="int4")
+    stored = int4_entries[0].residual
+    assert stored.packed and not fp8_entries[0].residual.packed
+    assert stored.nbytes < 0.6 * fp8_entries[0].residual.nbytes
+    assert torch.equal(int4[0, 0], fp8[0, 0])  # the anchor's output is the dense one either way
+    q, k, v = problem.qkv(2)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    for step in (1, 2):  # reuse: the residual differs by at most half a level of its row's scale
+        bound = (PACK_STEP / 2 * fp8_entries[0].residual.scale).expand_as(dense) + 1e-5
+        assert ((int4[0, step] - fp8[0, step]).abs() <= bound).all()
+        assert not torch.equal(int4[0, step], fp8[0, step])
+    assert rel_l2(int4[0, 2], dense) < rel_l2(fp8[0, 2], dense) + 0.02
+    assert stats.as_dict()["layers"][0]["reuses"] == 2 and not stats.cache["packed_residual_layers"]
+
+
+def entry(seed, importance, n=4096):
+    g = torch.Generator().manual_seed(seed)
+    sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    return Entry(sel, Residual.encode(torch.randn(1, 2, n, 64, generator=g), "fp8"), importance=importance)
+
+
+@pytest.mark.parametrize("side", ["device", "cpu"])
+def test_auto_packs_residuals_before_it_drops_any(monkeypatch, caplog, side):
+    """Room for two fp8 entries: the third residual is packed, then the stored ones (least important first) until it
+    fits; only when packing cannot make room are residuals dropped, as with fp8."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    es = [entry(i, imp) for i, imp in enumerate((0.2, 0.1, 0.3, 0.05, 0.4))]
+    # two fp8 entries, and what a packed newcomer needs beyond the half of one fp8 residual that packing it frees
+    room = 2 * es[0].nbytes + 2 * es[0].selection.nbytes + es[0].residual.scale.numel() * 4 + 1000
+    budgets = dict(device_budget=room, cpu_budget=0, offload=False) if side == "device" else \
+        dict(device_budget=0, cpu_budget=room, offload=True)
+    cache = SelectionCache(pack_when_short=True, **budgets)
+    store = cache.on_device if side == "device" else cache.on_cpu
+    assert [cache.put((i, True, (), 4096), es[i]) for i in range(2)] == [side, side]
+    with caplog.at_level("INFO"):
+        assert cache.put((2, True, (), 4096), es[2]) == side
+    assert any("4 bits" in r.message for r in caplog.records)
+    packed = {k[0]: e.residual.packed for k, e in store.items()}
+    # the newcomer is packed, and one stored residual with it: the less important of the two (layer 1)
+    assert packed == {0: False, 1: True, 2: True}
+    assert cache.counters["residual_dropped"] == 0 and cache.info()["packed_residual_layers"] == [1, 2]
+    for i in range(3):  # what a packed entry holds is the fp8 residual's nearest levels; the other is untouched
+        got = store[(i, True, (), 4096)].residual
+        want = es[i].residual.pack() if packed[i] else es[i].residual
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    # a fourth would not fit even with layer 0 packed too: nothing is packed for nothing, and the least important
+    # residual (the newcomer's) is dropped, as with fp8
+    assert cache.put((3, True, (), 4096), es[3]) == f"{side}-no-residual"
+    assert not store[(0, True, (), 4096)].residual.packed and cache.info()["dropped_residual_layers"] == [3]
+    # a more important newcomer: the last fp8 residual is packed, and the one that matters least (layer 1's) gives
+    # way for the rest
+    assert cache.put((4, True, (), 4096), es[4]) == side
+    assert store[(4, True, (), 4096)].residual.packed and store[(1, True, (), 4096)].residual is None
+    assert store[(0, True, (), 4096)].residual.packed and store[(2, True, (), 4096)].residual.packed
+    assert cache.info()["dropped_residual_layers"] == [1, 3] and cache.info()["packed_residual_layers"] == [0, 1, 2, 4]
+    assert cache.device_bytes + cache.cpu_bytes <= room + 5 * es[0].selection.nbytes
+    # without "auto" the same budget drops instead of packing
+    plain = SelectionCache(**budgets)
+    for i in range(3):
+        plain.put((i, True, (), 4096), es[i])
+    assert plain.counters["residual_packed"] == 0 and plain.counters["residual_dropped"] == 1
+
+
+def test_auto_keeps_every_layer_sparse_where_fp8_sends_one_dense(problem):
+    """Engine: room for one fp8 residual, a second selection and a row scale. fp8 drops a residual (that layer runs
+    dense at its reuse steps); "auto" packs both residuals and both layers reuse sparsely."""
+    _, _, probe = run_engine(problem, steps=1, residual_precision="fp8")
+    one = probe[0]
+    scale_bytes = one.residual.nbytes - one.residual.data.numel()  # the row scale (and the mass, if any)
+    room_mb = (one.nbytes + one.selection.nbytes * 2 + scale_bytes) / 2**20
+    _, fp8_stats, _ = run_engine(problem, layers=(0, 1), residual_precision="fp8", cache_budget_mb=room_mb)
+    outs, stats, entries = run_engine(problem, layers=(0, 1), residual_precision="auto", cache_budget_mb=room_mb)
+    assert len(fp8_stats.cache["dropped_residual_layers"]) == 1
+    assert stats.cache["dropped_residual_layers"] == [] and stats.cache["packed_residual_layers"]
+    rows = stats.as_dict()["layers"]
+    assert rows[0]["reuses"] == rows[1]["reuses"] == 2 and rows[0]["dense"] == rows[1]["dense"] == 0
+    assert any(e.residual.packed for e in entries.values())
+    q, k, v = problem.qkv(2)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert all(rel_l2(outs[layer, 2], dense) < 0.5 for layer in (0, 1))
+
+
+def test_the_report_names_the_layers_whose_residuals_were_packed():
+    from test_segments import _Model, _run_patch, qkv
+
+    from comfyui_sparse_attention.nodes.families import BY_NAME
+    from comfyui_sparse_attention.nodes.patch import SparseAttentionPatch
+    from comfyui_sparse_attention.nodes.report import render_report
+    flux = BY_NAME["flux"].bind(_Model("comfy.ldm.flux.model", patch_size=2))
+    patch = SparseAttentionPatch(SparseConfig(min_tokens=0, group_size=64, backend="torch",
+                                              residual_precision="auto"), family=flux)
+    _run_patch(patch, (1, 16, 8, 8), [qkv(7 + 16, h=2, d=32)] * 2)
+    assert "4 bits" not in render_report(patch, -1)[0]  # room for every residual: none packed
+    patch.last_run.stats.cache["packed_residual_layers"] = [1]
+    text = render_report(patch, -1)[0]
+    assert "residuals stored at 4 bits for lack of room at fp8 at layer(s) [1]" in text
+
+
+def test_the_storage_bench_ranks_the_ways_to_keep_a_residual(tmp_path, bench_import):
+    """bench/residual_storage.py on a small recording whose reuse step sees its anchor's inputs again: fp8 leaves only
+    its rounding, 4 bits more, no residual the whole sparse error; every variant and extra density gets a row."""
+    from safetensors.torch import save_file
+    bench = bench_import("residual_storage")
+    problem = SyntheticVideoAttention(frames=2, height=8, width=8, text=0, heads=2, head_dim=32, steps=4, seed=5)
+    q, k, v = problem.qkv(0)
+    rec = {f"layer{lay:02d}.step{s:02d}.{n}": t[0].half().contiguous() for lay in (0, 1) for s in (0, 1)
+           for n, t in zip("qkv", (q, k, v))}
+    save_file(rec, str(tmp_path / "qkv.safetensors"))
+    def args(out, variants, densities):
+        return argparse.Namespace(recording=str(tmp_path / "qkv.safetensors"), out=str(tmp_path / out), grid="2,8,8",
+                                  anchors="0", total_steps=4, method="block_topk", density=0.25, size=64,
+                                  weighting="fixed", variants=variants, densities=densities)
+    doc = bench.run(args("out", ",".join(bench.VARIANTS), "0.5"))
+    rows = {(r["variant"], r["density"]): r for r in doc["rows"]}
+    assert set(rows) == {(v, 0.25) for v in bench.VARIANTS} | {("fp8", 0.5)}
+    err = {key: r["mean_sq_rel_err"][1] for key, r in rows.items()}  # step 1 reuses step 0's anchor
+    assert err["fp8", 0.25] < err["int4", 0.25] < err["none", 0.25]
+    assert err["int4-g32", 0.25] < err["none", 0.25] and err["fp8", 0.25] < 1e-3
+    assert set(rows["int4", 0.25]["per_layer"]) == {0, 1}
+    saved = json.loads((tmp_path / "out" / "residual_storage.json").read_text())
+    assert len(saved["rows"]) == len(doc["rows"]) and "| int4 | 0.25 |" in bench.table(doc)
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.run(args("o2", "fp4", ""))
+
+
+@pytest.mark.gpu
+def test_a_host_residual_is_packed_on_its_gpu_into_page_locked_memory(monkeypatch):
+    """residual_precision "auto" with the residuals in host memory (the small-VRAM preset's case): a stored host entry
+    is packed on the GPU it came from (its bytes there and back, not a pass of the host's CPU) into page-locked
+    memory, and equals the residual packed where it lies; reuse reads it back on the GPU."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    dev = torch.device("cuda")
+    es = [entry(i, imp) for i, imp in enumerate((0.2, 0.1, 0.3))]
+    cuda = [e.to(dev) for e in es]
+    room = 2 * es[0].nbytes + 2 * es[0].selection.nbytes + es[0].residual.scale.numel() * 4 + 1000
+    cache = SelectionCache(device_budget=0, cpu_budget=room, offload=True, pack_when_short=True)
+    assert [cache.put((i, True, (), 4096), cuda[i]) for i in range(3)] == ["cpu"] * 3
+    stored = {k[0]: e.wait() for k, e in cache.on_cpu.items()}
+    assert not stored[0].residual.packed and stored[1].residual.packed and stored[2].residual.packed
+    for i in (1, 2):
+        data = stored[i].residual.data
+        assert data.device.type == "cpu" and data.is_pinned()
+        assert torch.equal(data, es[i].residual.pack().data)
+    back = cache.get((1, True, (), 4096), dev)
+    assert back.residual.data.is_cuda and torch.equal(back.residual.unpacked().data.view(torch.uint8).cpu(),
+                                                      es[1].residual.pack().unpacked().data.view(torch.uint8))
