@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from _pack import load
-from quality import build_model, load_testbed, sha256, versions, write_json
+from quality import sha256, versions, write_json
 from quality_engine import EngineAttention
-from quality_search import as_layer_densities, ints, say
+from quality_search import as_layer_densities, ints, say, testbed_setup
 from search_model import start_factors
 
 
@@ -69,23 +68,14 @@ def run(args) -> dict:
     import torch
 
     clock0 = time.perf_counter()
-    eng = load("engine")
-    layer_density = load("engine.layer_density")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    ev = load_testbed(args.testbed, need_weights=not args.random_init_small)
-    M = ev.M
-    net = build_model(ev, args.testbed, args.random_init_small, device)
-    cfg = net.cfg
-    layers, heads = cfg.num_layers, cfg.num_heads
     seeds, anchors = ints(args.seeds), ints(args.anchors)
     if not seeds:
         raise SystemExit("--seeds: give at least one seed")
     if args.batch < 1:
         raise SystemExit("--batch: at least 1")
-    base_fields = dict(method=args.method, density=args.density, block_q=args.size, block_k=args.size,
-                       group_size=args.size, warmup_steps=args.warmup, anchor_steps=anchors, residual=True,
-                       min_tokens=0, backend="auto")
-    eng.SparseConfig.from_dict(base_fields, source="allocations base")  # bad settings fail before any sampling
+    _, layer_density, device, ev, net, base_fields = testbed_setup(args, "allocations base")
+    M, cfg = ev.M, net.cfg
+    layers, heads = cfg.num_layers, cfg.num_heads
     allocs = [("uniform", None)]
     for name, text in parse_allocs(args.alloc):
         factors = start_factors(text, layers, heads, layer_density.parse_layer_densities)

@@ -99,17 +99,30 @@ def section(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict:
+def testbed_setup(args, source: str):
+    """What the scripts sampling per-head allocations share (this one, bench/quality_allocations.py): (engine module,
+    engine.layer_density module, torch device, the testbed's evaluate module, the model, the SparseConfig fields of
+    every allocation). ``args``: --testbed, --device, --random-init-small, --method, --density, --size, --warmup,
+    --anchors; bad settings fail here, before any sampling."""
     import torch
-
-    clock0 = time.perf_counter()
     eng = load("engine")
     layer_density = load("engine.layer_density")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ev = load_testbed(args.testbed, need_weights=not args.random_init_small)
-    M = ev.M
     net = build_model(ev, args.testbed, args.random_init_small, device)
-    cfg = net.cfg
+    base_fields = dict(method=args.method, density=args.density, block_q=args.size, block_k=args.size,
+                       group_size=args.size, warmup_steps=args.warmup, anchor_steps=ints(args.anchors), residual=True,
+                       min_tokens=0, backend="auto")
+    eng.SparseConfig.from_dict(base_fields, source=source)
+    return eng, layer_density, device, ev, net, base_fields
+
+
+def run(args) -> dict:
+    import torch
+
+    clock0 = time.perf_counter()
+    eng, layer_density, device, ev, net, base_fields = testbed_setup(args, "search base")
+    M, cfg = ev.M, net.cfg
     fit_seeds, check_seeds = ints(args.fit_seeds), ints(args.check_seeds)
     if set(fit_seeds) & set(check_seeds):
         raise SystemExit(f"--fit-seeds {fit_seeds} and --check-seeds {check_seeds} must not share a seed")
@@ -117,10 +130,6 @@ def run(args) -> dict:
     layers, heads = cfg.num_layers, cfg.num_heads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base_fields = dict(method=args.method, density=args.density, block_q=args.size, block_k=args.size,
-                       group_size=args.size, warmup_steps=args.warmup, anchor_steps=anchors, residual=True,
-                       min_tokens=0, backend="auto")
-    eng.SparseConfig.from_dict(base_fields, source="search base")  # bad settings fail here, before any sampling
 
     def sync():
         if device.type == "cuda":
