@@ -150,7 +150,7 @@ class Residual:
     def pack(self, work: torch.device | None = None, out: torch.Tensor | None = None) -> "Residual":
         """The 4-bit form of an fp8 residual (``can_pack``): each value's nearest level k x PACK_STEP (k = -7..7) on
         the same row scale, NaN kept (code PACK_NAN); scale and mass are shared, not copied. ``work``: the device that
-        computes it (a host residual packed on its GPU: one pass over the bytes there, a few heads at a time);
+        computes it (a host residual packed on its GPU: its bytes there and back, a few (batch, head) rows at a time);
         ``out``: uint8 (B, H, N, D / 2) on the data's device to write (e.g. a page-locked buffer), else new."""
         if not self.can_pack():
             raise ValueError("only an unpacked fp8 residual with an even head dimension can be packed")
