@@ -27,10 +27,12 @@ fi
 # preset's) set the Wan 14B part; the small-VRAM preset's setting on a 16 GB card: CARD=16 HOST_GB=32 (its cap; 16 as
 # a smaller host) WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 DENSE=docs/bench-runs/e2e-card16-wan14b/e2e.json.
 # PRESET runs that preset's settings (e.g. wan21_t2v_14b_small_vram: its residual_precision "auto" packs the residuals
-# that find no room at fp8 to 4 bits; docs/decisions.md, "Residuals at 4 bits") instead of the model's own preset.
+# that find no room at fp8 to 4 bits; docs/decisions.md, "Residuals at 4 bits") instead of the model's own preset;
+# RESIDUAL_PRECISION (fp8, int4, auto) overrides the preset's residual_precision.
 card=${CARD:-24}
 [[ " $parts " == *" wan14b "* ]] && part "wan14b-fp8-card$card" "${WAN14B_LIMIT:-400}" python3 bench/e2e.py \
   --out "$root/wan14b-fp8-card$card" --models wan14b --modes "${WAN14B_MODES:-block_topk@0.1}" --vram-gb "$card" \
   --host-gb "${HOST_GB:-32}" --weights fp8 --pattern ArAr --total-steps 30 ${DENSE:+--reuse-dense "$DENSE"} \
-  ${WARMUP_LAYERS:+--warmup-layers "$WARMUP_LAYERS"} ${PRESET:+--preset "$PRESET"}
+  ${WARMUP_LAYERS:+--warmup-layers "$WARMUP_LAYERS"} ${PRESET:+--preset "$PRESET"} \
+  ${RESIDUAL_PRECISION:+--residual-precision "$RESIDUAL_PRECISION"}
 tar czf "$OUT/small_cards.tar.gz" -C /tmp small_cards

@@ -525,6 +525,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             c = c.replace(warmup_steps=0, anchor_steps=timed_anchors)
         if args.host_gb > 0:
             c = c.replace(cpu_budget_mb=args.host_gb * 1024)
+        if args.residual_precision:
+            c = c.replace(residual_precision=args.residual_precision)
         if call_shape:
             t = time.perf_counter()
             prewarm(eng, c, call_shape, dtype, device)
@@ -659,6 +661,8 @@ def main():
     ap.add_argument("--vram-gb", type=float, default=0.0, help="simulate a card with this much memory (a per-process "
                     "limit and ComfyUI's --reserve-vram for the rest)")
     ap.add_argument("--host-gb", type=float, default=0.0, help="cap the cache's host memory (cpu_budget_mb) at this")
+    ap.add_argument("--residual-precision", choices=("fp8", "int4", "auto"), default="", help="store the residuals "
+                    "this way instead of as the preset says (docs/decisions.md, \"Residuals at 4 bits\")")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight dtype: bf16, or fp8 "
                     "(float8_e4m3fn computed in bf16, as ComfyUI runs fp8 checkpoints)")
     args = ap.parse_args()
