@@ -133,7 +133,7 @@ def test_the_engine_stores_int4_residuals_packed_and_reuses_them(problem):
 
 def entry(seed, importance, n=4096):
     g = torch.Generator().manual_seed(seed)
-    sel = build_static(1, 2, n, TokenLayout(grid=(4, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
+    sel = build_static(1, 2, n, TokenLayout(grid=(n // 1024, 32, 32)), SparseConfig(block_q=64, block_k=64), "cpu")
     return Entry(sel, Residual.encode(torch.randn(1, 2, n, 64, generator=g), "fp8"), importance=importance)
 
 
@@ -178,6 +178,50 @@ def test_auto_packs_residuals_before_it_drops_any(monkeypatch, caplog, side):
     for i in range(3):
         plain.put((i, True, (), 4096), es[i])
     assert plain.counters["residual_packed"] == 0 and plain.counters["residual_dropped"] == 1
+
+
+def test_auto_packs_only_on_the_side_where_packing_makes_room(monkeypatch):
+    """A small fp8 residual on the device (the least important, so the first to pack were sides ignored) and a large
+    one in host memory: a newcomer that finds room only once the host's residual is packed packs that one alone. The
+    device's is kept at fp8, since packing it could not make room there."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    small, big, new = entry(0, 0.01, n=1024), entry(1, 0.2), entry(2, 0.1)
+    half = big.residual.data.numel() // 2  # what packing the host's residual frees
+    packed_new = new.selection.nbytes + half + new.residual.nbytes - new.residual.data.numel()
+    cache = SelectionCache(device_budget=small.nbytes, cpu_budget=big.nbytes + packed_new - half + 1000,
+                           offload=True, pack_when_short=True)
+    assert cache.put((0, True, (), 1024), small) == "device"
+    assert cache.put((1, True, (), 4096), big) == "cpu"
+    assert cache.put((2, True, (), 4096), new) == "cpu"
+    assert not cache.on_device[(0, True, (), 1024)].residual.packed
+    assert cache.on_cpu[(1, True, (), 4096)].residual.packed and cache.on_cpu[(2, True, (), 4096)].residual.packed
+    assert cache.info()["packed_residual_layers"] == [1, 2] and cache.counters["residual_dropped"] == 0
+    assert cache.cpu_bytes <= cache.cpu_budget
+
+
+def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
+    """Packing a host residual takes a page-locked buffer from the pool for the result; when packing raises (out of
+    GPU memory for a chunk, say) the buffer goes back to the pool, owned by this cache, and the error propagates with
+    the stored residual untouched."""
+    taken, released = [], []
+    fake_pool = type("FakePool", (), {
+        "empty": lambda self, shape, dtype, device=None: taken.append(torch.empty(shape, dtype=dtype)) or taken[-1],
+        "release": lambda self, t, streams=(), owner=None: released.append((t, owner))})()
+    monkeypatch.setattr(cache_mod, "POOL", fake_pool)
+
+    def fail(self, work=None, out=None):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(Residual, "pack", fail)
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True, pack_when_short=True)
+    cache._cuda_device = torch.device("cpu")  # as if the residual had come from a GPU
+    res = entry(0, 0.1).residual
+    before = res.data.view(torch.uint8).clone()
+    with pytest.raises(torch.OutOfMemoryError):
+        cache._packed(res, host=True)
+    assert len(taken) == 1 and len(released) == 1
+    assert released[0][0] is taken[0] and released[0][1] is cache._pool_token
+    assert torch.equal(res.data.view(torch.uint8), before)
 
 
 def test_auto_keeps_every_layer_sparse_where_fp8_sends_one_dense(problem):
