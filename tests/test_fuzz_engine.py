@@ -1,9 +1,9 @@
 """Fuzzed engine call sequences (docs/reliability.md): random configurations (every method, block and group sizes,
 schedules as steps, shares and periods, warm-ups, dense layers, residual precisions, tiny cache budgets that
-force CPU offload and fallbacks) driven through runs with skipped, repeated and restarted steps, several layers
-and batch chunks, changing token counts, batch sizes and head counts, text/grid layouts that fit or do not, and
-exceptions raised inside anchors. Every call must return a finite output of the right shape (dense and anchor
-calls equal to dense attention), and every run must leave no cached tensor alive. CPU, PyTorch backend."""
+force CPU offload, packing to 4 bits and fallbacks) driven through runs with skipped, repeated and restarted steps,
+several layers and batch chunks, changing token counts, batch sizes and head counts, text/grid layouts that fit or
+do not, and exceptions raised inside anchors. Every call must return a finite output of the right shape (dense and
+anchor calls equal to dense attention), and every run must leave no cached tensor alive. CPU, PyTorch backend."""
 
 import gc
 import random
@@ -31,7 +31,7 @@ class Injected(Exception):
     """Raised inside an anchor by the test (stands for an interruption or a failing kernel)."""
 
 
-def random_config(r: random.Random) -> SparseConfig:
+def random_config(r: random.Random, short_of_room: bool = False) -> SparseConfig:
     method = r.choice(("mc_sparse",) * 6 + ("block_topk",) * 4 + ("hybrid", "hybrid", "static", "static", "dense"))
     anchors = r.choice(("", "2", "every 2", "every 3", "1,4", "50%", "every 25%", "0 + every 2", "30%,70%"))
     warmup = r.choice((0, 0, 0, 1, "20%"))
@@ -39,7 +39,7 @@ def random_config(r: random.Random) -> SparseConfig:
               warmup_steps=warmup, warmup_layers=r.choice((0, 0, 1)), dense_layers=r.choice(("", "", "1", "0,2")),
               block_q=r.choice((64, 128)), block_k=r.choice((64, 128)), group_size=r.choice((64, 128)),
               grouping=r.choice(("pca", "cuboid")), residual=r.random() < 0.8,
-              residual_precision=r.choice(("fp8", "model")), select_every_step=r.random() < 0.2,
+              residual_precision=r.choice(("fp8", "model", "auto", "int4")), select_every_step=r.random() < 0.2,
               mass=r.choice((None, None, 0.9)), sink_blocks=r.choice((0, 1, 2)),
               temporal_weight=r.choice((0.5, 1.0, 3.0)), min_tokens=r.choice((0, 0, 0, 100)), backend="torch",
               offload=r.random() < 0.8)
@@ -48,6 +48,10 @@ def random_config(r: random.Random) -> SparseConfig:
         kw.update(cache_budget_mb=0.0, cpu_budget_mb=0.0)
     elif budget < 0.45:  # the device budget is tiny: entries go to the CPU side (offload) or drop the residual
         kw.update(cache_budget_mb=0.05, cpu_budget_mb=r.choice((0.2, 64.0)))
+    if short_of_room:  # room for a few residuals only: "auto" packs some to 4 bits, and drops others
+        kw.update(method=r.choice(("mc_sparse", "block_topk", "hybrid")), residual=True, residual_precision="auto",
+                  min_tokens=0, cache_budget_mb=r.choice((0.01, 0.02, 0.04, 0.08)),
+                  cpu_budget_mb=r.choice((0.0, 0.01, 0.03)))
     return SparseConfig(**kw)
 
 
@@ -83,10 +87,10 @@ def tensors_of(cache):
             yield from entry.residual.tensors()
 
 
-def run_one(seed: int, monkeypatch) -> dict:
+def run_one(seed: int, monkeypatch, short_of_room: bool = False) -> dict:
     r = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    cfg = random_config(r)
+    cfg = random_config(r, short_of_room)
     eng = SparseEngine(cfg)
     total = r.randint(3, 9)
     sizes = r.sample((90, 150, 200, 257, 320), r.randint(1, 2))
@@ -135,6 +139,7 @@ def run_one(seed: int, monkeypatch) -> dict:
                     err = float((out - SDPA(q, k, v)).abs().max())
                     assert err < 1e-4 * max(1.0, float(v.abs().max())), f"seed {seed}: {err}"
                 refs += [weakref.ref(t) for t in tensors_of(eng.cache)]
+    counts.update(packed=eng.cache.counters["residual_packed"], dropped=eng.cache.counters["residual_dropped"])
     stats = eng.end_run()
     gc.collect()
     assert eng.cache.device_bytes == 0 and eng.cache.cpu_bytes == 0, f"seed {seed}"
@@ -152,6 +157,19 @@ def test_fuzzed_engine_runs(monkeypatch):
         calls += counts["calls"]
         raised += counts["raised"]
     assert calls > 1000 and raised > 0  # the runs made real calls, and some anchors raised
+
+
+def test_fuzzed_runs_short_of_cache_room(monkeypatch):
+    """The same runs with residual_precision "auto" and room for a few residuals only: residuals are packed to 4 bits,
+    stored ones packed after them, others dropped, packed ones reused, under every other drawn setting; the outputs
+    stay finite and exact where they must be and nothing cached outlives a run."""
+    packed = dropped = 0
+    for seed in range(RUNS // 2):
+        with monkeypatch.context() as m:
+            counts = run_one(8_000_000 + seed, m, short_of_room=True)
+        packed += counts["packed"]
+        dropped += counts["dropped"]
+    assert packed > 0 and dropped > 0  # the runs packed residuals, and some still found no room
 
 
 def test_a_run_after_an_exception_inside_an_anchor_is_clean(monkeypatch):
