@@ -280,7 +280,7 @@ class SelectionCache:
             self.counters["offloaded"] += 1
             where = "cpu"
         elif self.pack_when_short and entry.residual is not None and entry.residual.can_pack() and \
-                (sides := self._packing_makes_room(size - entry.residual.data.numel() // 2, entry)):
+                (sides := self._packing_makes_room(size - entry.residual.packing_frees, entry)):
             # half the bytes for -0.03 dB on the testbed (docs/decisions.md, "Residuals at 4 bits"), where dropping
             # it would run the layer dense at its reuse steps; then the stored ones, if it still needs room
             entry = Entry(entry.selection, entry.residual.pack(), importance=entry.importance)
@@ -387,8 +387,8 @@ class SelectionCache:
             for e in store.values():
                 if e.residual is not None and e.importance < entry.importance:
                     gain[where] += e.residual.nbytes
-                elif e.residual is not None and e.residual.can_pack():
-                    gain[where] += e.residual.data.numel() // 2
+                elif e.residual is not None:
+                    gain[where] += e.residual.packing_frees
         return {where for where, fits in (("device", self._device_fits(size - gain["device"], entry)),
                                           ("cpu", self._cpu_fits(size - gain["cpu"]))) if fits}
 

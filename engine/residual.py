@@ -143,6 +143,12 @@ class Residual:
         """An fp8 residual with an even head dimension, not packed yet."""
         return not self.packed and FP8 is not None and self.data.dtype == FP8 and self.data.shape[-1] % 2 == 0
 
+    @property
+    def packing_frees(self) -> int:
+        """Bytes that packing frees: half the fp8 data (two values a byte; row scale and mass stay); 0 when it cannot
+        be packed."""
+        return self.data.numel() // 2 if self.can_pack() else 0
+
     def stored_as(self, precision: str) -> "Residual":
         """This residual as ``precision`` stores it: packed for "int4" (where it can be), else itself."""
         return self.pack() if precision == "int4" and self.can_pack() else self
