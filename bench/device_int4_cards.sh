@@ -7,7 +7,7 @@
 # 3. with FP8=1, the same preset with fp8 residuals (as before "auto"), reusing part 2's dense row (the H200's
 #    fp8 row, docs/bench-runs/small-cards-7/host16, gave 1.55x against its own dense).
 # Each part's archive lands in $OUT as soon as it ends.
-#   [FP8=1] bash bench/device_int4_cards.sh
+#   [FP8=1] [CARDS=0: part 1 only] bash bench/device_int4_cards.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
@@ -25,6 +25,7 @@ part mc_heldout 120 python3 bench/quality_allocations.py --testbed "$b/testbed" 
   --method mc_sparse --density 0.1 --seeds 16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31 --batch 8 \
   --alloc "${allocs[0]}" --alloc "${allocs[1]}" --alloc "model r0.5=$r5"
 tar czf "$OUT/alloc_check.tar.gz" -C /tmp alloc_check
+[ "${CARDS:-1}" = 1 ] || exit 0
 export BUNDLE=.carry/bundle-033.tar.xz PARTS=wan14b CARD=16 HOST_GB=16 WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 \
   PRESET=wan21_t2v_14b_small_vram WAN14B_LIMIT=${WAN14B_LIMIT:-330}
 RESIDUAL_PRECISION=auto bash bench/device_small_cards_whole.sh
