@@ -243,8 +243,8 @@ class SparseEngine:
                 residual = Residual(residual.data, residual.scale, packed=residual.packed)
             resident = False  # a new selection each call: nothing to replay
         if residual is not None and residual.packed:  # 4-bit storage: the kernels read fp8 (engine/residual.py)
-            with self.stats.timed(ctx.layer, "transfer", dev):
-                residual = residual.unpacked()
+            with self.stats.timed(ctx.layer, "transfer", dev):  # its fp8 copy needs room beside the model's
+                residual = self._with_room(residual.unpacked, "a reuse call unpacking its residual", q)
             resident = False  # a fresh fp8 copy each call: nothing to replay
 
         def call(q_, k_, v_):  # the residual is added in the kernel's epilogue
@@ -318,18 +318,23 @@ class SparseEngine:
     def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
         """An anchor; when it runs out of memory, the cache crowds its scratch: move half of the cache off
         the GPU and try again, then all of it (an error after that reaches the caller)."""
+        return self._with_room(lambda: self._anchor(q, k, v, ctx, key, scale, dense_fn), "an anchor", q)
+
+    def _with_room(self, fn, what: str, q: torch.Tensor):
+        """``fn()``; when it runs out of memory, move half of the cache off the GPU and try again, then all of it (an
+        error after that, or with nothing to move, reaches the caller). ``what`` names the call in the warning."""
         for share in SPILL_SHARES:
             try:
-                return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+                return fn()
             except torch.OutOfMemoryError:
                 freed = self.cache.spill(share)
                 if not freed:
                     raise
-                log.warning("sparse attention: out of memory at an anchor; moved %.0f MB of cache off the GPU "
-                            "(a lower cache_budget_mb avoids this)", freed / 2**20)
+                log.warning("sparse attention: out of memory at %s; moved %.0f MB of cache off the GPU "
+                            "(a lower cache_budget_mb avoids this)", what, freed / 2**20)
                 if q.is_cuda:
                     torch.cuda.empty_cache()
-        return self._anchor(q, k, v, ctx, key, scale, dense_fn)
+        return fn()
 
     def _dense(self, q, k, v, scale, dense_fn):
         if dense_fn is not None:

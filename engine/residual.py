@@ -27,6 +27,10 @@ from .config import RESIDUAL_PRECISIONS as PRECISIONS
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 26  # elements converted at a time (bounds the fp32 scratch to 256 MiB)
+# packed bytes unpacked at a time: each takes a 4-byte index and a 2-byte result while it is looked up, so this bounds
+# the scratch to ~96 MiB beside the fp8 result (at 1 << 26 a Wan 14B layer's unpacking peaked at 1.44x its fp8 size,
+# docs/decisions.md, "Residuals at 4 bits"); a reuse step unpacks one layer while the GPU holds the model
+UNPACK_CHUNK_ELEMS = 1 << 24
 PACKABLE = ("int4", "auto")  # stored precisions that the kernels write as fp8 and that may be packed to 4 bits
 PACK_STEP = 64.0  # one 4-bit level in fp8 units: 7 levels reach the fp8 row's 448 (kernels/_residual.py, FP8_MAX)
 PACK_NAN = 0  # the 4-bit code of a non-finite value (the fp8 data holds NaN there); codes 1..15 are levels -7..7
@@ -75,10 +79,10 @@ def _head_chunks(x: torch.Tensor):
         yield slice(h0, h0 + step)
 
 
-def _row_chunks(x: torch.Tensor):
-    """Slices over dim 0 of ``x`` (rows, ...), each at most ~CHUNK_ELEMS elements."""
+def _row_chunks(x: torch.Tensor, limit: int | None = None):
+    """Slices over dim 0 of ``x`` (rows, ...) of about ``limit`` elements (default CHUNK_ELEMS), one row at least."""
     per_row = max(1, x[:1].numel())
-    step = max(1, CHUNK_ELEMS // per_row)
+    step = max(1, (CHUNK_ELEMS if limit is None else limit) // per_row)
     for r0 in range(0, x.shape[0], step):
         yield slice(r0, r0 + step)
 
@@ -180,7 +184,8 @@ class Residual:
         out = torch.empty((b, h, n, 2 * half), dtype=torch.uint8, device=self.data.device)
         lut = _tables(self.data.device)[1]
         src, dst = self.data.reshape(b * h, n, half), out.view(b * h, n, 2 * half)
-        for rows in _row_chunks(src):  # one lookup per packed byte gives both fp8 bytes (even column first in memory)
+        # one lookup per packed byte gives both fp8 bytes (even column first in memory)
+        for rows in _row_chunks(src, UNPACK_CHUNK_ELEMS):
             p = src[rows]
             dst[rows] = lut.index_select(0, p.reshape(-1).int()).view(*p.shape).view(torch.uint8)
         return Residual(out.view(FP8), self.scale, self.mass)

@@ -62,6 +62,7 @@ def test_packing_in_small_chunks_gives_the_same_bytes(monkeypatch):
     fp8 = Residual.encode(residual(2, (3, 5, 24, 64)), "fp8")
     whole = fp8.pack()
     monkeypatch.setattr(residual_mod, "CHUNK_ELEMS", 24 * 64 * 2 + 7)  # two (batch, head) rows a chunk
+    monkeypatch.setattr(residual_mod, "UNPACK_CHUNK_ELEMS", 24 * 32 * 3)  # three packed rows a chunk
     chunked = fp8.pack()
     assert torch.equal(chunked.data, whole.data)
     assert torch.equal(chunked.unpacked().data.view(torch.uint8), whole.unpacked().data.view(torch.uint8))
@@ -129,6 +130,33 @@ def test_the_engine_stores_int4_residuals_packed_and_reuses_them(problem):
         assert not torch.equal(int4[0, step], fp8[0, step])
     assert rel_l2(int4[0, 2], dense) < rel_l2(fp8[0, 2], dense) + 0.02
     assert stats.as_dict()["layers"][0]["reuses"] == 2 and not stats.cache["packed_residual_layers"]
+
+
+def test_a_reuse_call_out_of_memory_while_unpacking_moves_the_cache_and_goes_on(problem, monkeypatch, caplog):
+    """Unpacking a 4-bit residual needs an fp8 copy on the GPU at a reuse step, beside the model. When that runs out
+    of memory, the cache moves part of itself off the GPU and the call unpacks again: same output, no error, and
+    the log says so (an out-of-memory error the cache causes must not end a run, nor send a layer dense)."""
+    want, _, _ = run_engine(problem, steps=2, layers=(0, 1), residual_precision="int4", offload=True)
+    real, calls = Residual.unpacked, []
+
+    def once_out_of_memory(self):
+        calls.append(self.packed)
+        if self.packed and len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self)
+
+    monkeypatch.setattr(Residual, "unpacked", once_out_of_memory)
+    eng = SparseEngine(SparseConfig(**{**BASE, "residual_precision": "int4", "offload": True}))
+    eng.begin_run()
+    with caplog.at_level("WARNING"):
+        got = {(layer, step): eng.attend(*problem.qkv(step), CallContext(layer=layer, step=step, layout=problem.layout))
+               for step in range(2) for layer in (0, 1)}
+    assert eng.cache.counters["spills"] == 1 and eng.cache.on_cpu  # moved to host memory, still reused from there
+    stats = eng.end_run().as_dict()["layers"]
+    assert all(row["reuses"] == 1 and row["dense"] == 0 for row in stats.values())
+    assert any("out of memory at a reuse call unpacking" in r.message for r in caplog.records)
+    for key, out in want.items():
+        assert torch.equal(got[key], out)
 
 
 def entry(seed, importance, n=4096):
@@ -206,7 +234,8 @@ def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
     taken, released = [], []
     fake_pool = type("FakePool", (), {
         "empty": lambda self, shape, dtype, device=None: taken.append(torch.empty(shape, dtype=dtype)) or taken[-1],
-        "release": lambda self, t, streams=(), owner=None: released.append((t, owner))})()
+        "release": lambda self, t, streams=(), owner=None: released.append((t, owner)),
+        "forget": lambda self, tensors, owner: None})()
     monkeypatch.setattr(cache_mod, "POOL", fake_pool)
 
     def fail(self, work=None, out=None):
