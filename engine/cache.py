@@ -281,7 +281,7 @@ class SelectionCache:
             where = "cpu"
         elif self.pack_when_short and entry.residual is not None and entry.residual.can_pack() and \
                 (sides := self._packing_makes_room(size - entry.residual.packing_frees, entry)):
-            # half the bytes for -0.03 dB on the testbed (docs/decisions.md, "Residuals at 4 bits"), where dropping
+            # half the bytes for -0.05 dB on the testbed (docs/decisions.md, "Residuals at 4 bits"), where dropping
             # it would run the layer dense at its reuse steps; then the stored ones, if it still needs room
             entry = Entry(entry.selection, entry.residual.pack(), importance=entry.importance)
             self._pack_stored(entry.nbytes, entry, sides)

@@ -42,7 +42,7 @@ class SparseConfig:
     residual_precision: "auto" (default: "fp8", and 4 bits for a residual that finds no room at fp8, before any
         residual is dropped and its layer sent dense at reuse steps), "fp8" (float8 with a per-row scale, half the
         bytes of bf16; the model's dtype where fp8 is unavailable), "int4" (4 bits a value on the fp8 row's scale:
-        half of fp8's bytes, read back as fp8 by each reuse call; -0.03 dB on the testbed: docs/decisions.md,
+        half of fp8's bytes, read back as fp8 by each reuse call; -0.05 dB on the testbed (8 videos): docs/decisions.md,
         "Residuals at 4 bits") or "model" (the model's dtype).
     residual_weighting: "mass": a block selection's reuse step weights the cached residual by the share of the
         softmax mass the left-out blocks have now (measured from the sparse call's own LSE) against their share at

@@ -54,7 +54,7 @@ def render_report(patch, layer: int, samples=None) -> tuple[str, torch.Tensor]:
     packed = stats.cache.get("packed_residual_layers") or []
     if packed:
         lines.append(f"residuals stored at 4 bits for lack of room at fp8 at layer(s) {packed} (residual_precision "
-                     "auto: -0.03 dB on the quality testbed; more memory keeps them at fp8)")
+                     "auto: -0.05 dB on the quality testbed; more memory keeps them at fp8)")
     if fallbacks:
         lines.append("dense fallbacks: " + ", ".join(f"{k}: {v}" for k, v in sorted(fallbacks.items())))
         messages = getattr(patch, "error_messages", {})
