@@ -25,7 +25,7 @@ from pathlib import Path
 
 from quality import sha256, versions, write_json
 from quality_engine import EngineAttention
-from quality_search import as_layer_densities, ints, say, testbed_setup
+from quality_search import as_layer_densities, ints, sampling_arguments, say, testbed_arguments, testbed_setup
 from search_model import start_factors
 
 
@@ -129,23 +129,13 @@ def run(args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--testbed", required=True, help="folder with the testbed's model.py, evaluate.py, weights")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--method", default="mc_sparse")
-    ap.add_argument("--density", type=float, default=0.1)
+    testbed_arguments(ap)
     ap.add_argument("--alloc", action="append", default=[], help="NAME=LAYER_DENSITIES (repeat for more)")
     ap.add_argument("--seeds", default="8,9,10,11", help="videos (class = seed %% 8); default: 4 of the search's "
                     "check videos")
     ap.add_argument("--batch", type=int, default=1, help="videos per sampling call (the JSON is rewritten after "
                     "each call); 1 on a CPU, 8 on a GPU")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--anchors", default="2,10")
-    ap.add_argument("--size", type=int, default=64, help="blocks (block_topk) and query groups (mc_sparse)")
-    ap.add_argument("--shift", type=float, default=3.0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--random-init-small", action="store_true",
-                    help="the testbed's --random-init --small: a tiny random model (CPU check, no weights)")
+    sampling_arguments(ap)
     run(ap.parse_args(argv))
 
 

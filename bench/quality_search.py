@@ -255,12 +255,31 @@ def run(args) -> dict:
     return doc
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def testbed_arguments(ap: argparse.ArgumentParser) -> None:
+    """The testbed, the output folder, the method and its average density: the options this script and
+    bench/quality_allocations.py share first (sampling_arguments gives the rest)."""
     ap.add_argument("--testbed", required=True, help="folder with the testbed's model.py, evaluate.py, weights")
     ap.add_argument("--out", required=True)
     ap.add_argument("--method", default="mc_sparse")
     ap.add_argument("--density", type=float, default=0.1)
+
+
+def sampling_arguments(ap: argparse.ArgumentParser) -> None:
+    """How the testbed samples (steps, schedule, block size, shift, device, or a tiny random model): testbed_setup's
+    options, shared with bench/quality_allocations.py."""
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--anchors", default="2,10")
+    ap.add_argument("--size", type=int, default=64, help="blocks (block_topk) and query groups (mc_sparse)")
+    ap.add_argument("--shift", type=float, default=3.0)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--random-init-small", action="store_true",
+                    help="the testbed's --random-init --small: a tiny random model (CPU check, no weights)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    testbed_arguments(ap)
     ap.add_argument("--step", type=float, default=0.5, help="factor change of one move")
     ap.add_argument("--mode", choices=("greedy", "quadratic"), default="greedy",
                     help="greedy: take the best single move per round; quadratic: also sample the optimum of a "
@@ -274,17 +293,10 @@ def main(argv=None):
     ap.add_argument("--start", default="", help="layer_densities to start from (default: uniform), e.g. the "
                     "factors an earlier search printed, to continue it")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop searching (then check) after this long")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--anchors", default="2,10")
-    ap.add_argument("--size", type=int, default=64, help="blocks (block_topk) and query groups (mc_sparse)")
     ap.add_argument("--fit-seeds", default="0,1,2,3,4,5,6,7")
     ap.add_argument("--check-seeds", default="8,9,10,11,12,13,14,15")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--shift", type=float, default=3.0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--random-init-small", action="store_true",
-                    help="the testbed's --random-init --small: a tiny random model (CPU check, no weights)")
+    sampling_arguments(ap)
     run(ap.parse_args(argv))
 
 
