@@ -556,7 +556,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
         projected = sum(times) if args.whole_run else from_steps  # a whole run: its own time
         t_ceil = max(1e-9, t_dense - a_self * sparse_layers * (1 - d_kept))
         ceiling = (warm + anchors) * t_dense + rest * t_ceil
-        variant = f"wl{args.warmup_layers}" if args.warmup_layers >= 0 else None  # --warmup-layers given
+        tags = ([f"wl{args.warmup_layers}"] if args.warmup_layers >= 0 else []) + \
+            ([f"{args.residual_precision} residuals"] if args.residual_precision else [])  # variants asked for
+        variant = ", ".join(tags) or None
         row = dict(model=name, mode=f"{method}@{dens}", variant=variant, preset=args.preset or None,  # --preset
                    warmup_layers=c.warmup_layers,
                    step_s=t_reuse, anchor_s=t_anchor, dense_s=t_dense,
@@ -574,6 +576,8 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
                    residuals_dropped=stats.cache.get("residual_dropped", 0),
                    dropped_residual_layers=stats.cache.get("dropped_residual_layers", []),
+                   residual_precision=c.residual_precision, residuals_packed=stats.cache.get("residual_packed", 0),
+                   packed_residual_layers=stats.cache.get("packed_residual_layers", []),
                    seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched,
                    reuse_calls=tot["reuses"], replayed_calls=tot["replays"],
                    cache_info=dict(stats.cache))

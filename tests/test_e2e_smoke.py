@@ -146,10 +146,12 @@ def test_merged_table_takes_each_mode_from_the_newest_run(tmp_path):
 
 def test_e2e_small_card_with_fp8_weights_smoke(tmp_path):
     """--weights fp8 --vram-gb: the model is built in float8_e4m3fn weights that ComfyUI computes in bf16 (manual
-    cast), handed to ComfyUI from host memory (on the CPU the move is a no-op, but the path runs)."""
+    cast), handed to ComfyUI from host memory (on the CPU the move is a no-op, but the path runs);
+    --residual-precision overrides the preset's and names the row."""
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
-                           "--models", "wan14b", "--modes", "block_topk@0.15", "--weights", "fp8", "--vram-gb", "16"],
+                           "--models", "wan14b", "--modes", "block_topk@0.15", "--weights", "fp8", "--vram-gb", "16",
+                           "--residual-precision", "int4"],
                           cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((tmp_path / "e2e.json").read_text())
@@ -158,6 +160,8 @@ def test_e2e_small_card_with_fp8_weights_smoke(tmp_path):
     assert dense["mode"] == "dense" and dense["weights_gb"] > 0 and sparse["mode"] == "block_topk@0.15"
     assert dense["weight_dtype"] == "float8_e4m3fn"
     assert sparse["projected_s"] > 0
+    assert sparse["residual_precision"] == "int4" and sparse["variant"] == "int4 residuals"
+    assert "block_topk@0.15 (int4 residuals)" in (tmp_path / "e2e.md").read_text()
 
 
 def test_multigpu_benchmark_on_two_cpu_device_keys(tmp_path):
