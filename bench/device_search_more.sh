@@ -12,12 +12,14 @@ source bench/device_part.sh
 need_quality_carry
 new_root /tmp/search_more
 record_gpu
-start=$(python3 -c "import json; print(json.load(open('docs/bench-runs/search-model-1/mc_quadratic/search.json'))['result']['layer_densities'])")
-part mc_continue $(( ${1:-200} + 60 )) python3 bench/quality_search.py --testbed "$b/testbed" --out "$root/mc_continue" \
-  --method mc_sparse --density 0.1 --mode quadratic --radius 0.5 --step 0.25 --min-factor 0.1 --min-gain-db 0.02 \
-  --start "$start" --budget-s "${1:-200}"
+found=docs/bench-runs/search-model-1/mc_quadratic/search.json
+start=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['result']['layer_densities'])" "$found")
+part mc_continue $(( ${1:-200} + 60 )) python3 bench/quality_search.py --testbed "$b/testbed" \
+  --out "$root/mc_continue" --method mc_sparse --density 0.1 --mode quadratic --radius 0.5 --step 0.25 \
+  --min-factor 0.1 --min-gain-db 0.02 --start "$start" --budget-s "${1:-200}"
 tar czf "$OUT/search_more.tar.gz" -C /tmp search_more
 part mc_quadratic_015 $(( ${2:-150} + 60 )) python3 bench/quality_search.py --testbed "$b/testbed" \
-  --out "$root/mc_quadratic_015" --method mc_sparse --density 0.15 --mode quadratic --radius 0.75 --budget-s "${2:-150}"
+  --out "$root/mc_quadratic_015" --method mc_sparse --density 0.15 --mode quadratic --radius 0.75 \
+  --budget-s "${2:-150}"
 tar czf "$OUT/search_more.tar.gz" -C /tmp search_more
 ls -la "$OUT"

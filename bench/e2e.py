@@ -576,8 +576,9 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
                    cache_fallbacks=stats.cache.get("fallbacks", 0), engine_fallbacks=dict(sp.fallbacks),
                    residuals_dropped=stats.cache.get("residual_dropped", 0),
                    dropped_residual_layers=stats.cache.get("dropped_residual_layers", []),
-                   residual_precision=c.residual_precision, residuals_packed=stats.cache.get("residual_packed", 0),
-                   packed_residual_layers=stats.cache.get("packed_residual_layers", []),
+                   residual_precision=c.residual_precision,  # "int4" packs every residual; these count "auto"'s
+                   residuals_packed_for_room=stats.cache.get("residual_packed", 0),
+                   layers_packed_for_room=stats.cache.get("packed_residual_layers", []),
                    seconds=tot["seconds"], anchor_fidelity=tot["fidelity_mean"], schedule=sched,
                    reuse_calls=tot["reuses"], replayed_calls=tot["replays"],
                    cache_info=dict(stats.cache))
@@ -665,8 +666,9 @@ def main():
     ap.add_argument("--vram-gb", type=float, default=0.0, help="simulate a card with this much memory (a per-process "
                     "limit and ComfyUI's --reserve-vram for the rest)")
     ap.add_argument("--host-gb", type=float, default=0.0, help="cap the cache's host memory (cpu_budget_mb) at this")
-    ap.add_argument("--residual-precision", choices=("fp8", "int4", "auto"), default="", help="store the residuals "
-                    "this way instead of as the preset says (docs/decisions.md, \"Residuals at 4 bits\")")
+    ap.add_argument("--residual-precision", choices=("fp8", "int4", "auto", "model"), default="",
+                    help="store the residuals this way instead of as the preset says (docs/decisions.md, \"Residuals "
+                    "at 4 bits\")")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight dtype: bf16, or fp8 "
                     "(float8_e4m3fn computed in bf16, as ComfyUI runs fp8 checkpoints)")
     args = ap.parse_args()

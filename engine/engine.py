@@ -55,6 +55,7 @@ class SparseEngine:
         self._run_start: int | None = None  # the step of the run's first call (> 0: a later sampler of a split)
         self._first_sparse: int | None = None  # the run's first step with a sparse (anchor or reuse) call
         self._step: int | None = None
+        self._spill_warned: set = set()  # the kinds of call whose out-of-memory spill was logged this run
         self.last_stats: RunStats | None = None
         self.lock = threading.RLock()
         self._dense_layers: tuple = ((), frozenset())  # (cfg.dense_layers, the same as a set)
@@ -98,6 +99,7 @@ class SparseEngine:
         self._seen_at.clear()
         self._run_start = self._first_sparse = None
         self._step = None
+        self._spill_warned.clear()  # out-of-memory warnings, once a run for each kind of call (_with_room)
 
     # decisions
     def skip_reason(self, ctx: CallContext | None, n_q: int, n_k: int, head_dim: int) -> str | None:
@@ -244,7 +246,8 @@ class SparseEngine:
             resident = False  # a new selection each call: nothing to replay
         if residual is not None and residual.packed:  # 4-bit storage: the kernels read fp8 (engine/residual.py)
             with self.stats.timed(ctx.layer, "transfer", dev):  # its fp8 copy needs room beside the model's
-                residual = self._with_room(residual.unpacked, "a reuse call unpacking its residual", q)
+                residual = self._with_room(residual.unpacked, "a reuse call unpacking its residual", q,
+                                           stop_prefetch=True)
             resident = False  # a fresh fp8 copy each call: nothing to replay
 
         def call(q_, k_, v_):  # the residual is added in the kernel's epilogue
@@ -320,20 +323,27 @@ class SparseEngine:
         the GPU and try again, then all of it (an error after that reaches the caller)."""
         return self._with_room(lambda: self._anchor(q, k, v, ctx, key, scale, dense_fn), "an anchor", q)
 
-    def _with_room(self, fn, what: str, q: torch.Tensor):
+    def _with_room(self, fn, what: str, q: torch.Tensor, stop_prefetch: bool = False):
         """``fn()``; when it runs out of memory, move half of the cache off the GPU and try again, then all of it (an
-        error after that, or with nothing to move, reaches the caller). ``what`` names the call in the warning."""
+        error after that, or with nothing to move, reaches the caller). ``what`` names the call in the warning
+        (logged once a run for each ``what``); ``stop_prefetch``: no more prefetched copies this run (for calls
+        that need room beside the cache's entry in use, which a prefetched copy of the next layer's would crowd)."""
         for share in SPILL_SHARES:
             try:
                 return fn()
-            except torch.OutOfMemoryError:
-                freed = self.cache.spill(share)
-                if not freed:
-                    raise
-                log.warning("sparse attention: out of memory at %s; moved %.0f MB of cache off the GPU "
-                            "(a lower cache_budget_mb avoids this)", what, freed / 2**20)
-                if q.is_cuda:
-                    torch.cuda.empty_cache()
+            except torch.OutOfMemoryError as exc:
+                # room is made after this block: inside it the traceback holds the failed attempt's tensors
+                failed = exc.with_traceback(None)
+            freed = self.cache.spill(share, stop_prefetch=stop_prefetch)
+            if not freed:
+                failed.add_note(f"sparse attention: out of memory at {what}, with no cache left on the GPU to move")
+                raise failed
+            level = logging.DEBUG if what in self._spill_warned else logging.WARNING
+            self._spill_warned.add(what)
+            log.log(level, "sparse attention: out of memory at %s; moved %.0f MB of cache off the GPU "
+                    "(a lower cache_budget_mb avoids this)", what, freed / 2**20)
+            if q.is_cuda:
+                torch.cuda.empty_cache()
         return fn()
 
     def _dense(self, q, k, v, scale, dense_fn):

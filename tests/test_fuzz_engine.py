@@ -14,6 +14,7 @@ import torch
 
 from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
 from comfyui_sparse_attention.engine import policy as policy_mod
+from comfyui_sparse_attention.engine.residual import Residual
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 RUNS = 120
@@ -163,6 +164,12 @@ def test_fuzzed_runs_short_of_cache_room(monkeypatch):
     """The same runs with residual_precision "auto" and room for a few residuals only: residuals are packed to 4 bits,
     stored ones packed after them, others dropped, packed ones reused, under every other drawn setting; the outputs
     stay finite and exact where they must be and nothing cached outlives a run."""
+    real, unpacked = Residual.unpacked, []
+
+    def counted(self):
+        unpacked.append(self.packed)
+        return real(self)
+    monkeypatch.setattr(Residual, "unpacked", counted)
     packed = dropped = 0
     for seed in range(RUNS // 2):
         with monkeypatch.context() as m:
@@ -170,6 +177,7 @@ def test_fuzzed_runs_short_of_cache_room(monkeypatch):
         packed += counts["packed"]
         dropped += counts["dropped"]
     assert packed > 0 and dropped > 0  # the runs packed residuals, and some still found no room
+    assert any(unpacked)  # and reused packed ones
 
 
 def test_a_run_after_an_exception_inside_an_anchor_is_clean(monkeypatch):

@@ -61,11 +61,12 @@ def test_packing_in_small_chunks_gives_the_same_bytes(monkeypatch):
     from comfyui_sparse_attention.engine import residual as residual_mod
     fp8 = Residual.encode(residual(2, (3, 5, 24, 64)), "fp8")
     whole = fp8.pack()
+    whole_back = whole.unpacked().data.view(torch.uint8)  # one chunk each way
     monkeypatch.setattr(residual_mod, "CHUNK_ELEMS", 24 * 64 * 2 + 7)  # two (batch, head) rows a chunk
     monkeypatch.setattr(residual_mod, "UNPACK_CHUNK_ELEMS", 24 * 32 * 3)  # three packed rows a chunk
     chunked = fp8.pack()
     assert torch.equal(chunked.data, whole.data)
-    assert torch.equal(chunked.unpacked().data.view(torch.uint8), whole.unpacked().data.view(torch.uint8))
+    assert torch.equal(chunked.unpacked().data.view(torch.uint8), whole_back)
 
 
 def test_int4_is_fp8_then_packed_and_other_storage_is_not_packed():
@@ -135,28 +136,48 @@ def test_the_engine_stores_int4_residuals_packed_and_reuses_them(problem):
 def test_a_reuse_call_out_of_memory_while_unpacking_moves_the_cache_and_goes_on(problem, monkeypatch, caplog):
     """Unpacking a 4-bit residual needs an fp8 copy on the GPU at a reuse step, beside the model. When that runs out
     of memory, the cache moves part of itself off the GPU and the call unpacks again: same output, no error, and
-    the log says so (an out-of-memory error the cache causes must not end a run, nor send a layer dense)."""
+    the log says so, once a run (an out-of-memory error the cache causes must not end a run, nor send a layer
+    dense). Here both layers' first unpacking runs out of memory."""
     want, _, _ = run_engine(problem, steps=2, layers=(0, 1), residual_precision="int4", offload=True)
     real, calls = Residual.unpacked, []
 
-    def once_out_of_memory(self):
+    def first_tries_out_of_memory(self):
         calls.append(self.packed)
-        if self.packed and len(calls) == 1:
+        if self.packed and len(calls) in (1, 3):  # layer 0's first try, then layer 1's (each retried once)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(self)
 
-    monkeypatch.setattr(Residual, "unpacked", once_out_of_memory)
+    monkeypatch.setattr(Residual, "unpacked", first_tries_out_of_memory)
     eng = SparseEngine(SparseConfig(**{**BASE, "residual_precision": "int4", "offload": True}))
     eng.begin_run()
     with caplog.at_level("WARNING"):
         got = {(layer, step): eng.attend(*problem.qkv(step), CallContext(layer=layer, step=step, layout=problem.layout))
                for step in range(2) for layer in (0, 1)}
-    assert eng.cache.counters["spills"] == 1 and eng.cache.on_cpu  # moved to host memory, still reused from there
+    assert len(calls) == 4 and eng.cache.counters["spills"] == 2
+    assert eng.cache.on_cpu  # moved to host memory, still reused from there
+    assert eng.cache.prefetch_off  # a prefetched copy of the next layer's entry would crowd the next unpacking
     stats = eng.end_run().as_dict()["layers"]
     assert all(row["reuses"] == 1 and row["dense"] == 0 for row in stats.values())
-    assert any("out of memory at a reuse call unpacking" in r.message for r in caplog.records)
+    assert [r.levelname for r in caplog.records if "out of memory at a reuse call" in r.message] == ["WARNING"]
     for key, out in want.items():
         assert torch.equal(got[key], out)
+
+
+def test_out_of_memory_with_no_cache_on_the_gpu_reaches_the_caller_named(problem, monkeypatch):
+    """With nothing of the cache on the GPU to move, the out-of-memory error reaches the caller (the nodes then run
+    the call dense), with a note saying where it happened."""
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    eng = SparseEngine(SparseConfig(**{**BASE, "residual_precision": "int4", "offload": True}))
+    eng.begin_run()
+    eng.attend(*problem.qkv(0), CallContext(layer=0, step=0, layout=problem.layout))
+    eng.cache.spill(1.0)  # every entry in host memory: a spill has nothing left to move
+    monkeypatch.setattr(Residual, "unpacked", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        eng.attend(*problem.qkv(1), CallContext(layer=0, step=1, layout=problem.layout))
+    assert any("reuse call unpacking its residual" in note for note in err.value.__notes__)
+    eng.end_run()
 
 
 def entry(seed, importance, n=4096):
@@ -229,8 +250,7 @@ def test_auto_packs_only_on_the_side_where_packing_makes_room(monkeypatch):
 
 def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
     """Packing a host residual takes a page-locked buffer from the pool for the result; when packing raises (out of
-    GPU memory for a chunk, say) the buffer goes back to the pool, owned by this cache, and the error propagates with
-    the stored residual untouched."""
+    GPU memory for a chunk, say) the buffer goes back to the pool, owned by this cache, and the error propagates."""
     taken, released = [], []
     fake_pool = type("FakePool", (), {
         "empty": lambda self, shape, dtype, device=None: taken.append(torch.empty(shape, dtype=dtype)) or taken[-1],
@@ -244,13 +264,10 @@ def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
     monkeypatch.setattr(Residual, "pack", fail)
     cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True, pack_when_short=True)
     cache._cuda_device = torch.device("cpu")  # as if the residual had come from a GPU
-    res = entry(0, 0.1).residual
-    before = res.data.view(torch.uint8).clone()
     with pytest.raises(torch.OutOfMemoryError):
-        cache._packed(res, host=True)
+        cache._packed(entry(0, 0.1).residual, host=True)
     assert len(taken) == 1 and len(released) == 1
     assert released[0][0] is taken[0] and released[0][1] is cache._pool_token
-    assert torch.equal(res.data.view(torch.uint8), before)
 
 
 def test_auto_keeps_every_layer_sparse_where_fp8_sends_one_dense(problem):
