@@ -311,23 +311,32 @@ class SelectionCache:
             self._note_access(key)
         return where
 
+    def _store(self, where: str) -> OrderedDict:
+        """The entries of one side: "device" or "cpu"."""
+        return self.on_device if where == "device" else self.on_cpu
+
+    def _residual_entries(self, keep) -> list:
+        """[(importance, key, side)] of the stored entries with a residual for which ``keep(side, entry)`` holds,
+        least important first (device entries before host ones at equal importance)."""
+        return sorted(((e.importance, k, where) for where in ("device", "cpu")
+                       for k, e in self._store(where).items() if e.residual is not None and keep(where, e)),
+                      key=lambda t: t[0])
+
     def _make_room(self, size: int, entry: Entry) -> bool:
         """Drop the residuals of stored entries less important than ``entry`` (lower ``importance``; their selections
         stay) until ``size`` bytes fit on the device or the CPU side. False when nothing less important is left to
         drop (docs/decisions.md, "Small cards")."""
         if entry.residual is None:
             return False
-        lesser = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
-                         for k, e in store.items() if e.residual is not None and e.importance < entry.importance),
-                        key=lambda t: t[0])
+        lesser = self._residual_entries(lambda where, e: e.importance < entry.importance)
         # drop nothing when dropping every lesser residual would still leave no room (they would be lost for nothing)
-        gain = {where: sum((self.on_device if where == "device" else self.on_cpu)[k].residual.nbytes
+        gain = {where: sum(self._store(where)[k].residual.nbytes
                            for _, k, w in lesser if w == where) for where in ("device", "cpu")}
         if not (self._device_fits(size - gain["device"], entry) or self._cpu_fits(size - gain["cpu"])):
             return False
         freed = False
         for _, k, where in lesser:
-            store = self.on_device if where == "device" else self.on_cpu
+            store = self._store(where)
             old = store[k]
             store[k] = Entry(old.selection, None, importance=old.importance)
             if where == "cpu":
@@ -344,14 +353,11 @@ class SelectionCache:
         important first, until ``size`` bytes fit on one side (residual_precision "auto"): packing keeps a layer
         sparse where dropping its residual sends it dense, so residuals are packed before ``_make_room`` drops any,
         and only as many as it takes."""
-        stored = sorted(((e.importance, k, where) for where, store in (("device", self.on_device), ("cpu", self.on_cpu))
-                         if where in sides
-                         for k, e in store.items() if e.residual is not None and e.residual.can_pack()),
-                        key=lambda t: t[0])
+        stored = self._residual_entries(lambda where, e: where in sides and e.residual.can_pack())
         for _, k, where in stored:
             if self._device_fits(size, entry) or self._cpu_fits(size):
                 return
-            store = self.on_device if where == "device" else self.on_cpu
+            store = self._store(where)
             old = store[k].wait()
             store[k] = Entry(old.selection, self._packed(old.residual, host=where == "cpu"), importance=old.importance)
             del old  # the fp8 data goes now: the next fit check counts the room it leaves
@@ -383,8 +389,8 @@ class SelectionCache:
         there is packed and every residual less important than ``entry``'s dropped; empty when neither: its residual
         is then dropped anyway, and packing would lose precision for nothing."""
         gain = {"device": 0, "cpu": 0}
-        for where, store in (("device", self.on_device), ("cpu", self.on_cpu)):
-            for e in store.values():
+        for where in ("device", "cpu"):
+            for e in self._store(where).values():
                 if e.residual is not None and e.importance < entry.importance:
                     gain[where] += e.residual.nbytes
                 elif e.residual is not None:
