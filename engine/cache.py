@@ -448,6 +448,9 @@ class SelectionCache:
         if dev.type != "cuda":
             return self.device_bytes + size <= AUTO_NON_CUDA_BYTES
         free, total = device_memory(dev)
+        # a newcomer computed on this device already holds its bytes there, and the free memory no longer counts
+        # them: storing it takes nothing more (counting them again made the room one entry smaller than it is)
+        free += min(size, _resident_bytes(entry, dev))
         reserve = max(AUTO_RESERVE_BYTES, int(AUTO_RESERVE_SHARE * total))
         return free - size >= reserve and self.device_bytes + size <= AUTO_MAX_SHARE * total
 
@@ -630,6 +633,11 @@ def _tensors(entry: Entry):
     if entry.residual is not None:
         out.extend(entry.residual.tensors())
     return out
+
+
+def _resident_bytes(entry: Entry, dev: torch.device) -> int:
+    """Bytes of ``entry``'s tensors that lie on ``dev`` (each tensor's own elements; a view counts its view)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(entry) if t.device == dev)
 
 
 def _is_cond(c) -> bool:

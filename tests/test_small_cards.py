@@ -114,8 +114,20 @@ def test_the_memory_probe_replaces_the_drivers_view(monkeypatch):
         # the auto budget plans with it: 10 GiB free, reserve max(8 GiB, 25 % of 16) = 8 GiB -> 2 GiB of room
         cache = SelectionCache(device_budget=None, cpu_budget=0, offload=False)
         e = entry(0, 0.1)
-        monkeypatch.setattr(cache_mod, "_tensors", lambda _: [SimpleNamespace(device=torch.device("cuda", 0))])
-        assert cache._device_fits(1 << 30, e) and not cache._device_fits(3 << 30, e)
+        cuda0 = torch.device("cuda", 0)
+
+        def tensors_on(dev, nbytes):
+            return lambda _: [SimpleNamespace(device=dev, numel=lambda: nbytes, element_size=lambda: 1)]
+        # a host entry (a prefetch) brings all its bytes: 2 GiB fit, a byte more does not
+        monkeypatch.setattr(cache_mod, "_tensors", tensors_on(torch.device("cpu"), 1 << 30))
+        assert cache._device_fits(1 << 30, e, cuda0) and cache._device_fits(2 << 30, e, cuda0)
+        assert not cache._device_fits((2 << 30) + 1, e, cuda0)
+        # a newcomer computed on the card already holds 1 GiB there, which the free memory no longer counts:
+        # storing 3 GiB of it takes 2 GiB more
+        monkeypatch.setattr(cache_mod, "_tensors", tensors_on(cuda0, 1 << 30))
+        assert cache._device_fits(3 << 30, e) and not cache._device_fits((3 << 30) + 1, e)
+        # only what it stores counts: its selection alone (0.5 GiB, all of it resident) takes nothing more
+        assert cache._device_fits(1 << 29, e)
     finally:
         cache_mod.set_device_probe(None)
 
