@@ -285,8 +285,9 @@ class SelectionCache:
             # it would run the layer dense at its reuse steps; then the stored ones, if it still needs room
             entry = Entry(entry.selection, entry.residual.pack(), importance=entry.importance)
             self._pack_stored(entry.nbytes, entry, sides)
-            # host buffers this cache freed (replaced or packed entries) are not of the sizes it asks for now
-            POOL.free_released(self._pool_token)
+            # host buffers this cache freed (replaced or packed entries) are not of the sizes it asks for now, except
+            # those of the packed entry this one replaces (a later anchor's): its buffers serve this one
+            POOL.free_released(self._pool_token, keep=[t.numel() * t.element_size() for t in _tensors(entry)])
             where = self.put(key, entry)
             if where in ("device", "cpu"):
                 self._note_packed(key)

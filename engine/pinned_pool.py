@@ -140,15 +140,25 @@ class PinnedPool:
             ev.record(s)
             buf.events.append(ev)
 
-    def free_released(self, owner) -> int:
+    def free_released(self, owner, keep=()) -> int:
         """Unregister and free now the free buffers ``owner`` (a cache's token, never None) released last and nobody
         took since: a cache short of host room that changes its entries' sizes (residuals packed to 4 bits, engine/
-        residual.py) cannot reuse them, and the pool would count them as host memory to spare. Returns the bytes
+        residual.py) cannot reuse them, and the pool would count them as host memory to spare. ``keep``: byte counts
+        the caller asks ``empty`` for next; for each, the smallest such buffer that serves it stays (the packed
+        entry a later anchor stores in place of a packed one takes that one's buffers: page-locking them anew cost
+        ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on a 16 GB card"). Returns the bytes
         freed."""
         if owner is None:
             raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")
         with self._locked():
-            return self._free_unused(before=float("inf"), owner=owner)
+            spared: set[int] = set()
+            for nbytes in keep:
+                fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
+                        if not b.in_use and b.owner is owner and ptr not in spared
+                        and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
+                if fits:
+                    spared.add(min(fits)[1])
+            return self._free_unused(before=float("inf"), owner=owner, spare=spared)
 
     def trim(self, since: float) -> int:
         """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
@@ -195,12 +205,12 @@ class PinnedPool:
                 self._release(t, (), owner)
             self._free_unused(before=float("inf"), owner=owner)
 
-    def _free_unused(self, before: float, owner=None) -> int:
+    def _free_unused(self, before: float, owner=None, spare=frozenset()) -> int:
         """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading); with
-        ``owner``, only those that owner released last."""
+        ``owner``, only those that owner released last; never those whose base pointer is in ``spare``."""
         freed = 0
         for ptr, b in list(self._buffers.items()):
-            if b.in_use or b.last_used >= before or (owner is not None and b.owner is not owner):
+            if b.in_use or b.last_used >= before or (owner is not None and b.owner is not owner) or ptr in spare:
                 continue
             for ev in b.events:  # copies still reading it finish first: unregistering under a copy is undefined
                 ev.synchronize()

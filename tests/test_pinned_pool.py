@@ -11,6 +11,7 @@ import torch
 from comfyui_sparse_attention.engine import cache as cache_mod, pinned_pool
 from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
 from comfyui_sparse_attention.engine.pinned_pool import PinnedPool
+from comfyui_sparse_attention.engine.residual import Residual
 
 from test_small_cards import entry as cache_entry
 
@@ -269,3 +270,38 @@ def test_a_cache_frees_at_once_the_buffers_it_released():
     assert pool.free_bytes == 4096 and pool.held_bytes == 8192
     with pytest.raises(ValueError, match="token"):
         pool.free_released(None)
+
+
+def test_freeing_released_buffers_spares_one_for_each_size_asked_for_next():
+    """free_released(keep=...): for each byte count the caller asks for next, the smallest free buffer of that cache
+    that serves it stays (one per count); the others of that cache go."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    mine = object()
+    bufs = [pool.empty((n,), torch.uint8) for n in (4096, 4096, 4200, 8192)]
+    for b in bufs:
+        pool.release(b, owner=mine)
+    assert pool.free_released(mine, keep=[4096, 100_000]) == 4096 + 4200 + 8192  # one 4096 stays, nothing fits 1e5
+    assert list(rt.locked.values()) == [4096]
+    again = pool.empty((4096,), torch.uint8)
+    assert rt.registered == 4 and rt.locked == {again.data_ptr(): 4096}  # taken, not page-locked anew
+
+
+def test_a_later_anchor_stores_its_packed_residual_in_the_buffers_of_the_one_it_replaces(pooled_cache):
+    """A host cache with room for a layer's residual at 4 bits only (residual_precision "auto"): every anchor packs
+    the layer's newcomer. The second anchor's entry takes the buffers the first one's leaves, instead of page-locking
+    new memory (the freed buffers of the sizes packing changed still go)."""
+    pool, rt = pooled_cache
+    key = (3, True, (), 4096)
+    first, second = (Entry(cache_entry(i, 0.3).selection, Residual.encode(torch.randn(1, 2, 4096, 64), "fp8"),
+                           importance=0.3) for i in (0, 1))
+    packed_bytes = first.nbytes - first.residual.packing_frees
+    cache = SelectionCache(device_budget=0, cpu_budget=packed_bytes + 100, offload=True, pack_when_short=True)
+    assert cache.put(key, first) == "cpu" and cache.on_cpu[key].residual.packed
+    held, registered = pool.held_bytes, rt.registered
+    old_ptrs = sorted(t.data_ptr() for t in cache_mod._tensors(cache.on_cpu[key]) if pool.owns(t))
+    assert len(old_ptrs) >= 2 and pool.free_bytes == 0  # the packed codes among them; the fp8 copy was never stored
+    assert cache.put(key, second) == "cpu" and cache.on_cpu[key].residual.packed
+    assert rt.registered == registered and pool.held_bytes == held  # nothing page-locked anew
+    assert sorted(t.data_ptr() for t in cache_mod._tensors(cache.on_cpu[key]) if pool.owns(t)) == old_ptrs
+    assert torch.equal(cache.on_cpu[key].residual.data, second.residual.pack().data)
