@@ -11,6 +11,9 @@
 #            kind of card, e.g. the auto part's, committed) or from an auto part earlier in the same call; the H200's
 #            fp8 row (docs/bench-runs/small-cards-7/host16) gave 1.55x against its own dense.
 #   [INT4_PARTS="heldout auto fp8"] [DENSE=.../e2e.json] bash bench/device_int4_cards.sh
+# Run once on an H100 (docs/bench-runs/int4-cards-1/, search-heldout-1/); to time `auto` again against that card's dense
+# row (after the pool change for later anchors, docs/benchmarks.md, "4-bit residuals on a 16 GB card"):
+#   INT4_PARTS=auto DENSE=docs/bench-runs/int4-cards-1/auto/wan14b-fp8-card16/e2e.json bash bench/device_int4_cards.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
