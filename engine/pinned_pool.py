@@ -93,9 +93,8 @@ class PinnedPool:
         if nbytes < self.min_bytes or self._failed:
             return None
         with self._locked():
-            fits = [b for b in self._buffers.values()
-                    if not b.in_use and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
-            buf = min(fits, key=lambda b: b.base.numel()) if fits else None
+            ptr = self._fitting(nbytes)
+            buf = self._buffers[ptr] if ptr is not None else None
             if buf is None:
                 # free buffers idle for a while go before new memory is locked (bounded hoarding when sizes change);
                 # recent ones stay: the entry being stored, or another device's engine, is about to take them
@@ -153,12 +152,19 @@ class PinnedPool:
         with self._locked():
             spared: set[int] = set()
             for nbytes in keep:
-                fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
-                        if not b.in_use and b.owner is owner and ptr not in spared
-                        and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
-                if fits:
-                    spared.add(min(fits)[1])
+                ptr = self._fitting(nbytes, owner=owner, exclude=spared)
+                if ptr is not None:
+                    spared.add(ptr)
             return self._free_unused(before=float("inf"), owner=owner, spare=spared)
+
+    def _fitting(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
+        """The base pointer of the smallest free buffer that serves a request of ``nbytes`` (up to FIT_SLACK larger),
+        or None; with ``owner``, only among those that owner released last; never one in ``exclude``. The lock is
+        held."""
+        fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
+                if not b.in_use and ptr not in exclude and (owner is None or b.owner is owner)
+                and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
+        return min(fits)[1] if fits else None
 
     def trim(self, since: float) -> int:
         """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
