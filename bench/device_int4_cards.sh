@@ -7,6 +7,8 @@
 #   auto     the small-VRAM preset (residual_precision "auto") on a simulated 16 GB card with a 16 GB host cache,
 #            Wan 2.1 14B 720p fp8 weights under ComfyUI 0.33.0, dense measured on the same card (docs/decisions.md,
 #            "Residuals at 4 bits"), ~5 min;
+#   pool     the page-locked pool's GPU tests (cut buffers, recycling across anchors, a prefetch reading a recycled
+#            buffer), ~1 min;
 #   fp8      the same preset with fp8 residuals (as before "auto"), dense taken from DENSE (an e2e.json of the same
 #            kind of card, e.g. the auto part's, committed) or from an auto part earlier in the same call; the H200's
 #            fp8 row (docs/bench-runs/small-cards-7/host16) gave 1.55x against its own dense.
@@ -14,6 +16,8 @@
 # Run once on an H100 (docs/bench-runs/int4-cards-1/, search-heldout-1/); to time `auto` again against that card's dense
 # row (after the pool change for later anchors, docs/benchmarks.md, "4-bit residuals on a 16 GB card"):
 #   INT4_PARTS=auto DENSE=docs/bench-runs/int4-cards-1/auto/wan14b-fp8-card16/e2e.json bash bench/device_int4_cards.sh
+# (twenty-first session: INT4_PARTS="pool auto", the pool cutting fp8 buffers in halves for the packed residuals at the
+# first anchor too; raw docs/bench-runs/int4-cards-2/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
@@ -45,6 +49,13 @@ PY
     echo "heldout: the searched allocations could not be read (${#allocs[@]} of 2, model: ${r5:-none})"
   fi
   tar czf "$OUT/alloc_check.tar.gz" -C /tmp alloc_check
+fi
+if [[ $parts == *" pool "* ]]; then
+  new_root /tmp/pool_tests
+  record_gpu
+  part gpu-tests 150 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider \
+    -k "page_lock or host_entries or recycled_host or packed_host_residuals"
+  tar czf "$OUT/pool_tests.tar.gz" -C /tmp pool_tests
 fi
 dense=${DENSE:-}
 if [[ $parts == *" auto "* ]]; then

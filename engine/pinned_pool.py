@@ -4,22 +4,30 @@ torch's pinned allocator rounds every block up to a power of two: an fp8 residua
 layer at 720p (738 MiB) takes 1 GiB, and a 32 GB host cache held 44.4 GiB of pinned memory for 31.9 GiB of entries
 (docs/benchmarks.md, "The small-VRAM preset on a 16 GB card, timed"). Host memory is what decides how many layers
 keep their residual on a small card, so large host entries live here instead: ordinary host memory page-locked with
-``cudaHostRegister``. The pool owns every buffer for its whole life:
+``cudaHostRegister`` (a *region*). The pool owns every region for its whole life; a region holds one buffer, or
+several side by side once it was split:
 
-- ``empty`` hands out a view of a free buffer of the same byte count, or up to 1/16 larger (else page-locks a new
-  one); the copies that read the buffer before it was released are finished first (events recorded at release).
-- ``release`` (the cache, when it forgets a host entry) makes the buffer free again; views that are still alive
-  keep the memory valid (torch holds the storage), they only must not be read after a new owner writes it, and the
-  cache never reads an entry it forgot.
-- ``trim`` (end of run) unregisters and frees the buffers no entry of that run used, after the device has finished
-  with them; a collected cache gives its buffers back and frees the free buffers it released last, not those another
-  cache keeps for its next run or is about to take again. Free buffers idle for a minute are also freed before new
-  memory is page-locked, so sizes that change mid-run do not pile up.
+- ``empty`` hands out a view of a free buffer of the same byte count, or up to 1/16 larger; else it cuts the request
+  from the front of the smallest free buffer at most SPLIT_MAX times its size (the rest stays a free buffer of the
+  same region); else it page-locks a new region. The copies that read the buffer before it was released are
+  finished first (events recorded at release). Cutting is what lets a residual packed to 4 bits take half of the
+  fp8 buffer it was packed from, and the next packed residual the other half: page-locking costs ~0.5 s/GiB, and
+  without it the first anchor that packs page-locked every packed entry anew (docs/benchmarks.md, "4-bit residuals
+  on a 16 GB card"). The SPLIT_MAX bound keeps small requests (token lists) from carving the large buffers apart.
+- ``release`` (the cache, when it forgets a host entry) makes the buffer free again and joins it to the free buffers
+  next to it in its region; views that are still alive keep the memory valid (torch holds the storage), they only
+  must not be read after a new owner writes it, and the cache never reads an entry it forgot.
+- ``trim`` (end of run) unregisters and frees the regions no entry of that run used, after the device has finished
+  with them; a collected cache gives its buffers back and frees the free regions it released last, not those
+  another cache keeps for its next run or is about to take again. Free regions idle for a minute are also freed
+  before new memory is page-locked, so sizes that change mid-run do not pile up. Only a region that is free as a
+  whole can be unregistered: a free part of a region whose other part is in use stays page-locked (and serves
+  requests) until the rest is released.
 - A collected cache's finalizer (``forget``) may run wherever the garbage collector runs, including inside one of
   the pool's own calls on the same thread, whose lock is held there: it never waits for the lock, and work it cannot
   do at once is queued and done as that call ends (or at the pool's next call).
-- ``release`` finds the buffer by the tensor's storage: the cache releases only tensors of entries it holds, never a
-  stale view of a buffer recycled since.
+- ``release`` finds the buffer by the address of the tensor's first element (the buffer that holds it): the cache
+  releases only tensors of entries it holds, never a stale view of a buffer recycled since.
 - A refused ``cudaHostRegister`` / ``cudaHostUnregister`` leaves its error as the CUDA runtime's last error, which
   the next kernel launch check would raise in unrelated code; a tiny launch right after consumes it.
 
@@ -43,12 +51,15 @@ log = logging.getLogger(__name__)
 MIN_BYTES = 4 << 20  # smaller host tensors stay with torch's allocator (its rounding costs little there)
 REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of the process (engines per device)
 FIT_SLACK = 1 / 16  # a free buffer up to this share larger serves a request (token lists vary a little per anchor)
-STALE_S = 60.0  # free buffers idle this long are freed before new memory is locked (other engines' recent ones stay)
+STALE_S = 60.0  # free regions idle this long are freed before new memory is locked (other engines' recent ones stay)
+SPLIT_MAX = 4  # a request is cut from a free buffer at most this many times its size (module docstring)
+SPLIT_ALIGN = 4096  # the rest of a cut buffer starts on a page: any dtype's view of it is aligned
 
 
 @dataclass
 class _Buffer:
-    base: torch.Tensor  # uint8 (nbytes,) in ordinary host memory, page-locked while in the pool
+    base: torch.Tensor  # uint8 (nbytes,) view of its region (ordinary host memory, page-locked while in the pool)
+    region: int  # the data_ptr of that region (what cudaHostRegister saw)
     in_use: bool = True
     last_used: float = field(default_factory=time.monotonic)  # handed out or released (time.monotonic)
     events: list = field(default_factory=list)  # recorded at release: the copies issued before it
@@ -64,7 +75,8 @@ class PinnedPool:
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
         self.min_bytes = min_bytes
-        self._buffers: dict[int, _Buffer] = {}  # base data_ptr -> buffer
+        self._regions: dict[int, torch.Tensor] = {}  # region data_ptr -> its uint8 (nbytes,) host memory
+        self._buffers: dict[int, _Buffer] = {}  # buffer start data_ptr -> buffer (the regions' parts, side by side)
         self._lock = threading.Lock()
         self._forgotten: deque = deque()  # (tensors, owner) of collected caches, given back at the next call
         self._failed = False
@@ -80,7 +92,7 @@ class PinnedPool:
     def held_bytes(self) -> int:
         """Bytes page-locked by the pool, in use or free."""
         with self._locked():
-            return sum(b.base.numel() for b in self._buffers.values())
+            return sum(r.numel() for r in self._regions.values())
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor | None:
         """An uninitialised CPU tensor of ``shape`` and ``dtype`` in page-locked memory of exactly its size, or None
@@ -94,9 +106,11 @@ class PinnedPool:
             return None
         with self._locked():
             ptr = self._fitting(nbytes)
+            if ptr is None and (ptr := self._cuttable(nbytes)) is not None:
+                ptr = self._cut(ptr, nbytes)
             buf = self._buffers[ptr] if ptr is not None else None
             if buf is None:
-                # free buffers idle for a while go before new memory is locked (bounded hoarding when sizes change);
+                # free regions idle for a while go before new memory is locked (bounded hoarding when sizes change);
                 # recent ones stay: the entry being stored, or another device's engine, is about to take them
                 self._free_unused(before=time.monotonic() - STALE_S)
                 base = torch.empty(nbytes, dtype=torch.uint8)
@@ -105,7 +119,8 @@ class PinnedPool:
                     log.info("sparse attention: page-locking host memory failed; host entries use torch's pinned "
                              "allocator for the rest of the session (its blocks are rounded up to a power of two)")
                     return None
-                buf = _Buffer(base)
+                buf = _Buffer(base, base.data_ptr())
+                self._regions[base.data_ptr()] = base
                 self._buffers[base.data_ptr()] = buf
             else:
                 _wait(buf.events, device)
@@ -116,11 +131,11 @@ class PinnedPool:
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of the pool's buffers (in use or free)."""
         with self._locked():
-            return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._buffers
+            return self._holder(t) is not None
 
     def release(self, t: torch.Tensor, streams=(), owner=None) -> None:
         """The tensor's buffer is free again (no-op for tensors the pool did not hand out). t: a CPU tensor (any
-        shape and dtype) whose storage is a pool buffer. ``streams``: the CUDA streams that may still be reading it
+        shape and dtype) that starts inside a pool buffer. ``streams``: the CUDA streams that may still be reading it
         (copies to the device, prefetches); events recorded on them now are waited for before the buffer is
         written again. ``owner``: a token of the releasing cache, for ``forget``."""
         if t.device.type != "cpu":
@@ -128,8 +143,19 @@ class PinnedPool:
         with self._locked():
             self._release(t, streams, owner)
 
+    def _holder(self, t: torch.Tensor) -> int | None:
+        """The start of the buffer that holds ``t``'s first element, or None (not the pool's). The lock is held."""
+        if t.device.type != "cpu" or t.numel() == 0:
+            return None
+        p = t.data_ptr()
+        for ptr, b in self._buffers.items():
+            if ptr <= p < ptr + b.base.numel():
+                return ptr
+        return None
+
     def _release(self, t: torch.Tensor, streams, owner) -> None:
-        buf = self._buffers.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        ptr = self._holder(t)
+        buf = self._buffers[ptr] if ptr is not None else None
         if buf is None or not buf.in_use:
             return
         buf.in_use, buf.last_used, buf.owner = False, time.monotonic(), owner
@@ -138,36 +164,85 @@ class PinnedPool:
             ev = torch.cuda.Event()
             ev.record(s)
             buf.events.append(ev)
+        self._join(ptr)
+
+    def _join(self, ptr: int) -> None:
+        """Merge the free buffer at ``ptr`` with the free buffers right before and after it in its region (the lock
+        is held): the merged one waits for every copy either waited for, was last used when the later of them was,
+        and keeps their owner only where they had the same (else None: no cache's ``free_released`` / ``forget``
+        frees it, ``trim`` does)."""
+        buf = self._buffers[ptr]
+        for other_ptr, other in list(self._buffers.items()):
+            if other.in_use or other.region != buf.region or other_ptr == ptr:
+                continue
+            if other_ptr + other.base.numel() == ptr:  # other lies just before: it takes buf
+                first, second, first_ptr, second_ptr = other, buf, other_ptr, ptr
+            elif ptr + buf.base.numel() == other_ptr:  # other lies just after: buf takes it
+                first, second, first_ptr, second_ptr = buf, other, ptr, other_ptr
+            else:
+                continue
+            region = self._regions[buf.region]
+            start = first_ptr - buf.region
+            first.base = region[start:start + first.base.numel() + second.base.numel()]
+            first.events = first.events + second.events
+            first.last_used = max(first.last_used, second.last_used)
+            first.owner = first.owner if first.owner is second.owner else None
+            del self._buffers[second_ptr]
+            buf, ptr = first, first_ptr
 
     def free_released(self, owner, keep=()) -> int:
-        """Unregister and free now the free buffers ``owner`` (a cache's token, never None) released last and nobody
+        """Unregister and free now the free regions ``owner`` (a cache's token, never None) released last and nobody
         took since: a cache short of host room that changes its entries' sizes (residuals packed to 4 bits, engine/
-        residual.py) cannot reuse them, and the pool would count them as host memory to spare. ``keep``: byte counts
-        the caller asks ``empty`` for next; for each, the smallest such buffer that serves it stays (the packed
-        entry a later anchor stores in place of a packed one takes that one's buffers: page-locking them anew cost
-        ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on a 16 GB card"). Returns the bytes
-        freed."""
+        residual.py) cannot reuse them whole, and the pool would count them as host memory to spare. ``keep``: byte
+        counts the caller asks ``empty`` for next; for each, the free buffer of that cache ``empty`` would take (one
+        that fits, else one it would cut) stays: the packed entry a later anchor stores in place of a packed one takes
+        that one's buffer, and a residual packed where fp8 found no room takes half of the fp8 buffer the packing
+        freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on a 16 GB
+        card"). Returns the bytes freed."""
         if owner is None:
             raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")
         with self._locked():
             spared: set[int] = set()
             for nbytes in keep:
                 ptr = self._fitting(nbytes, owner=owner, exclude=spared)
+                ptr = ptr if ptr is not None else self._cuttable(nbytes, owner=owner, exclude=spared)
                 if ptr is not None:
                     spared.add(ptr)
             return self._free_unused(before=float("inf"), owner=owner, spare=spared)
 
     def _fitting(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
-        """The base pointer of the smallest free buffer that serves a request of ``nbytes`` (up to FIT_SLACK larger),
+        """The start of the smallest free buffer that serves a request of ``nbytes`` whole (up to FIT_SLACK larger),
         or None; with ``owner``, only among those that owner released last; never one in ``exclude``. The lock is
         held."""
+        return self._smallest_free(nbytes, nbytes * (1 + FIT_SLACK), owner, exclude)
+
+    def _cuttable(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
+        """The start of the smallest free buffer a request of ``nbytes`` can be cut from (larger than FIT_SLACK
+        allows, at most SPLIT_MAX times it), or None; ``owner`` and ``exclude`` as in ``_fitting``."""
+        return self._smallest_free(nbytes * (1 + FIT_SLACK), nbytes * SPLIT_MAX, owner, exclude)
+
+    def _smallest_free(self, low: float, high: float, owner, exclude) -> int | None:
         fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
                 if not b.in_use and ptr not in exclude and (owner is None or b.owner is owner)
-                and nbytes <= b.base.numel() <= nbytes * (1 + FIT_SLACK)]
+                and low <= b.base.numel() <= high]
         return min(fits)[1] if fits else None
 
+    def _cut(self, ptr: int, nbytes: int) -> int:
+        """Cut the free buffer at ``ptr`` in two: its first ``nbytes`` (rounded up to SPLIT_ALIGN) stay at ``ptr``,
+        the rest becomes a free buffer of its own with the same pending copies, owner and age; a rest smaller than
+        ``min_bytes`` stays with the first part. Returns ``ptr``. The lock is held."""
+        buf = self._buffers[ptr]
+        head = -(-nbytes // SPLIT_ALIGN) * SPLIT_ALIGN
+        if buf.base.numel() - head < self.min_bytes:
+            return ptr
+        rest = _Buffer(buf.base[head:], buf.region, in_use=False, last_used=buf.last_used, events=list(buf.events),
+                       owner=buf.owner)
+        buf.base = buf.base[:head]
+        self._buffers[ptr + head] = rest
+        return ptr
+
     def trim(self, since: float) -> int:
-        """Unregister and free the buffers that are free and were neither handed out nor released since ``since``
+        """Unregister and free the regions that are free and were neither handed out nor released since ``since``
         (a ``time.monotonic()`` reading: the start of the run that ends). The engines of several devices each trim
         at their run's end without freeing what the others use. Returns the bytes freed."""
         with self._locked():
@@ -193,7 +268,7 @@ class PinnedPool:
 
     def forget(self, tensors, owner) -> None:
         """A collected cache (``owner``: its token, never None) is gone: its ``tensors`` (CPU tensors it still held)
-        are given back, and its free buffers — those it released last and nobody took since, which it kept for its
+        are given back, and its free regions — those it released last and nobody took since, which it kept for its
         next run — are unregistered and freed. Called from the cache's finalizer, which may run inside one of the
         pool's own calls (the garbage collector runs at any allocation): it never waits for the lock; when the lock
         is held, the work is queued and done as the call holding it ends, or at the pool's next call. No events are
@@ -212,17 +287,20 @@ class PinnedPool:
             self._free_unused(before=float("inf"), owner=owner)
 
     def _free_unused(self, before: float, owner=None, spare=frozenset()) -> int:
-        """Unregister and free the free buffers last used before ``before`` (a ``time.monotonic()`` reading); with
-        ``owner``, only those that owner released last; never those whose base pointer is in ``spare``."""
+        """Unregister and free the regions that are one free buffer last used before ``before`` (a
+        ``time.monotonic()`` reading); with ``owner``, only those that owner released last; never those whose start
+        is in ``spare``. A region with a part in use stays whole."""
         freed = 0
         for ptr, b in list(self._buffers.items()):
             if b.in_use or b.last_used >= before or (owner is not None and b.owner is not owner) or ptr in spare:
                 continue
+            if ptr != b.region or b.base.numel() != self._regions[b.region].numel():
+                continue  # a part of a region another part of which is in use
             for ev in b.events:  # copies still reading it finish first: unregistering under a copy is undefined
                 ev.synchronize()
             self._unregister(ptr)
             freed += b.base.numel()
-            del self._buffers[ptr]
+            del self._buffers[ptr], self._regions[ptr]
         return freed
 
 

@@ -720,6 +720,42 @@ def test_a_recycled_host_buffer_is_written_only_after_the_prefetch_reading_it(mo
         assert pool.held_bytes == 0
 
 
+def test_packed_host_residuals_take_the_halves_of_the_fp8_buffers_they_replace(monkeypatch):
+    """residual_precision "auto" on a real GPU with host room for six residuals at 4 bits but three at fp8: the layers
+    after the third are packed with the stored ones, each packed residual in half of a page-locked fp8 buffer the
+    packing freed (engine/pinned_pool.py: cut buffers inside one registered region), and every one comes back
+    exactly as packing it on the GPU gives; a later anchor's packed residuals take the same buffers."""
+    import time
+
+    pool, SelectionCache, entry = _pool_cache(monkeypatch)
+    n = 12288
+    keys = [(layer, True, (), n) for layer in range(6)]
+    first = [entry(i) for i in range(6)]
+    room = 6 * (first[0].nbytes - first[0].residual.packing_frees) + 100
+    assert 3 * first[0].nbytes < room < 4 * first[0].nbytes
+    cache = SelectionCache(device_budget=0, cpu_budget=room, offload=True, pack_when_short=True)
+    try:
+        for key, e in zip(keys, first):
+            assert cache.put(key, e) == "cpu"
+        regions = len(pool._regions)
+        assert regions <= 4, regions  # three fp8 buffers cut in halves, and the first packing's own
+        for key, e in zip(keys, first):
+            stored = cache.on_cpu[key].residual
+            assert stored.packed and pool.owns(stored.data) and stored.data.is_pinned()
+            assert same_bytes(cache.get(key, DEV).residual.data, e.residual.pack().data)
+        later = [entry(10 + i) for i in range(6)]
+        for key, e in zip(keys, later):
+            assert cache.put(key, e) == "cpu"
+        assert len(pool._regions) == regions and cache.counters["residual_dropped"] == 0
+        torch.cuda.synchronize()
+        for key, e in zip(keys, later):
+            assert same_bytes(cache.get(key, DEV).residual.data, e.residual.pack().data)
+    finally:
+        cache.reset()
+        pool.trim(since=time.monotonic())
+        assert pool.held_bytes == 0
+
+
 def test_a_refused_page_lock_leaves_no_cuda_error_behind():
     """cudaHostRegister on a range already registered fails; its error must not surface in the next kernel."""
     from comfyui_sparse_attention.engine.pinned_pool import _cuda_register, _cuda_unregister

@@ -305,3 +305,84 @@ def test_a_later_anchor_stores_its_packed_residual_in_the_buffers_of_the_one_it_
     assert rt.registered == registered and pool.held_bytes == held  # nothing page-locked anew
     assert sorted(t.data_ptr() for t in cache_mod._tensors(cache.on_cpu[key]) if pool.owns(t)) == old_ptrs
     assert torch.equal(cache.on_cpu[key].residual.data, second.residual.pack().data)
+
+
+def test_a_request_is_cut_from_a_larger_free_buffer_and_the_parts_join_again():
+    """No free buffer of the size asked for: the smallest free one at most SPLIT_MAX times larger gives its front,
+    the rest stays free in the same page-locked region; released parts join, and the region is freed whole."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    big = pool.empty((16384,), torch.uint8)
+    region = big.data_ptr()
+    pool.release(big)
+    a = pool.empty((2000,), torch.float32)  # 8000 bytes: cut from the front (rounded up to a page)
+    assert a.data_ptr() == region and rt.registered == 1 and pool.held_bytes == 16384
+    assert pool.free_bytes == 16384 - 8192
+    b = pool.empty((8192,), torch.uint8)  # the rest serves the next request whole
+    assert b.data_ptr() == region + 8192 and rt.registered == 1 and pool.free_bytes == 0
+    a.fill_(1.5), b.fill_(7)  # the parts do not overlap
+    assert torch.all(a == 1.5) and torch.all(b == 7)
+    pool.release(b)
+    assert pool.trim(since=time.monotonic()) == 0 and rt.locked == {region: 16384}  # a is in use: the region stays
+    pool.release(a)
+    assert pool.free_bytes == 16384
+    whole = pool.empty((16384,), torch.uint8)  # joined again: the whole region serves a whole request
+    assert whole.data_ptr() == region and rt.registered == 1
+    pool.release(whole)
+    assert pool.trim(since=time.monotonic()) == 16384 and not rt.locked
+
+
+def test_small_requests_do_not_carve_large_buffers():
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    pool.release(pool.empty((40000,), torch.uint8))
+    small = pool.empty((5000,), torch.uint8)  # 8x smaller than the free buffer: new memory, the large one stays whole
+    assert rt.registered == 2 and pool.free_bytes == 40000 and not pool.owns(small[:0]) and pool.owns(small)
+
+
+def test_freeing_released_buffers_spares_one_to_cut_the_next_request_from():
+    """free_released(keep=...) where no free buffer fits a kept size whole: the one ``empty`` would cut it from
+    stays (a residual packed to 4 bits takes half of the fp8 buffer the packing freed)."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    mine = object()
+    fp8 = [pool.empty((8192,), torch.uint8) for _ in range(2)]
+    for t in fp8:
+        pool.release(t, owner=mine)
+    assert pool.free_released(mine, keep=[4096]) == 8192 and pool.held_bytes == 8192
+    half = pool.empty((4096,), torch.uint8)
+    other = pool.empty((4096,), torch.uint8)
+    assert rt.registered == 2 and pool.free_bytes == 0 and other.data_ptr() == half.data_ptr() + 4096
+
+
+def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_frees(pooled_cache):
+    """A host cache with room for six residuals at 4 bits but only three at fp8 (residual_precision "auto"), six
+    layers stored at one anchor: the fourth layer on packs the stored ones and itself. Each packed residual takes
+    half of an fp8 buffer the packing freed, so only the first packing page-locks memory of the packed size; no two
+    stored tensors share bytes, and every stored residual holds its own data."""
+    pool, rt = pooled_cache
+    sizes = []
+    register = pool._register
+
+    def recording(ptr, nbytes):
+        sizes.append(nbytes)
+        return register(ptr, nbytes)
+
+    pool._register = recording
+    entries = [Entry(cache_entry(i, 0.3).selection, Residual.encode(torch.randn(1, 2, 4096, 64), "fp8"),
+                     importance=0.3) for i in range(6)]
+    fp8_bytes, packed_bytes = entries[0].residual.data.nbytes, entries[0].residual.data.nbytes // 2
+    room = sum(e.nbytes for e in entries) - 6 * entries[0].residual.packing_frees + 100
+    assert 3 * entries[0].nbytes < room < 4 * entries[0].nbytes  # three fp8 entries fit, four do not
+    cache = SelectionCache(device_budget=0, cpu_budget=room, offload=True, pack_when_short=True)
+    for i, e in enumerate(entries):
+        assert cache.put((i, True, (), 4096), e) == "cpu"
+    stored = [cache.on_cpu[(i, True, (), 4096)] for i in range(6)]
+    assert all(s.residual.packed for s in stored) and cache.counters["residual_dropped"] == 0
+    for s, e in zip(stored, entries):
+        assert torch.equal(s.residual.data, e.residual.pack().data)
+    assert sizes.count(fp8_bytes) == 3 and sizes.count(packed_bytes) <= 1
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for s in stored for t in cache_mod._tensors(s))
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert pool.held_bytes <= 2 * fp8_bytes + packed_bytes + sum(
+        t.nbytes for s in stored for t in cache_mod._tensors(s) if t.nbytes not in (fp8_bytes, packed_bytes))
