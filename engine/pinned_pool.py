@@ -53,7 +53,9 @@ REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device of th
 FIT_SLACK = 1 / 16  # a free buffer up to this share larger serves a request (token lists vary a little per anchor)
 STALE_S = 60.0  # free regions idle this long are freed before new memory is locked (other engines' recent ones stay)
 SPLIT_MAX = 4  # a request is cut from a free buffer at most this many times its size (module docstring)
-SPLIT_ALIGN = 4096  # the rest of a cut buffer starts on a page: any dtype's view of it is aligned
+SPLIT_ALIGN = 16  # a cut rounds up to this many bytes: the rest is aligned for a view of any dtype, and the two halves
+# of a buffer twice a request's size (a packed residual's B x H x N x D/2 bytes: a multiple of 16 at D = 64 or 128) both
+# serve that request (a page alignment left the second half short for most token counts)
 
 
 @dataclass
@@ -63,7 +65,8 @@ class _Buffer:
     in_use: bool = True
     last_used: float = field(default_factory=time.monotonic)  # handed out or released (time.monotonic)
     events: list = field(default_factory=list)  # recorded at release: the copies issued before it
-    owner: object = None  # the token of the cache that released it last (``forget``)
+    owners: frozenset = frozenset()  # tokens of the caches that released it (its parts, when joined) since it was
+    # last handed out: ``forget`` and ``free_released`` free a region only once all of them are gone but the caller
 
 
 class PinnedPool:
@@ -79,6 +82,7 @@ class PinnedPool:
         self._buffers: dict[int, _Buffer] = {}  # buffer start data_ptr -> buffer (the regions' parts, side by side)
         self._lock = threading.Lock()
         self._forgotten: deque = deque()  # (tensors, owner) of collected caches, given back at the next call
+        self._gone: set = set()  # tokens of collected caches that still own free parts (``_Buffer.owners``)
         self._failed = False
 
     # sizes
@@ -95,7 +99,8 @@ class PinnedPool:
             return sum(r.numel() for r in self._regions.values())
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor | None:
-        """An uninitialised CPU tensor of ``shape`` and ``dtype`` in page-locked memory of exactly its size, or None
+        """An uninitialised CPU tensor of ``shape`` and ``dtype`` in page-locked memory (a buffer of its size, or the
+        front of a larger one: module docstring), or None
         (too small to matter, no CUDA, or the runtime refused: use torch's pinned allocator). ``device``: the CUDA
         device whose current stream will write it (it waits there for the copies that read a recycled buffer)."""
         numel = 1
@@ -125,7 +130,7 @@ class PinnedPool:
             else:
                 _wait(buf.events, device)
                 buf.events = []
-                buf.in_use, buf.last_used, buf.owner = True, time.monotonic(), None
+                buf.in_use, buf.last_used, buf.owners = True, time.monotonic(), frozenset()
         return buf.base[:nbytes].view(dtype).view(tuple(int(s) for s in shape))
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -158,7 +163,8 @@ class PinnedPool:
         buf = self._buffers[ptr] if ptr is not None else None
         if buf is None or not buf.in_use:
             return
-        buf.in_use, buf.last_used, buf.owner = False, time.monotonic(), owner
+        buf.in_use, buf.last_used = False, time.monotonic()
+        buf.owners = frozenset() if owner is None else frozenset((owner,))
         buf.events = []
         for s in streams:
             ev = torch.cuda.Event()
@@ -169,8 +175,7 @@ class PinnedPool:
     def _join(self, ptr: int) -> None:
         """Merge the free buffer at ``ptr`` with the free buffers right before and after it in its region (the lock
         is held): the merged one waits for every copy either waited for, was last used when the later of them was,
-        and keeps their owner only where they had the same (else None: no cache's ``free_released`` / ``forget``
-        frees it, ``trim`` does)."""
+        and counts the caches that released either among its owners."""
         buf = self._buffers[ptr]
         for other_ptr, other in list(self._buffers.items()):
             if other.in_use or other.region != buf.region or other_ptr == ptr:
@@ -186,24 +191,26 @@ class PinnedPool:
             first.base = region[start:start + first.base.numel() + second.base.numel()]
             first.events = first.events + second.events
             first.last_used = max(first.last_used, second.last_used)
-            first.owner = first.owner if first.owner is second.owner else None
+            first.owners = first.owners | second.owners
             del self._buffers[second_ptr]
             buf, ptr = first, first_ptr
 
     def free_released(self, owner, keep=()) -> int:
-        """Unregister and free now the free regions ``owner`` (a cache's token, never None) released last and nobody
-        took since: a cache short of host room that changes its entries' sizes (residuals packed to 4 bits, engine/
-        residual.py) cannot reuse them whole, and the pool would count them as host memory to spare. ``keep``: byte
-        counts the caller asks ``empty`` for next; for each, the free buffer of that cache ``empty`` would take (one
-        that fits, else one it would cut) stays: the packed entry a later anchor stores in place of a packed one takes
-        that one's buffer, and a residual packed where fp8 found no room takes half of the fp8 buffer the packing
-        freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on a 16 GB
-        card"). Returns the bytes freed."""
+        """Unregister and free now the free regions ``owner`` (a cache's token, never None) released last (with caches
+        that are gone) and nobody took since: a cache short of host room that changes its entries' sizes (residuals
+        packed to 4 bits, engine/residual.py) cannot reuse them whole, and the pool would count them as host memory to
+        spare. ``keep``: byte counts the caller asks ``empty`` for next; for each, the free buffer of that cache
+        ``empty`` would take (one that fits, else one it would cut) stays: the packed entry a later anchor stores in
+        place of a packed one takes that one's buffer, and a residual packed where fp8 found no room takes half of the
+        fp8 buffer the packing freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md,
+        "4-bit residuals on a 16 GB card"). Returns the bytes freed."""
         if owner is None:
             raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")
         with self._locked():
             spared: set[int] = set()
             for nbytes in keep:
+                if nbytes < self.min_bytes:  # served by torch's allocator, never by a buffer
+                    continue
                 ptr = self._fitting(nbytes, owner=owner, exclude=spared)
                 ptr = ptr if ptr is not None else self._cuttable(nbytes, owner=owner, exclude=spared)
                 if ptr is not None:
@@ -212,7 +219,7 @@ class PinnedPool:
 
     def _fitting(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
         """The start of the smallest free buffer that serves a request of ``nbytes`` whole (up to FIT_SLACK larger),
-        or None; with ``owner``, only among those that owner released last; never one in ``exclude``. The lock is
+        or None; with ``owner``, only among those that owner released (last); never one in ``exclude``. The lock is
         held."""
         return self._smallest_free(nbytes, nbytes * (1 + FIT_SLACK), owner, exclude)
 
@@ -223,20 +230,20 @@ class PinnedPool:
 
     def _smallest_free(self, low: float, high: float, owner, exclude) -> int | None:
         fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
-                if not b.in_use and ptr not in exclude and (owner is None or b.owner is owner)
+                if not b.in_use and ptr not in exclude and (owner is None or owner in b.owners)
                 and low <= b.base.numel() <= high]
         return min(fits)[1] if fits else None
 
     def _cut(self, ptr: int, nbytes: int) -> int:
         """Cut the free buffer at ``ptr`` in two: its first ``nbytes`` (rounded up to SPLIT_ALIGN) stay at ``ptr``,
-        the rest becomes a free buffer of its own with the same pending copies, owner and age; a rest smaller than
+        the rest becomes a free buffer of its own with the same pending copies, owners and age; a rest smaller than
         ``min_bytes`` stays with the first part. Returns ``ptr``. The lock is held."""
         buf = self._buffers[ptr]
         head = -(-nbytes // SPLIT_ALIGN) * SPLIT_ALIGN
         if buf.base.numel() - head < self.min_bytes:
             return ptr
         rest = _Buffer(buf.base[head:], buf.region, in_use=False, last_used=buf.last_used, events=list(buf.events),
-                       owner=buf.owner)
+                       owners=buf.owners)
         buf.base = buf.base[:head]
         self._buffers[ptr + head] = rest
         return ptr
@@ -282,17 +289,21 @@ class PinnedPool:
         """The queued work of ``forget`` (the lock is held)."""
         while self._forgotten:
             tensors, owner = self._forgotten.popleft()
+            self._gone.add(owner)
             for t in tensors:
                 self._release(t, (), owner)
             self._free_unused(before=float("inf"), owner=owner)
+            # a gone cache's token is kept while a free part it released waits for its other owners
+            self._gone = {t for t in self._gone if any(t in b.owners for b in self._buffers.values())}
 
     def _free_unused(self, before: float, owner=None, spare=frozenset()) -> int:
         """Unregister and free the regions that are one free buffer last used before ``before`` (a
-        ``time.monotonic()`` reading); with ``owner``, only those that owner released last; never those whose start
-        is in ``spare``. A region with a part in use stays whole."""
+        ``time.monotonic()`` reading); with ``owner``, only those that owner released (last) and no cache but it and
+        gone ones (``forget``); never those whose start is in ``spare``. A region with a part in use stays whole."""
         freed = 0
         for ptr, b in list(self._buffers.items()):
-            if b.in_use or b.last_used >= before or (owner is not None and b.owner is not owner) or ptr in spare:
+            if b.in_use or b.last_used >= before or ptr in spare or (
+                    owner is not None and (owner not in b.owners or not b.owners - {owner} <= self._gone)):
                 continue
             if ptr != b.region or b.base.numel() != self._regions[b.region].numel():
                 continue  # a part of a region another part of which is in use

@@ -737,8 +737,8 @@ def test_packed_host_residuals_take_the_halves_of_the_fp8_buffers_they_replace(m
     try:
         for key, e in zip(keys, first):
             assert cache.put(key, e) == "cpu"
-        regions = len(pool._regions)
-        assert regions <= 4, regions  # three fp8 buffers cut in halves, and the first packing's own
+        regions = set(pool._regions)
+        assert len(regions) <= 4, regions  # three fp8 buffers cut in halves, and the first packing's own
         for key, e in zip(keys, first):
             stored = cache.on_cpu[key].residual
             assert stored.packed and pool.owns(stored.data) and stored.data.is_pinned()
@@ -746,7 +746,7 @@ def test_packed_host_residuals_take_the_halves_of_the_fp8_buffers_they_replace(m
         later = [entry(10 + i) for i in range(6)]
         for key, e in zip(keys, later):
             assert cache.put(key, e) == "cpu"
-        assert len(pool._regions) == regions and cache.counters["residual_dropped"] == 0
+        assert set(pool._regions) <= regions and cache.counters["residual_dropped"] == 0  # nothing locked anew
         torch.cuda.synchronize()
         for key, e in zip(keys, later):
             assert same_bytes(cache.get(key, DEV).residual.data, e.residual.pack().data)
