@@ -366,23 +366,24 @@ class SelectionCache:
 
     def _packed(self, residual: Residual, host: bool) -> Residual:
         """``residual`` packed where it lies. A host one is packed on the GPU it came from (its bytes there and back,
-        no pass of the host's CPU) into page-locked memory; its fp8 data's pooled buffer is given back."""
+        no pass of the host's CPU) into page-locked memory; its fp8 tensors' pooled buffers are given back."""
         if not host:
-            return residual.pack()  # shares the row scale and the mass with the fp8 residual
-        d = residual.data
-        shape = (*d.shape[:-1], d.shape[-1] // 2)
-        buf = POOL.empty(shape, torch.uint8, self._cuda_device) if self._cuda_device is not None else None
-        try:
-            if buf is None and torch.cuda.is_available():
-                out = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-            else:
-                out = buf
-            res = residual.pack(work=self._cuda_device, out=out)  # its copies back to the host wait for the GPU
-        except BaseException:  # e.g. out of GPU memory for the chunk: the buffer taken is nobody's
+            return residual.pack()
+        taken = []
+
+        def empty(shape, dtype):
+            buf = POOL.empty(shape, dtype, self._cuda_device) if self._cuda_device is not None else None
             if buf is not None:
+                taken.append(buf)
+                return buf
+            return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        try:
+            res = residual.pack(work=self._cuda_device, empty=empty)  # its copies back to the host wait for the GPU
+        except BaseException:  # e.g. out of GPU memory for the chunk: the buffers taken are nobody's
+            for buf in taken:
                 POOL.release(buf, owner=self._pool_token)
             raise
-        self._release([d])
+        self._release(residual.tensors())
         return res
 
     def _packing_makes_room(self, size: int, entry: Entry) -> set:

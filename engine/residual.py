@@ -10,7 +10,11 @@ row (amax / 448): half the bytes of bf16 plus 1/32 for the scales. The rounding 
 Where memory is short a residual can be **packed** to 4 bits a value (``residual_precision`` "int4", or "auto" for
 the residuals that find no room at fp8): the fp8 row's scale stays, and each value keeps the nearest of the 15
 levels k × 64 (k = -7..7), which float8_e4m3fn represents exactly, so unpacking gives the kernels an ordinary fp8
-residual. Half of fp8's bytes; docs/decisions.md, "Residuals at 4 bits", has what it costs.
+residual. Half of fp8's bytes; docs/decisions.md, "Residuals at 4 bits", has what it costs. A packed residual also
+keeps its row scale in bf16 (fp32's range, 0.2 % rounding where the 4-bit levels round by up to 7 %) and its mass
+in fp16, log Z_C less a per-(batch, head) base: at Wan 14B 720p they are 72 of a packed layer's 460 MB, and a mass
+that only later anchors write made a host cache filled at the first anchor drop residuals at every later one
+(docs/benchmarks.md, "4-bit residuals on a 16 GB card"). Unpacking restores fp32 for the kernels.
 """
 
 from __future__ import annotations
@@ -116,7 +120,9 @@ class Residual:
     data: torch.Tensor
     scale: torch.Tensor | None = None
     mass: torch.Tensor | None = None
-    packed: bool = False  # data: uint8 (B, H, N, D / 2), two 4-bit codes a byte (even column low), on fp8's scale
+    packed: bool = False  # data: uint8 (B, H, N, D / 2), two 4-bit codes a byte (even column low), on fp8's scale;
+    # scale then bf16 (B, H, N, 1), mass fp16 (B, H, N, 2) holding (log Z_C - mass_base, log beta)
+    mass_base: torch.Tensor | None = None  # fp32 (B, H, 1, 1) of a packed residual's mass, else None
 
     @staticmethod
     def encode(diff: torch.Tensor, precision: str = "fp8") -> "Residual":
@@ -149,35 +155,60 @@ class Residual:
 
     @property
     def packing_frees(self) -> int:
-        """Bytes that packing frees: half the fp8 data (two values a byte; row scale and mass stay); 0 when it cannot
-        be packed."""
-        return self.data.numel() // 2 if self.can_pack() else 0
+        """Bytes that packing frees: half the fp8 data (two values a byte), half the row scale (bf16) and half the mass
+        (fp16) less its base; 0 when it cannot be packed."""
+        if not self.can_pack():
+            return 0
+        frees = self.data.numel() // 2 + (0 if self.scale is None else self.scale.numel() * 2)
+        if self.mass is not None:
+            frees += self.mass.numel() * 2 - self.mass.shape[0] * self.mass.shape[1] * 4
+        return frees
 
     def stored_as(self, precision: str) -> "Residual":
         """This residual as ``precision`` stores it: packed for "int4" (where it can be), else itself."""
         return self.pack() if precision == "int4" and self.can_pack() else self
 
-    def pack(self, work: torch.device | None = None, out: torch.Tensor | None = None) -> "Residual":
+    def pack(self, work: torch.device | None = None, empty=None) -> "Residual":
         """The 4-bit form of an fp8 residual (``can_pack``): each value's nearest level k x PACK_STEP (k = -7..7) on
-        the same row scale, NaN kept (code PACK_NAN); scale and mass are shared, not copied. ``work``: the device that
-        computes it (a host residual packed on its GPU: its bytes there and back, a few (batch, head) rows at a time);
-        ``out``: uint8 (B, H, N, D / 2) on the data's device to write (e.g. a page-locked buffer), else new."""
+        the same row scale, NaN kept (code PACK_NAN); the scale in bf16 and the mass in fp16 (the class's fields).
+        ``work``: the device that computes it (a host residual packed on its GPU: its bytes there and back, a few
+        (batch, head) rows at a time); ``empty(shape, dtype)``: allocates the results on the data's device (e.g.
+        page-locked buffers), else new tensors."""
         if not self.can_pack():
             raise ValueError("only an unpacked fp8 residual with an even head dimension can be packed")
         b, h, n, d = self.data.shape
-        if out is None:
-            out = torch.empty((b, h, n, d // 2), dtype=torch.uint8, device=self.data.device)
-        work = self.data.device if work is None else torch.device(work)
+        dev = self.data.device
+        if empty is None:
+            def empty(shape, dtype):
+                return torch.empty(shape, dtype=dtype, device=dev)
+        out = empty((b, h, n, d // 2), torch.uint8)
+        work = dev if work is None else torch.device(work)
         lut = _tables(work)[0]
         src, dst = self.data.view(torch.uint8).reshape(b * h, n, d), out.view(b * h, n, d // 2)
         for rows in _row_chunks(src):  # (batch, head) rows in memory order: contiguous slices both ways
             byte = src[rows].to(work, non_blocking=True)
             code = lut.index_select(0, byte.reshape(-1).int()).view(byte.shape)  # one lookup per fp8 bit pattern
             dst[rows].copy_(code[..., 0::2] | (code[..., 1::2] << 4))
-        return Residual(out, self.scale, self.mass, packed=True)
+        scale = None
+        if self.scale is not None:
+            scale = empty(tuple(self.scale.shape), torch.bfloat16)
+            scale.copy_(self.scale.to(work, non_blocking=True).to(torch.bfloat16))  # to the host: waits, as the data
+        mass = base = None
+        if self.mass is not None:
+            m = self.mass.to(work, non_blocking=True)
+            log_c = m[..., 0]
+            finite = torch.isfinite(log_c)
+            # the heads' mean of log Z_C: what is left spans the rows' few units, which fp16 holds to ~0.01
+            mean = torch.where(finite, log_c, 0.0).sum(-1) / finite.sum(-1).clamp(min=1)
+            base = empty((b, h, 1, 1), torch.float32)
+            base.copy_(mean.view(b, h, 1, 1))
+            mass = empty(tuple(m.shape), torch.float16)
+            mass.copy_(torch.stack((log_c - mean[..., None], m[..., 1]), -1).to(torch.float16))
+        return Residual(out, scale, mass, packed=True, mass_base=base)
 
     def unpacked(self) -> "Residual":
-        """The fp8 residual a packed one stands for (new data; scale and mass shared); itself when not packed."""
+        """The fp8 residual a packed one stands for (new tensors: fp8 data, fp32 scale and mass); itself when not
+        packed."""
         if not self.packed:
             return self
         b, h, n, half = self.data.shape
@@ -188,7 +219,12 @@ class Residual:
         for rows in _row_chunks(src, UNPACK_CHUNK_ELEMS):
             p = src[rows]
             dst[rows] = lut.index_select(0, p.reshape(-1).int()).view(*p.shape).view(torch.uint8)
-        return Residual(out.view(FP8), self.scale, self.mass)
+        scale = None if self.scale is None else self.scale.float()
+        mass = None
+        if self.mass is not None:
+            mass = self.mass.float()
+            mass[..., 0] += self.mass_base.view(b, h, 1)
+        return Residual(out.view(FP8), scale, mass)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         """out (B, H, N, D) += the residual, in place; returns out. fp8 rows are decoded in fp32 (an fp16 copy of
@@ -222,7 +258,7 @@ class Residual:
         return (self.data.float() * self.scale).to(dtype)
 
     def tensors(self):
-        return tuple(t for t in (self.data, self.scale, self.mass) if t is not None)
+        return tuple(t for t in (self.data, self.scale, self.mass, self.mass_base) if t is not None)
 
     @property
     def nbytes(self) -> int:
@@ -231,9 +267,11 @@ class Residual:
     def map(self, fn) -> "Residual":
         """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
         return Residual(fn(self.data), None if self.scale is None else fn(self.scale),
-                        None if self.mass is None else fn(self.mass), self.packed)
+                        None if self.mass is None else fn(self.mass), self.packed,
+                        None if self.mass_base is None else fn(self.mass_base))
 
     def batch_slice(self, start: int, stop: int) -> "Residual":
         """Batch rows [start, stop) (views)."""
         return Residual(self.data[start:stop], None if self.scale is None else self.scale[start:stop],
-                        None if self.mass is None else self.mass[start:stop], self.packed)
+                        None if self.mass is None else self.mass[start:stop], self.packed,
+                        None if self.mass_base is None else self.mass_base[start:stop])

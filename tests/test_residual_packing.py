@@ -32,13 +32,20 @@ def test_packing_keeps_the_nearest_level_on_the_row_scale():
     fp8 = Residual.encode(x, "fp8")
     packed = fp8.pack()
     assert packed.packed and packed.data.dtype == torch.uint8 and tuple(packed.data.shape) == (2, 3, 40, 32)
-    assert packed.shape == tuple(x.shape) == fp8.shape and packed.scale is fp8.scale
-    assert packed.nbytes == fp8.nbytes - x.numel() // 2  # half of the data's bytes, the scale kept
-    buf = torch.empty(packed.data.shape, dtype=torch.uint8)  # a given buffer (a page-locked one in the cache)
-    into = fp8.pack(work=torch.device("cpu"), out=buf)
-    assert into.data is buf and torch.equal(buf, packed.data)
+    assert packed.shape == tuple(x.shape) == fp8.shape and packed.scale.dtype == torch.bfloat16
+    assert packed.nbytes == fp8.nbytes - x.numel() // 2 - fp8.scale.numel() * 2 == fp8.nbytes - fp8.packing_frees
+    given = []  # buffers the caller allocates (page-locked ones in the cache)
+
+    def empty(shape, dtype):
+        given.append(torch.empty(shape, dtype=dtype))
+        return given[-1]
+    into = fp8.pack(work=torch.device("cpu"), empty=empty)
+    assert [t.dtype for t in given] == [torch.uint8, torch.bfloat16] and into.data is given[0]
+    assert into.scale is given[1] and torch.equal(given[0], packed.data)
     back = packed.unpacked()
-    assert not back.packed and back.data.dtype == FP8 and back.scale is fp8.scale
+    assert not back.packed and back.data.dtype == FP8 and back.scale.dtype == torch.float32
+    # the scale comes back within bf16's rounding (2^-9 of it; the 4-bit levels round by up to 1/14 of the row's max)
+    assert torch.allclose(back.scale, fp8.scale, rtol=2 ** -8, atol=0)
     v8, v4 = fp8.data.float(), back.data.float()
     nan = torch.isnan(v8)
     assert torch.equal(torch.isnan(v4), nan) and nan.sum() == 1
@@ -55,6 +62,36 @@ def test_packing_keeps_the_nearest_level_on_the_row_scale():
     # levels that are already multiples of 64 pass unchanged
     exact = Residual(torch.tensor([[[[-448.0, -64.0, 0.0, 192.0]]]]).to(FP8), torch.ones(1, 1, 1, 1))
     assert torch.equal(exact.pack().unpacked().data.float(), exact.data.float())
+
+
+def test_a_packed_residual_keeps_its_mass_in_fp16_about_each_heads_mean():
+    """The mass rows (log Z_C, log beta) of a mass-weighted residual: packed, log Z_C is kept less its head's mean in
+    fp16 (the rows of a head span a few units where Z_C itself may be tens), log beta as is; unpacked, both come back
+    in fp32 within fp16's rounding of what was kept, infinities and NaN as they were; moves and batch slices keep the
+    base; packing frees exactly the bytes ``packing_frees`` says."""
+    g = torch.Generator().manual_seed(5)
+    fp8 = Residual.encode(residual(3), "fp8")
+    b, h, n, _ = fp8.data.shape
+    head_level = torch.tensor([[12.0, 35.0, -4.0], [60.0, 0.5, 21.0]]).view(b, h, 1)
+    log_c = head_level + 3 * torch.randn(b, h, n, generator=g)
+    log_beta = -torch.rand(b, h, n, generator=g) * 12
+    log_c[0, 1, 4], log_beta[0, 1, 4] = float("-inf"), float("-inf")  # a row the anchor left nothing out of
+    log_c[1, 0, 7] = float("nan")
+    fp8.mass = torch.stack((log_c, log_beta), -1)
+    packed = fp8.pack()
+    assert packed.mass.dtype == torch.float16 and packed.mass_base.shape == (b, h, 1, 1)
+    assert packed.nbytes == fp8.nbytes - fp8.packing_frees
+    back = packed.unpacked().mass
+    assert back.dtype == torch.float32 and back.shape == fp8.mass.shape
+    finite = torch.isfinite(fp8.mass)
+    assert torch.equal(torch.isfinite(back), finite) and torch.equal(torch.isnan(back), torch.isnan(fp8.mass))
+    assert back[0, 1, 4, 0] == back[0, 1, 4, 1] == float("-inf")
+    # fp16 keeps 11 significant bits of what is left about the head's mean (|x| < 16 here: within 2^-7)
+    assert (back[finite] - fp8.mass[finite]).abs().max() <= 2 ** -7
+    moved = packed.map(lambda t: t.clone())
+    torch.testing.assert_close(moved.unpacked().mass, back, equal_nan=True, rtol=0, atol=0)
+    part = packed.batch_slice(1, 2)
+    torch.testing.assert_close(part.unpacked().mass, back[1:2], equal_nan=True)
 
 
 def test_packing_in_small_chunks_gives_the_same_bytes(monkeypatch):
@@ -125,8 +162,9 @@ def test_the_engine_stores_int4_residuals_packed_and_reuses_them(problem):
     assert torch.equal(int4[0, 0], fp8[0, 0])  # the anchor's output is the dense one either way
     q, k, v = problem.qkv(2)
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    for step in (1, 2):  # reuse: the residual differs by at most half a level of its row's scale
-        bound = (PACK_STEP / 2 * fp8_entries[0].residual.scale).expand_as(dense) + 1e-5
+    for step in (1, 2):  # reuse: the residual differs by at most half a level of its row's scale, and the scale by
+        # bf16's rounding (2^-9 of it) at fp8's largest value
+        bound = ((PACK_STEP / 2 + 448 * 2 ** -8) * fp8_entries[0].residual.scale).expand_as(dense) + 1e-5
         assert ((int4[0, step] - fp8[0, step]).abs() <= bound).all()
         assert not torch.equal(int4[0, step], fp8[0, step])
     assert rel_l2(int4[0, 2], dense) < rel_l2(fp8[0, 2], dense) + 0.02
@@ -191,9 +229,11 @@ def test_auto_packs_residuals_before_it_drops_any(monkeypatch, caplog, side):
     """Room for two fp8 entries: the third residual is packed, then the stored ones (least important first) until it
     fits; only when packing cannot make room are residuals dropped, as with fp8."""
     monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
-    es = [entry(i, imp) for i, imp in enumerate((0.2, 0.1, 0.3, 0.05, 0.4))]
-    # two fp8 entries, and what a packed newcomer needs beyond the half of one fp8 residual that packing it frees
-    room = 2 * es[0].nbytes + 2 * es[0].selection.nbytes + es[0].residual.scale.numel() * 4 + 1000
+    # the fourth entry is twice as long: packing one stored residual cannot make room for its packed one
+    es = [entry(i, imp, n=8192 if i == 3 else 4096) for i, imp in enumerate((0.2, 0.1, 0.3, 0.05, 0.4))]
+    # two fp8 entries and two more selections (the third's and the fourth's): the third fits once one stored residual
+    # is packed with it, the fourth's selection fits where its residual does not
+    room = 2 * es[0].nbytes + es[0].selection.nbytes + es[3].selection.nbytes + 100
     budgets = dict(device_budget=room, cpu_budget=0, offload=False) if side == "device" else \
         dict(device_budget=0, cpu_budget=room, offload=True)
     cache = SelectionCache(pack_when_short=True, **budgets)
@@ -235,9 +275,9 @@ def test_auto_packs_only_on_the_side_where_packing_makes_room(monkeypatch):
     device's is kept at fp8, since packing it could not make room there."""
     monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
     small, big, new = entry(0, 0.01, n=1024), entry(1, 0.2), entry(2, 0.1)
-    half = big.residual.data.numel() // 2  # what packing the host's residual frees
-    packed_new = new.selection.nbytes + half + new.residual.nbytes - new.residual.data.numel()
-    cache = SelectionCache(device_budget=small.nbytes, cpu_budget=big.nbytes + packed_new - half + 1000,
+    frees = big.residual.packing_frees  # what packing the host's residual frees
+    packed_new = new.nbytes - new.residual.packing_frees
+    cache = SelectionCache(device_budget=small.nbytes, cpu_budget=big.nbytes + packed_new - frees + 1000,
                            offload=True, pack_when_short=True)
     assert cache.put((0, True, (), 1024), small) == "device"
     assert cache.put((1, True, (), 4096), big) == "cpu"
@@ -258,7 +298,8 @@ def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
         "forget": lambda self, tensors, owner: None})()
     monkeypatch.setattr(cache_mod, "POOL", fake_pool)
 
-    def fail(self, work=None, out=None):
+    def fail(self, work=None, empty=None):
+        empty((1, 2, 4096, 32), torch.uint8)  # the packed data's buffer, then no GPU memory for a chunk
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(Residual, "pack", fail)
@@ -347,9 +388,35 @@ def test_a_host_residual_is_packed_on_its_gpu_into_page_locked_memory(monkeypatc
     stored = {k[0]: e.wait() for k, e in cache.on_cpu.items()}
     assert not stored[0].residual.packed and stored[1].residual.packed and stored[2].residual.packed
     for i in (1, 2):
-        data = stored[i].residual.data
-        assert data.device.type == "cpu" and data.is_pinned()
-        assert torch.equal(data, es[i].residual.pack().data)
+        data, scale = stored[i].residual.data, stored[i].residual.scale
+        assert data.device.type == "cpu" and data.is_pinned() and scale.is_pinned()
+        assert torch.equal(data, es[i].residual.pack().data) and torch.equal(scale, es[i].residual.pack().scale)
     back = cache.get((1, True, (), 4096), dev)
     assert back.residual.data.is_cuda and torch.equal(back.residual.unpacked().data.view(torch.uint8).cpu(),
                                                       es[1].residual.pack().unpacked().data.view(torch.uint8))
+
+
+def test_a_cache_filled_at_the_first_anchor_keeps_every_residual_when_later_anchors_add_the_mass(problem):
+    """Step-0 anchors write no mass; later ones do (mass-weighted reuse). A budget that holds the two layers' packed
+    residuals without a mass and with one in its compact form (fp16 mass, bf16 scale): every layer stays sparse at
+    every step, where a packed residual keeping fp32 scale and mass would not fit at the second anchor (on a 16 GB card
+    with 16 GB of host memory that sent 4 of Wan 14B's 40 layers dense after every later anchor: docs/benchmarks.md,
+    "4-bit residuals on a 16 GB card")."""
+    over = dict(residual_precision="auto", residual_weighting="mass", anchor_steps="0,2")
+    _, _, probe = run_engine(problem, steps=3, **over)  # room to spare: the second anchor's entry, as stored
+    later = probe[0]
+    assert later.residual.mass is not None and not later.residual.packed
+    fp8 = later.residual
+    packed_bytes = later.nbytes - fp8.packing_frees
+    wide_bytes = later.selection.nbytes + fp8.data.numel() // 2 + fp8.scale.nbytes + fp8.mass.nbytes
+    assert packed_bytes < wide_bytes
+    room_mb = (2 * packed_bytes + 64) / 2**20
+    assert 2 * wide_bytes > room_mb * 2**20  # the wide form would not fit both
+    outs, stats, entries = run_engine(problem, steps=4, layers=(0, 1), cache_budget_mb=room_mb, **over)
+    assert stats.cache["dropped_residual_layers"] == [] and sorted(stats.cache["packed_residual_layers"]) == [0, 1]
+    rows = stats.as_dict()["layers"]
+    assert rows[0]["reuses"] == rows[1]["reuses"] == 2 and rows[0]["dense"] == rows[1]["dense"] == 0
+    assert all(e.residual.packed and e.residual.mass is not None for e in entries.values())
+    q, k, v = problem.qkv(3)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert all(rel_l2(outs[layer, 3], dense) < 0.5 for layer in (0, 1))
