@@ -1,6 +1,7 @@
 """GPU time of packing a residual to 4 bits and reading it back as fp8 (engine/residual.py; docs/decisions.md,
 "Residuals at 4 bits"), at a real size: one layer's residual of Wan 2.1 14B 720p with CFG (2 x 40 heads x 75 600
-tokens x 128) by default. Times, median of --reps after a warm-up: unpacking on the GPU (what each reuse call of a
+tokens x 128) by default, with the mass rows a later anchor writes (mass-weighted reuse). Times, median of --reps
+after a warm-up: unpacking on the GPU (what each reuse call of a
 packed entry adds), packing on the GPU (an anchor's newcomer), and packing a host residual in page-locked memory on
 the GPU (the cache's host path: its bytes there and back).
 
@@ -46,8 +47,11 @@ def main(argv=None):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     fp8 = Residual.encode(torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g), "fp8")
+    rows = shape[:3]  # (log Z_C, log beta) of each row, as a later anchor stores them
+    fp8.mass = torch.stack((20 + 3 * torch.randn(rows, device=dev, generator=g),
+                            -5 * torch.rand(rows, device=dev, generator=g)), -1)
     packed = fp8.pack()
-    host = Residual(fp8.data.cpu().pin_memory(), fp8.scale.cpu().pin_memory())
+    host = Residual(fp8.data.cpu().pin_memory(), fp8.scale.cpu().pin_memory(), fp8.mass.cpu().pin_memory())
     bufs = {}  # the host results, page-locked once (as the cache's pool gives them), written again at each repetition
 
     def pinned(shape, dtype):
