@@ -199,11 +199,14 @@ class PinnedPool:
         """Unregister and free now the free regions ``owner`` (a cache's token, never None) released last (with caches
         that are gone) and nobody took since: a cache short of host room that changes its entries' sizes (residuals
         packed to 4 bits, engine/residual.py) cannot reuse them whole, and the pool would count them as host memory to
-        spare. ``keep``: byte counts the caller asks ``empty`` for next; for each, the free buffer of that cache
-        ``empty`` would take (one that fits, else one it would cut) stays: the packed entry a later anchor stores in
-        place of a packed one takes that one's buffer, and a residual packed where fp8 found no room takes half of the
-        fp8 buffer the packing freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md,
-        "4-bit residuals on a 16 GB card"). Returns the bytes freed."""
+        spare. ``keep``: byte counts the caller asks ``empty`` for next; for each, the smallest of that cache's free
+        regions that serves it (whole, or cut) stays: the packed entry a later anchor stores in place of a packed one
+        takes that one's buffer, and a residual packed where fp8 found no room takes half of the fp8 buffer the
+        packing freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on
+        a 16 GB card"). Free parts of regions in use stay anyway (only whole regions can be freed): a region the
+        size of two requests is spared before the part that fits one, so the part serves this request and the
+        region the next (the next packing of a stored residual), where freeing it made the anchor wait for the
+        copies still reading it and page-lock anew. Returns the bytes freed."""
         if owner is None:
             raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")
         with self._locked():
@@ -211,27 +214,30 @@ class PinnedPool:
             for nbytes in keep:
                 if nbytes < self.min_bytes:  # served by torch's allocator, never by a buffer
                     continue
-                ptr = self._fitting(nbytes, owner=owner, exclude=spared)
-                ptr = ptr if ptr is not None else self._cuttable(nbytes, owner=owner, exclude=spared)
+                ptr = self._smallest_free(nbytes, nbytes * SPLIT_MAX, owner, spared, whole=True)
                 if ptr is not None:
                     spared.add(ptr)
             return self._free_unused(before=float("inf"), owner=owner, spare=spared)
 
-    def _fitting(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
+    def _fitting(self, nbytes: int) -> int | None:
         """The start of the smallest free buffer that serves a request of ``nbytes`` whole (up to FIT_SLACK larger),
-        or None; with ``owner``, only among those that owner released (last); never one in ``exclude``. The lock is
-        held."""
-        return self._smallest_free(nbytes, nbytes * (1 + FIT_SLACK), owner, exclude)
+        or None. The lock is held."""
+        return self._smallest_free(nbytes, nbytes * (1 + FIT_SLACK))
 
-    def _cuttable(self, nbytes: int, owner=None, exclude=frozenset()) -> int | None:
+    def _cuttable(self, nbytes: int) -> int | None:
         """The start of the smallest free buffer a request of ``nbytes`` can be cut from (larger than FIT_SLACK
-        allows, at most SPLIT_MAX times it), or None; ``owner`` and ``exclude`` as in ``_fitting``."""
-        return self._smallest_free(nbytes * (1 + FIT_SLACK), nbytes * SPLIT_MAX, owner, exclude)
+        allows, at most SPLIT_MAX times it), or None. The lock is held."""
+        return self._smallest_free(nbytes * (1 + FIT_SLACK), nbytes * SPLIT_MAX)
 
-    def _smallest_free(self, low: float, high: float, owner, exclude) -> int | None:
+    def _smallest_free(self, low: float, high: float, owner=None, exclude=frozenset(), whole: bool = False
+                       ) -> int | None:
+        """The start of the smallest free buffer of ``low`` to ``high`` bytes, or None; with ``owner``, only among
+        those that owner released (last); never one in ``exclude``; ``whole``: only buffers that are a whole region.
+        The lock is held."""
         fits = [(b.base.numel(), ptr) for ptr, b in self._buffers.items()
                 if not b.in_use and ptr not in exclude and (owner is None or owner in b.owners)
-                and low <= b.base.numel() <= high]
+                and low <= b.base.numel() <= high
+                and (not whole or b.base.numel() == self._regions[b.region].numel())]
         return min(fits)[1] if fits else None
 
     def _cut(self, ptr: int, nbytes: int) -> int:

@@ -405,7 +405,15 @@ def test_freeing_released_buffers_spares_one_to_cut_the_next_request_from():
     assert rt.registered == 2 and pool.free_bytes == 0 and other.data_ptr() == half.data_ptr() + 4096
 
 
-def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_frees(pooled_cache):
+class FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_frees(pooled_cache, monkeypatch):
     """A host cache with room for six residuals at 4 bits but only three at fp8 (residual_precision "auto"), six
     layers stored at one anchor: the fourth layer on packs the stored ones and itself. Each packed residual takes
     half of an fp8 buffer the packing freed, so only the first packing page-locks memory of the packed size; no two
@@ -419,20 +427,30 @@ def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_free
         return register(ptr, nbytes)
 
     pool._register = recording
+    unregister = pool._unregister
+    unregistered = []
+    pool._unregister = lambda ptr: unregistered.append(ptr) or unregister(ptr)
     entries = [Entry(cache_entry(i, 0.3).selection, Residual.encode(torch.randn(1, 2, 4096, 64), "fp8"),
                      importance=0.3) for i in range(6)]
     fp8_bytes, packed_bytes = entries[0].residual.data.nbytes, entries[0].residual.data.nbytes // 2
+    scale_bytes = entries[0].residual.scale.nbytes  # fp32; packed: bf16, half
     room = sum(e.nbytes for e in entries) - 6 * entries[0].residual.packing_frees + 100
     assert 3 * entries[0].nbytes < room < 4 * entries[0].nbytes  # three fp8 entries fit, four do not
     cache = SelectionCache(device_budget=0, cpu_budget=room, offload=True, pack_when_short=True)
+    cache._cuda_device = torch.device("cpu")  # stored host residuals are packed into the pool's buffers, as on a GPU
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")  # releases record (fake) events
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     for i, e in enumerate(entries):
         assert cache.put((i, True, (), 4096), e) == "cpu"
     stored = [cache.on_cpu[(i, True, (), 4096)] for i in range(6)]
     assert all(s.residual.packed for s in stored) and cache.counters["residual_dropped"] == 0
     for s, e in zip(stored, entries):
         assert torch.equal(s.residual.data, e.residual.pack().data)
-    assert sizes.count(fp8_bytes) == 3 and sizes.count(packed_bytes) <= 1
+    # the packed data and the bf16 scales come from the fp8 data's and the fp32 scales' buffers; nothing is freed
+    # during the anchor (freeing waits for the copies still reading a buffer)
+    assert sizes.count(fp8_bytes) == 3 and sizes.count(packed_bytes) <= 1 and sizes.count(scale_bytes // 2) <= 1
+    assert sizes.count(scale_bytes) == 3 and not unregistered
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for s in stored for t in cache_mod._tensors(s))
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
-    assert pool.held_bytes <= 2 * fp8_bytes + packed_bytes + sum(
-        t.nbytes for s in stored for t in cache_mod._tensors(s) if t.nbytes not in (fp8_bytes, packed_bytes))
+    # page-locked: three fp8 entries (data, scale, selection), the first packing's data and scale, three more selections
+    assert len(sizes) == 3 * 3 + 2 + 3 and pool.held_bytes == sum(sizes)
