@@ -9,6 +9,8 @@
 #            "Residuals at 4 bits"), ~5 min;
 #   pool     the page-locked pool's GPU tests (cut buffers, recycling across anchors, a prefetch reading a recycled
 #            buffer), ~1 min;
+#   whole    the small-VRAM preset ("auto") on the 16 GB card with a 16 GB host cache, a whole 30-step run, every step
+#            timed (anchors at steps 0, 6, 16), dense from DENSE (needed), ~7 min with the start;
 #   fp8      the same preset with fp8 residuals (as before "auto"), dense taken from DENSE (an e2e.json of the same
 #            kind of card, e.g. the auto part's, committed) or from an auto part earlier in the same call; the H200's
 #            fp8 row (docs/bench-runs/small-cards-7/host16) gave 1.55x against its own dense.
@@ -16,8 +18,8 @@
 # Run once on an H100 (docs/bench-runs/int4-cards-1/, search-heldout-1/); to time `auto` again against that card's dense
 # row (after the pool change for later anchors, docs/benchmarks.md, "4-bit residuals on a 16 GB card"):
 #   INT4_PARTS=auto DENSE=docs/bench-runs/int4-cards-1/auto/wan14b-fp8-card16/e2e.json bash bench/device_int4_cards.sh
-# (twenty-first session: INT4_PARTS="pool auto", the pool cutting fp8 buffers in halves for the packed residuals at the
-# first anchor too; raw docs/bench-runs/int4-cards-2/)
+# (twenty-first session: INT4_PARTS="pool auto", then INT4_PARTS=whole, with that DENSE, raw docs/bench-runs/int4-cards-2/
+# and int4-cards-3/: the pool cutting fp8 buffers in halves for the packed residuals, and compact packed residuals)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/device_part.sh
@@ -62,6 +64,20 @@ if [[ $parts == *" auto "* ]]; then
   bundle auto "$dense"
   made=/tmp/small_cards/wan14b-fp8-card16/e2e.json
   if [ -z "$dense" ] && [ -f "$made" ]; then cp "$made" /tmp/dense-card16.json && dense=/tmp/dense-card16.json; fi
+fi
+if [[ $parts == *" whole "* ]]; then
+  if [ -n "$dense" ] && [ -f "$dense" ]; then
+    new_root /tmp/whole16
+    source bench/device_comfyui.sh
+    unpack_comfyui .carry/bundle-033.tar.xz
+    record_gpu
+    part wan14b-whole-card16 "${WAN14B_LIMIT:-420}" python3 bench/e2e.py --out "$root/wan14b-whole-card16" \
+      --models wan14b --modes block_topk@0.08 --vram-gb 16 --host-gb 16 --weights fp8 --whole-run --total-steps 30 \
+      --reuse-dense "$dense" --warmup-layers 0 --preset wan21_t2v_14b_small_vram --residual-precision auto
+    tar czf "$OUT/whole16.tar.gz" -C /tmp whole16
+  else
+    echo "whole: no dense row (DENSE, or an auto part before it in this call): skipped"
+  fi
 fi
 if [[ $parts == *" fp8 "* ]]; then
   if [ -n "$dense" ] && [ -f "$dense" ]; then
