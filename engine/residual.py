@@ -11,8 +11,8 @@ Where memory is short a residual can be **packed** to 4 bits a value (``residual
 the residuals that find no room at fp8): the fp8 row's scale stays, and each value keeps the nearest of the 15
 levels k × 64 (k = -7..7), which float8_e4m3fn represents exactly, so unpacking gives the kernels an ordinary fp8
 residual. Half of fp8's bytes; docs/decisions.md, "Residuals at 4 bits", has what it costs. A packed residual also
-keeps its row scale in bf16 (fp32's range, 0.2 % rounding where the 4-bit levels round by up to 7 %) and its mass
-in fp16, log Z_C less a per-(batch, head) base: at Wan 14B 720p they are 72 of a packed layer's 460 MB, and a mass
+keeps its row scale in bf16 (fp32's range, at most 0.4 % rounding where the 4-bit levels round by up to 7 %) and its
+mass in fp16, log Z_C less its head's median: at Wan 14B 720p they are 72 of a packed layer's 460 MB, and a mass
 that only later anchors write made a host cache filled at the first anchor drop residuals at every later one
 (docs/benchmarks.md, "4-bit residuals on a 16 GB card"). Unpacking restores fp32 for the kernels.
 """
@@ -159,9 +159,11 @@ class Residual:
         (fp16) less its base; 0 when it cannot be packed."""
         if not self.can_pack():
             return 0
-        frees = self.data.numel() // 2 + (0 if self.scale is None else self.scale.numel() * 2)
-        if self.mass is not None:
-            frees += self.mass.numel() * 2 - self.mass.shape[0] * self.mass.shape[1] * 4
+        frees = self.data.numel() // 2
+        if self.scale is not None:
+            frees += self.scale.numel() * (self.scale.element_size() - 2)  # to bf16
+        if self.mass is not None:  # to fp16, with a base of 4 bytes a (batch, head)
+            frees += self.mass.numel() * (self.mass.element_size() - 2) - self.mass.shape[0] * self.mass.shape[1] * 4
         return frees
 
     def stored_as(self, precision: str) -> "Residual":
@@ -197,13 +199,15 @@ class Residual:
         if self.mass is not None:
             m = self.mass.to(work, non_blocking=True)
             log_c = m[..., 0]
-            finite = torch.isfinite(log_c)
-            # the heads' mean of log Z_C: what is left spans the rows' few units, which fp16 holds to ~0.01
-            mean = torch.where(finite, log_c, 0.0).sum(-1) / finite.sum(-1).clamp(min=1)
+            # each head's median of log Z_C (finite rows; 0 where none is): a head's rows lie within a few units of
+            # it, where fp16 keeps them to 2^-7 within 16 of it (w within ~1 %) and 2^-5 within 64; a row beyond
+            # fp16's range saturates to +-inf, the limit its weight tends to (0, or 1 / beta)
+            med = torch.nanmedian(torch.where(torch.isfinite(log_c), log_c, float("nan")), dim=-1).values
+            med = torch.nan_to_num(med, nan=0.0)
             base = empty((b, h, 1, 1), torch.float32)
-            base.copy_(mean.view(b, h, 1, 1))
+            base.copy_(med.view(b, h, 1, 1))
             mass = empty(tuple(m.shape), torch.float16)
-            mass.copy_(torch.stack((log_c - mean[..., None], m[..., 1]), -1).to(torch.float16))
+            mass.copy_(torch.stack((log_c - med[..., None], m[..., 1]), -1).to(torch.float16))
         return Residual(out, scale, mass, packed=True, mass_base=base)
 
     def unpacked(self) -> "Residual":
@@ -222,8 +226,8 @@ class Residual:
         scale = None if self.scale is None else self.scale.float()
         mass = None
         if self.mass is not None:
-            mass = self.mass.float()
-            mass[..., 0] += self.mass_base.view(b, h, 1)
+            m = self.mass.float()
+            mass = torch.stack((m[..., 0] + self.mass_base.view(b, h, 1), m[..., 1]), -1)
         return Residual(out.view(FP8), scale, mass)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:

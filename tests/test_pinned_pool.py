@@ -413,6 +413,22 @@ class FakeEvent:
         pass
 
 
+def test_freeing_released_buffers_spares_a_whole_region_before_a_free_part():
+    """A free part of a region in use can never be freed, so it stays anyway: for the size asked for next, the whole
+    free region that serves it (cut) is spared, and the part serves that request while the region serves the one
+    after it."""
+    rt = FakeRuntime()
+    pool = pool_of(rt)
+    me = object()
+    a, b = pool.empty((8192,), torch.uint8), pool.empty((8192,), torch.uint8)
+    pool.release(a, owner=me)
+    used = pool.empty((4096,), torch.uint8)  # a = [used | free part of 4096]
+    pool.release(b, owner=me)  # b: a whole free region
+    assert pool.free_released(me, keep=[4096]) == 0 and pool.held_bytes == 16384
+    first, second, third = (pool.empty((4096,), torch.uint8) for _ in range(3))
+    assert rt.registered == 2 and pool.free_bytes == 0 and used.data_ptr() == a.data_ptr()
+
+
 def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_frees(pooled_cache, monkeypatch):
     """A host cache with room for six residuals at 4 bits but only three at fp8 (residual_precision "auto"), six
     layers stored at one anchor: the fourth layer on packs the stored ones and itself. Each packed residual takes
@@ -432,8 +448,11 @@ def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_free
     pool._unregister = lambda ptr: unregistered.append(ptr) or unregister(ptr)
     entries = [Entry(cache_entry(i, 0.3).selection, Residual.encode(torch.randn(1, 2, 4096, 64), "fp8"),
                      importance=0.3) for i in range(6)]
+    for e in entries:  # the mass rows of a later anchor: packed to fp16 about each head's median
+        e.residual.mass = torch.stack((20 + torch.randn(1, 2, 4096), -5 * torch.rand(1, 2, 4096)), -1)
     fp8_bytes, packed_bytes = entries[0].residual.data.nbytes, entries[0].residual.data.nbytes // 2
     scale_bytes = entries[0].residual.scale.nbytes  # fp32; packed: bf16, half
+    mass_bytes = entries[0].residual.mass.nbytes  # fp32; packed: fp16, half
     room = sum(e.nbytes for e in entries) - 6 * entries[0].residual.packing_frees + 100
     assert 3 * entries[0].nbytes < room < 4 * entries[0].nbytes  # three fp8 entries fit, four do not
     cache = SelectionCache(device_budget=0, cpu_budget=room, offload=True, pack_when_short=True)
@@ -445,12 +464,16 @@ def test_the_first_anchor_that_packs_takes_the_halves_of_the_fp8_buffers_it_free
     stored = [cache.on_cpu[(i, True, (), 4096)] for i in range(6)]
     assert all(s.residual.packed for s in stored) and cache.counters["residual_dropped"] == 0
     for s, e in zip(stored, entries):
-        assert torch.equal(s.residual.data, e.residual.pack().data)
-    # the packed data and the bf16 scales come from the fp8 data's and the fp32 scales' buffers; nothing is freed
-    # during the anchor (freeing waits for the copies still reading a buffer)
+        want = e.residual.pack()
+        assert torch.equal(s.residual.data, want.data) and torch.equal(s.residual.scale, want.scale)
+        assert torch.equal(s.residual.unpacked().mass, want.unpacked().mass)
+    # the packed data, bf16 scales and fp16 masses come from the fp8 data's and the fp32 scales' and masses' buffers;
+    # nothing is freed during the anchor (freeing waits for the copies still reading a buffer)
     assert sizes.count(fp8_bytes) == 3 and sizes.count(packed_bytes) <= 1 and sizes.count(scale_bytes // 2) <= 1
-    assert sizes.count(scale_bytes) == 3 and not unregistered
+    assert sizes.count(mass_bytes) == 3  # (a packed mass has the fp32 scale's size: the count below holds both)
+    assert not unregistered
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for s in stored for t in cache_mod._tensors(s))
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
-    # page-locked: three fp8 entries (data, scale, selection), the first packing's data and scale, three more selections
-    assert len(sizes) == 3 * 3 + 2 + 3 and pool.held_bytes == sum(sizes)
+    # page-locked: three fp8 entries (data, scale, mass, selection), the first packing's data, scale and mass, three
+    # more selections
+    assert len(sizes) == 3 * 4 + 3 + 3 and pool.held_bytes == sum(sizes)
