@@ -89,16 +89,16 @@ class Entry:
                 if c is None:
                     c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 else:
-                    taken.append(c)
+                    taken.append((c, t.device))
                 return c.copy_(t.detach(), non_blocking=True)
             c = t.detach().to("cpu", copy=True)
             return c.pin_memory() if torch.cuda.is_available() else c
         try:
             out = self.map(cp)
-        except BaseException:  # host memory ran out midway: the buffers already taken are nobody's (their copies
-            # were issued on this device's current stream, where the next writer of a recycled buffer queues too)
-            for c in taken:
-                POOL.release(c, owner=owner)
+        except BaseException:  # host memory ran out midway: the buffers already taken are nobody's; their copies,
+            # issued on the device's current stream, finish before the pool writes or unregisters them
+            for c, dev in taken:
+                POOL.release(c, [torch.cuda.current_stream(dev)], owner=owner)
             raise
         if any(t.is_cuda for t in _tensors(self)):
             out.ready = torch.cuda.Event()

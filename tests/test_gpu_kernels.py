@@ -756,6 +756,34 @@ def test_packed_host_residuals_take_the_halves_of_the_fp8_buffers_they_replace(m
         assert pool.held_bytes == 0
 
 
+def test_a_host_copy_that_fails_midway_gives_its_buffers_back_after_their_copies(monkeypatch):
+    """Entry.pinned runs out of host memory at its second tensor: the buffer the first one took goes back to the pool
+    with an event on the stream its copy was issued on, so the pool neither writes nor unregisters it under that
+    copy; the error propagates."""
+    pool, _, entry = _pool_cache(monkeypatch)
+    from comfyui_sparse_attention.engine import cache as cache_mod
+    e = entry(0)
+    calls = []
+    real = pool.empty
+
+    def empty_then_out_of_memory(shape, dtype, device=None):  # after the first pooled buffer (the residual's)
+        if any(calls):
+            raise RuntimeError("out of host memory (simulated)")
+        out = real(shape, dtype, device)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(pool, "empty", empty_then_out_of_memory)
+    token = object()
+    with pytest.raises(RuntimeError, match="simulated"):
+        cache_mod.Entry(e.selection, e.residual, importance=0.1).pinned(token)
+    free = [b for b in pool._buffers.values() if not b.in_use]
+    assert len(free) == 1 and token in free[0].owners and free[0].events  # waited for before reuse or unregistering
+    torch.cuda.synchronize()
+    pool.trim(since=float("inf"))
+    assert pool.held_bytes == 0
+
+
 def test_a_refused_page_lock_leaves_no_cuda_error_behind():
     """cudaHostRegister on a range already registered fails; its error must not surface in the next kernel."""
     from comfyui_sparse_attention.engine.pinned_pool import _cuda_register, _cuda_unregister
