@@ -205,7 +205,7 @@ class PinnedPool:
         packing freed (page-locking them anew cost ~7 s an anchor at Wan 14B, docs/benchmarks.md, "4-bit residuals on
         a 16 GB card"). Free parts of regions in use stay anyway (only whole regions can be freed): a region the
         size of two requests is spared before the part that fits one, so the part serves this request and the
-        region the next (the next packing of a stored residual), where freeing it made the anchor wait for the
+        region the next (the next packing of a stored residual), where freeing it would make the anchor wait for the
         copies still reading it and page-lock anew. Returns the bytes freed."""
         if owner is None:
             raise ValueError("free_released: a cache's token is needed (None would free every free buffer)")

@@ -227,7 +227,8 @@ class Residual:
         mass = None
         if self.mass is not None:
             m = self.mass.float()
-            mass = torch.stack((m[..., 0] + self.mass_base.view(b, h, 1), m[..., 1]), -1)
+            base = 0.0 if self.mass_base is None else self.mass_base.view(b, h, 1)
+            mass = torch.stack((m[..., 0] + base, m[..., 1]), -1)
         return Residual(out.view(FP8), scale, mass)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
