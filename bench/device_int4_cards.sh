@@ -25,11 +25,12 @@ cd "$(dirname "$0")/.."
 source bench/device_part.sh
 parts=" ${INT4_PARTS:-heldout auto} "
 bundle() {  # bundle PRECISION [DENSE]: the small-cards script's run of the preset, its archive named after PRECISION
+  # (or ARCHIVE); WHOLE=1 times every step of the run
   rm -f "$OUT/small_cards.tar.gz"
   BUNDLE=.carry/bundle-033.tar.xz PARTS=wan14b CARD=16 HOST_GB=16 WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 \
     PRESET=wan21_t2v_14b_small_vram WAN14B_LIMIT=${WAN14B_LIMIT:-330} RESIDUAL_PRECISION=$1 DENSE=${2:-} \
     bash bench/device_small_cards_whole.sh
-  if [ -f "$OUT/small_cards.tar.gz" ]; then mv "$OUT/small_cards.tar.gz" "$OUT/small_cards_$1.tar.gz"; fi
+  if [ -f "$OUT/small_cards.tar.gz" ]; then mv "$OUT/small_cards.tar.gz" "$OUT/small_cards_${ARCHIVE:-$1}.tar.gz"; fi
 }
 if [[ $parts == *" heldout "* ]]; then
   need_quality_carry
@@ -67,14 +68,7 @@ if [[ $parts == *" auto "* ]]; then
 fi
 if [[ $parts == *" whole "* ]]; then
   if [ -n "$dense" ] && [ -f "$dense" ]; then
-    new_root /tmp/whole16
-    source bench/device_comfyui.sh
-    unpack_comfyui .carry/bundle-033.tar.xz
-    record_gpu
-    part wan14b-whole-card16 "${WAN14B_LIMIT:-420}" python3 bench/e2e.py --out "$root/wan14b-whole-card16" \
-      --models wan14b --modes block_topk@0.08 --vram-gb 16 --host-gb 16 --weights fp8 --whole-run --total-steps 30 \
-      --reuse-dense "$dense" --warmup-layers 0 --preset wan21_t2v_14b_small_vram --residual-precision auto
-    tar czf "$OUT/whole16.tar.gz" -C /tmp whole16
+    WHOLE=1 ARCHIVE=whole WAN14B_LIMIT=${WAN14B_LIMIT:-420} bundle auto "$dense"
   else
     echo "whole: no dense row (DENSE, or an auto part before it in this call): skipped"
   fi

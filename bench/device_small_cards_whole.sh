@@ -28,11 +28,12 @@ fi
 # a smaller host) WAN14B_MODES=block_topk@0.08 WARMUP_LAYERS=0 DENSE=docs/bench-runs/e2e-card16-wan14b/e2e.json.
 # PRESET runs that preset's settings (e.g. wan21_t2v_14b_small_vram: its residual_precision "auto" packs the residuals
 # that find no room at fp8 to 4 bits; docs/decisions.md, "Residuals at 4 bits") instead of the model's own preset;
-# RESIDUAL_PRECISION (fp8, int4, auto) overrides the preset's residual_precision.
+# RESIDUAL_PRECISION (fp8, int4, auto) overrides the preset's residual_precision. WHOLE=1 times every step of the
+# 30-step run instead (--whole-run; raise WAN14B_LIMIT to ~420).
 card=${CARD:-24}
 [[ " $parts " == *" wan14b "* ]] && part "wan14b-fp8-card$card" "${WAN14B_LIMIT:-400}" python3 bench/e2e.py \
   --out "$root/wan14b-fp8-card$card" --models wan14b --modes "${WAN14B_MODES:-block_topk@0.1}" --vram-gb "$card" \
   --host-gb "${HOST_GB:-32}" --weights fp8 --pattern ArAr --total-steps 30 ${DENSE:+--reuse-dense "$DENSE"} \
   ${WARMUP_LAYERS:+--warmup-layers "$WARMUP_LAYERS"} ${PRESET:+--preset "$PRESET"} \
-  ${RESIDUAL_PRECISION:+--residual-precision "$RESIDUAL_PRECISION"}
+  ${RESIDUAL_PRECISION:+--residual-precision "$RESIDUAL_PRECISION"} ${WHOLE:+--whole-run}
 tar czf "$OUT/small_cards.tar.gz" -C /tmp small_cards

@@ -85,11 +85,7 @@ class Entry:
 
         def cp(t):
             if t.is_cuda:  # large tensors in exact-size page-locked buffers (engine/pinned_pool.py), others in torch's
-                c = POOL.empty(t.shape, t.dtype, t.device)
-                if c is None:
-                    c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                else:
-                    taken.append((c, t.device))
+                c = _host_buffer(t.shape, t.dtype, t.device, taken)
                 return c.copy_(t.detach(), non_blocking=True)
             c = t.detach().to("cpu", copy=True)
             return c.pin_memory() if torch.cuda.is_available() else c
@@ -97,8 +93,10 @@ class Entry:
             out = self.map(cp)
         except BaseException:  # host memory ran out midway: the buffers already taken are nobody's; their copies,
             # issued on the device's current stream, finish before the pool writes or unregisters them
-            for c, dev in taken:
-                POOL.release(c, [torch.cuda.current_stream(dev)], owner=owner)
+            if taken:  # pool buffers are taken for CUDA tensors only; an entry's tensors share one device
+                stream = torch.cuda.current_stream(next(t.device for t in _tensors(self) if t.is_cuda))
+                for c in taken:
+                    POOL.release(c, [stream], owner=owner)
             raise
         if any(t.is_cuda for t in _tensors(self)):
             out.ready = torch.cuda.Event()
@@ -372,11 +370,7 @@ class SelectionCache:
         taken = []
 
         def empty(shape, dtype):
-            buf = POOL.empty(shape, dtype, self._cuda_device) if self._cuda_device is not None else None
-            if buf is not None:
-                taken.append(buf)
-                return buf
-            return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+            return _host_buffer(shape, dtype, self._cuda_device, taken)
         try:
             res = residual.pack(work=self._cuda_device, empty=empty)  # its copies back to the host wait for the GPU
         except BaseException:  # e.g. out of GPU memory for the chunk: the buffers taken are nobody's
@@ -635,6 +629,17 @@ def _tensors(entry: Entry):
     if entry.residual is not None:
         out.extend(entry.residual.tensors())
     return out
+
+
+def _host_buffer(shape, dtype: torch.dtype, device: torch.device | None, taken: list) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``shape`` and ``dtype`` for copies from ``device`` (a CUDA device, or None
+    without one): a page-locked pool buffer, appended to ``taken`` so that a caller that fails gives it back, or else
+    torch's pinned memory (plain memory without CUDA)."""
+    buf = POOL.empty(shape, dtype, device) if device is not None else None
+    if buf is not None:
+        taken.append(buf)
+        return buf
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
 def _resident_bytes(entry: Entry, dev: torch.device) -> int:
