@@ -30,8 +30,12 @@ def load_preset(name: str, overrides: dict | None = None, directory: Path = PRES
     workflow or the server's API reads no other file) with ``overrides`` applied."""
     names = list_presets(directory)
     if not isinstance(name, str) or name not in names:
-        raise ValueError(f"preset {str(name)[:60]!r} is not one of the {len(names)} presets in the pack's "
-                         f"{directory.name}/ folder (a preset is a .yaml file there; the node's list shows them)")
+        shown = str(name)
+        if "/" in shown or "\\" in shown:  # a path: only its last part, so no directory shows in the error
+            shown = ".../" + shown.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+        raise ValueError(f"preset {shown[:60]!r} is not one of the {len(names)} presets in the pack's "
+                         f"{directory.name}/ folder (a preset is a .yaml file there, named without a path; the node's "
+                         "list shows them)")
     return SparseConfig.from_yaml(directory / f"{name}.yaml", overrides=overrides)
 
 
