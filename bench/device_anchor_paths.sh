@@ -7,7 +7,10 @@
 #     epilogue, at seven densities.
 #   PLAN=epilogue: where the composed anchor's time goes at 0.08 and 0.1 (docs/kernel_notes.md, "v11"): the sparse
 #     kernel, the residual epilogue and the reuse call alone, the API's anchor, and its two halves in sequence.
-#   TESTS: the pytest -k selection of tests/test_gpu_kernels.py run first.
+#   PLAN=tilings: the fused anchor on each candidate tiling alone against the composed anchor (docs/kernel_notes.md,
+#     "v16").
+#   TESTS: the pytest -k selection of tests/test_gpu_kernels.py run first (TESTS_LIMIT seconds); HOPPER_LIMIT: seconds
+#     for the timing part (default 250).
 #   bash bench/device_anchor_paths.sh           GRID=bench/grids/density_007.yaml bash bench/device_anchor_paths.sh
 #   PLAN=epilogue GRID=bench/grids/preset_check.yaml bash bench/device_anchor_paths.sh
 set -uo pipefail
@@ -18,7 +21,8 @@ record_gpu
 PLAN=${PLAN:-anchor}
 part gpu-tests "${TESTS_LIMIT:-170}" python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider \
   -k "${TESTS:-anchor or mass_weighted}"
-part hopper 250 python3 bench/hopper.py --skip-tests --plan "$PLAN" --shapes wan14b,hyv,wan13b --budget 210 \
+part hopper "${HOPPER_LIMIT:-250}" python3 bench/hopper.py --skip-tests --plan "$PLAN" --shapes wan14b,hyv,wan13b \
+  --budget "$(( ${HOPPER_LIMIT:-250} - 40 ))" \
   --out "$root/hopper"
 if [ -n "${GRID:-}" ]; then
   need_quality_carry

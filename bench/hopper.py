@@ -242,6 +242,33 @@ class Shape:
             self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
                      target=dens, kept=real)
 
+    def anchor_tilings(self, densities):
+        """The fused anchor (fp8 residual with its mass, as the engine calls it) on each candidate tiling of
+        ``attention_hopper.ANCHOR_CONFIGS`` alone, then cuDNN dense plus the residual epilogue (the composed path) and
+        what kernels/api.py chooses, per density (docs/kernel_notes.md, "v16")."""
+        q, k, v, K, AT, AH = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"]
+        kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
+        candidates = list(AH.ANCHOR_CONFIGS)
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            try:
+                for i, cfg in enumerate(candidates):
+                    AH.ANCHOR_CONFIGS[:] = [cfg]
+                    AH._tuned.pop("anchor", None)
+                    self.rec("anchor", f"fused_t{i}", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(
+                        q, k, v, idx, cnt, **kw), config=str(cfg), target=dens, kept=real)
+            finally:
+                AH.ANCHOR_CONFIGS[:] = candidates
+                AH._tuned.pop("anchor", None)
+
+            def epilogue(idx=idx, cnt=cnt):
+                out, lse = K.attention_dense(q, k, v, return_lse=True)
+                return out, AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
+            self.rec("anchor", "cudnn+epilogue", epilogue, config=lambda: AH.last_config("sparse"), target=dens,
+                     kept=real)
+            self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     target=dens, kept=real)
+
     def residual(self, densities):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
         Residual = self.m["Residual"]
@@ -499,12 +526,14 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue"), default="full",
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings"),
+                    default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
                          "against the fixed one (Shape.mass); anchor: the fused anchor against the dense call plus "
                          "the residual epilogue, per density (Shape.anchor_paths); epilogue: the composed anchor's "
-                         "halves, alone and in sequence (Shape.epilogue)")
+                         "halves, alone and in sequence (Shape.epilogue); tilings: the fused anchor on each candidate "
+                         "tiling against the composed anchor (Shape.anchor_tilings)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -558,9 +587,12 @@ def main():
     if args.plan == "mass":
         plan = [(name, "mass", (0.15, 0.1)) for name in names]
     if args.plan == "anchor":
-        plan = [(name, "anchor_paths", (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25)) for name in names]
+        plan = [step for name in names
+                for step in ((name, "anchor_paths", (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25)), (name, "dense_ours"))]
     if args.plan == "epilogue":
         plan = [(name, "epilogue", (0.08, 0.1)) for name in names]
+    if args.plan == "tilings":
+        plan = [(name, "anchor_tilings", (0.08, 0.15, 0.25)) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]

@@ -355,7 +355,7 @@ class SparseEngine:
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
         cfg, dev, policy = self.cfg, q.device, self.policy
         # block selections come from q and k alone: select first, then the anchor call (one fused pass, or below
-        # density 0.15 cuDNN's dense call plus the sparse kernel forming R: kernels/api.py, FUSED_ANCHOR_ABOVE)
+        # density 0.12 cuDNN's dense call plus the sparse kernel forming R: kernels/api.py, FUSED_ANCHOR_ABOVE)
         if not policy.needs_lse:
             with self.stats.timed(ctx.layer, "selection", dev):
                 selection = self._select(policy, q, k, None, ctx, scale)

@@ -151,10 +151,10 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
 
 
 # Above this fraction of the (query, key) pairs the fused one-pass anchor is cheaper than one cuDNN dense call plus
-# the block-sparse kernel with the residual in its epilogue; below it, the composed path (docs/kernel_notes.md,
-# "Anchor: fused pass or dense call plus residual epilogue": the two cost the same at 0.15 at Wan 14B and
-# HunyuanVideo sizes).
-FUSED_ANCHOR_ABOVE = 0.15
+# the block-sparse kernel with the residual in its epilogue; below it, the composed path. Since the fused kernel
+# runs under the 128-register cap the two cost the same at 0.08-0.12 at Wan 14B and 0.12-0.15 at HunyuanVideo, and
+# the fused one is cheaper above (docs/kernel_notes.md, "v16"; 0.15 before, "v10").
+FUSED_ANCHOR_ABOVE = 0.12
 
 
 def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None,

@@ -8,7 +8,8 @@ One kernel body, four modes (constexpr MODE):
 - ``MODE_ANCHOR``: one pass over every KV block of a query block, selected blocks first: the online
   softmax state after the selected blocks is the sparse output (exact), the same state continued over the
   complement blocks is the dense output. Writes out_dense, optional LSE, and the residual
-  R = out_dense - out_sparse in the model's dtype or as fp8 with a per-row scale (twin ``anchor_torch``).
+  R = out_dense - out_sparse in the model's dtype or as fp8 with a per-row scale (twin ``anchor_torch``); the
+  sparse output waits in Out's rows, in Out's dtype, during the second walk.
 - ``MODE_RESIDUAL``: block-sparse over the lists, whose epilogue reads a dense output computed before (cuDNN's)
   and writes only R = dense - sparse (and the mass from the given dense LSE): the anchor of a low density costs
   one dense call plus one sparse call (twin ``anchor_torch.block_residual``; docs/kernel_notes.md, "Anchor:
@@ -154,14 +155,26 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
                                      N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY, AHEAD)
         out, lse = finish(acc, m_i, l_i)
         if MODE == 2:  # the selected blocks' state is the sparse output; continue over the complement
-            out_s = out
+            # The sparse output waits in Out (this row's own rows, in Out's dtype) rather than in registers: held
+            # live through the complement walk it took 64 more registers a thread, which spilled under the
+            # 128-register cap that lets two programs share an SM (docs/kernel_notes.md, "v16"). R is then formed
+            # from both outputs rounded to Out's dtype, as the twin forms it.
+            base_o = Out + b * sob + h * soh
+            store_rows(base_o, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
             lse_s = lse
             c_count = tl.load(CMP_CNT + row)
             acc, m_i, l_i = _walk_blocks(acc, m_i, l_i, q, k_desc, v_desc, CMP_IDX + row.to(tl.int64) * MAX_C,
                                          c_count, N_KV, N_KBLK, qk_scale, BLOCK_K, BLOCK_N, EVEN_K, WARP_SPEC, LAZY,
                                          AHEAD)
             out, lse = finish(acc, m_i, l_i)
-            store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, out - out_s, d,
+            # both outputs rounded to Out's dtype, as the twin rounds them: a row that kept every block gets R = 0
+            out = out.to(Out.dtype.element_ty)
+            tl.debug_barrier()  # every thread's stores of the sparse rows are visible to the loads below
+            res = out.to(tl.float32) - load_rows(base_o, offs_m, son, q_ok, d, HEAD_DIM, D_PAD, True).to(tl.float32)
+            tl.debug_barrier()  # and every thread has read them before the dense rows overwrite them
+            # the dense rows first: the dense tile is then dead while the residual is scaled and cast
+            store_rows(base_o, offs_m, son, q_ok, d, out, HEAD_DIM, D_PAD)
+            store_residual_out(RO, ROS, b, h, pid_bh, offs_m, q_ok, sob, soh, son, N_Q, res, d,
                                HEAD_DIM, D_PAD, RES_OUT == 2)
             if MASS:
                 store_mass(MS, b, h, offs_m, q_ok, msb, msh, msn, lse_s, lse)
@@ -178,8 +191,9 @@ def _row(row, Q, K, V, Out, Lse, R, RS, RO, ROS, MS, KV_IDX, KV_CNT, CMP_IDX, CM
             w = mass_weight(lse, MS, b, h, offs_m, q_ok, msb, msh, msn)
         out = add_residual(out, R, RS, b, h, offs_m, q_ok, srb, srh, srn, ssb, ssh, ssn, d, HEAD_DIM, D_PAD,
                            RESIDUAL, w, MASS)
-    if MODE != 3:
+    if MODE < 2:  # the anchor stored its dense rows above; the residual mode leaves Out alone
         store_rows(Out + b * sob + h * soh, offs_m, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
+    if MODE != 3:
         if WRITE_LSE:
             tl.store(Lse + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
@@ -230,7 +244,9 @@ def _cfg(bn, w, s, per_sm=1, maxnreg=None):
 SPARSE_CONFIGS = [_cfg(64, 8, 5), _cfg(64, 8, 3), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3), _cfg(64, 4, 5),
                   _cfg(128, 4, 3)]
 DENSE_CONFIGS = [_cfg(64, 8, 2), _cfg(64, 8, 2, maxnreg=128), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 2)]
-ANCHOR_CONFIGS = [_cfg(64, 8, 5), _cfg(64, 8, 3), _cfg(128, 8, 3)]
+# The anchor as the dense tiles: capped at 128 registers, two programs an SM; the uncapped 64-wide tilings were slower
+# at every density and shape timed (docs/kernel_notes.md, "v16"), the 128-wide one stays for GPUs that prefer it.
+ANCHOR_CONFIGS = [_cfg(64, 8, 2, maxnreg=128), _cfg(64, 8, 3, maxnreg=128), _cfg(128, 8, 3)]
 PERSISTENT_CONFIGS = [_cfg(64, 8, 5, 1), _cfg(64, 8, 3, 2, maxnreg=128), _cfg(128, 8, 3, 1)]
 # Triton 3.6 leaves Hopper loops unspecialised at 8 warps and fails to compile them at 4 (kernel notes)
 WARP_SPEC_CONFIGS = [_cfg(64, 8, 5)]

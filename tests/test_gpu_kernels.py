@@ -282,6 +282,18 @@ def test_anchor_matches_dense_and_sparse(precision, n, d, bq, bk, path):
 
 
 @needs_hopper
+def test_fp8_residual_store_rounds_as_torch_and_keeps_non_finite_nan():
+    """On the GPU the residual epilogues cast to fp8 without the interpreter's software rounding: the codes equal
+    torch's (ties to even, subnormals; Triton's fp32 division may move a random value by one step), and an inf or
+    NaN in the residual leaves NaN in its own element, where the hardware's saturating cast would give 448
+    (tests/fp8_store_check.py)."""
+    import fp8_store_check
+    r = fp8_store_check.check(DEV)
+    assert r["scale_rel"] <= 1e-6 and r["ties_equal"] and r["codes_equal"] >= 0.999 and r["max_steps"] <= 1, r
+    assert r["nan_where_nonfinite"] and r["finite_elsewhere"], r
+
+
+@needs_hopper
 @pytest.mark.parametrize("precision", ["model", "fp8"])
 @pytest.mark.parametrize("n,d,bq,bk", [(32760, 128, 128, 128), (75600, 128, 128, 128), (4133, 64, 64, 64),
                                        (20000, 96, 64, 128)])

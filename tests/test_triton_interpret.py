@@ -583,7 +583,8 @@ narrow = wide[..., :1].contiguous()  # one block per row: width 1 of 10
 dispatch = {}
 for label, (idx, cnt, density) in {"wide": (wide, wcnt, None), "wide-stated-0.05": (wide, wcnt, 0.05),
                                    "narrow": (narrow, wcnt.clamp(max=1), None),
-                                   "narrow-stated-0.5": (narrow, wcnt.clamp(max=1), 0.5)}.items():
+                                   "narrow-stated-0.5": (narrow, wcnt.clamp(max=1), 0.5),
+                                   "narrow-stated-0.15": (narrow, wcnt.clamp(max=1), 0.15)}.items():
     calls.clear()
     out, res = K.block_anchor_attention(q, k, v, idx, cnt, block_q=64, block_k=64, backend="triton", density=density)
     dispatch[label] = [list(calls), rel_l2(out.double(), K.attention_dense(q, k, v, backend="torch").double())]
@@ -601,7 +602,8 @@ def test_mass_weighted_residual_matches_twins_in_interpreter(child):
     dispatch = got.pop("dispatch")
     assert {label: calls for label, (calls, _) in dispatch.items()} == {
         "wide": ["block_anchor_attention"], "wide-stated-0.05": ["block_residual"], "narrow": ["block_residual"],
-        "narrow-stated-0.5": ["block_anchor_attention"]}
+        "narrow-stated-0.5": ["block_anchor_attention"],
+        "narrow-stated-0.15": ["block_anchor_attention"]}  # the quality presets' density: fused since v16
     assert all(err <= 1e-5 for _, err in dispatch.values()), dispatch  # either way the output is the dense one
     assert len(got) == 2 * 2 * 7
     for name, vals in got.items():
@@ -784,6 +786,22 @@ def test_fp8_residual_read_as_bytes_where_triton_has_no_fp8_type(child):
 
 
 
+FP8_STORE_CHILD = PREAMBLE + r"""
+import fp8_store_check
+print("RESULT:" + json.dumps(fp8_store_check.check("cpu")))
+"""
+
+
+def test_fp8_residual_store_rounds_as_torch(child):
+    """The residual epilogues' fp8 store rounds to nearest even exactly as torch's cast (ties, subnormals), with the
+    row scale amax / 448 over the finite values (tests/fp8_store_check.py). The interpreter's own cast turns NaN into
+    384, so the NaN kept where the residual was not finite is checked on the GPU, with the GPU's cast, which rounds
+    without the software grid (tests/test_gpu_kernels.py)."""
+    r = child
+    assert r["scale_rel"] <= 1e-6 and r["codes_equal"] == 1.0 and r["ties_equal"] and r["max_steps"] == 0, r
+    assert r["finite_elsewhere"], r
+
+
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
@@ -804,4 +822,6 @@ CHILDREN = {
         (INFERENCE_CHILD, 600, {}),
     "test_fp8_residual_read_as_bytes_where_triton_has_no_fp8_type":
         (FP8_BYTES_CHILD, 600, {}),
+    "test_fp8_residual_store_rounds_as_torch":
+        (FP8_STORE_CHILD, 300, {}),
 }
