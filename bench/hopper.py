@@ -223,43 +223,30 @@ class Shape:
             q, k, v, *self.block_lists(densities[0], False)[:2], block_q=128, block_k=128, residual_precision="fp8",
             validate=False, path="persistent"), config=lambda: AH.last_config("persistent"), target=densities[0])
 
-    def anchor_paths(self, densities):
-        """The block anchor as the engine calls it (fp8 residual with its mass) per density: the fused one-pass kernel,
-        one cuDNN dense call plus the block-sparse kernel forming R in its epilogue, and what kernels/api.py chooses
-        (FUSED_ANCHOR_ABOVE)."""
-        q, k, v, K, AT, AH = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"]
-        kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
-        for dens in densities:
-            idx, cnt, real = self.block_lists(dens, False)
-            self.rec("anchor", "fused_fp8", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(q, k, v, idx, cnt, **kw),
-                     config=lambda: AH.last_config("anchor"), target=dens, kept=real)
-
-            def epilogue(idx=idx, cnt=cnt):
-                out, lse = K.attention_dense(q, k, v, return_lse=True)
-                return out, AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
-            self.rec("anchor", "cudnn+epilogue", epilogue, config=lambda: AH.last_config("sparse"), target=dens,
-                     kept=real)
-            self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
-                     target=dens, kept=real)
-
-    def anchor_tilings(self, densities):
-        """The fused anchor (fp8 residual with its mass, as the engine calls it) on each candidate tiling of
-        ``attention_hopper.ANCHOR_CONFIGS`` alone, then cuDNN dense plus the residual epilogue (the composed path) and
-        what kernels/api.py chooses, per density (docs/kernel_notes.md, "v16")."""
+    def anchor_paths(self, densities, tilings=False):
+        """The block anchor as the engine calls it (fp8 residual with its mass) per density: the fused one-pass kernel
+        (with ``tilings``, each candidate tiling of ``attention_hopper.ANCHOR_CONFIGS`` alone: docs/kernel_notes.md,
+        "v16"), one cuDNN dense call plus the block-sparse kernel forming R in its epilogue, and what kernels/api.py
+        chooses (FUSED_ANCHOR_ABOVE)."""
         q, k, v, K, AT, AH = self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"]
         kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
         candidates = list(AH.ANCHOR_CONFIGS)
         for dens in densities:
             idx, cnt, real = self.block_lists(dens, False)
+
+            def fused(idx=idx, cnt=cnt):
+                return AT.block_anchor_attention(q, k, v, idx, cnt, **kw)
+            if not tilings:
+                self.rec("anchor", "fused_fp8", fused, config=lambda: AH.last_config("anchor"), target=dens, kept=real)
             try:
-                for i, cfg in enumerate(candidates):
+                for i, cfg in enumerate(candidates if tilings else ()):
                     AH.ANCHOR_CONFIGS[:] = [cfg]
                     AH._tuned.pop("anchor", None)
-                    self.rec("anchor", f"fused_t{i}", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(
-                        q, k, v, idx, cnt, **kw), config=str(cfg), target=dens, kept=real)
+                    self.rec("anchor", f"fused_t{i}", fused, config=str(cfg), target=dens, kept=real)
             finally:
-                AH.ANCHOR_CONFIGS[:] = candidates
-                AH._tuned.pop("anchor", None)
+                if tilings:
+                    AH.ANCHOR_CONFIGS[:] = candidates
+                    AH._tuned.pop("anchor", None)
 
             def epilogue(idx=idx, cnt=cnt):
                 out, lse = K.attention_dense(q, k, v, return_lse=True)
@@ -533,7 +520,7 @@ def main():
                          "against the fixed one (Shape.mass); anchor: the fused anchor against the dense call plus "
                          "the residual epilogue, per density (Shape.anchor_paths); epilogue: the composed anchor's "
                          "halves, alone and in sequence (Shape.epilogue); tilings: the fused anchor on each candidate "
-                         "tiling against the composed anchor (Shape.anchor_tilings)")
+                         "tiling against the composed anchor (Shape.anchor_paths with tilings)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -592,7 +579,7 @@ def main():
     if args.plan == "epilogue":
         plan = [(name, "epilogue", (0.08, 0.1)) for name in names]
     if args.plan == "tilings":
-        plan = [(name, "anchor_tilings", (0.08, 0.15, 0.25)) for name in names]
+        plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
         anchors = (0.25, 0.1) if i == 0 else (0.25,)
         plan += [(name, "sparse", (0.25, 0.1, 0.5)), (name, "dense_ours"), (name, "anchor", anchors)]
