@@ -29,8 +29,11 @@ def residual_tile() -> torch.Tensor:
     x = torch.randn(ROWS, D, generator=g) * torch.logspace(-6, 3, ROWS).view(-1, 1)
     x[1] = 0.0
     # row 2 at scale exactly 1 (its max is 448): ties between neighbouring fp8 values round to the even one
-    ties = torch.tensor([1.0625, 1.1875, 3.25, 3.75, 0.5 + 2 ** -5, 2 ** -9 * 1.5, 2 ** -9 * 2.5, 2 ** -10,
-                         2 ** -9 * 3.5, 240.0 + 8.0, 2 ** -7 * 1.0625, 2 ** -12])
+    # halfway between neighbouring fp8 values: 1.0625 (-> 1), 1.1875 (-> 1.25), 3.125 (-> 3), 3.375 (-> 3.5),
+    # 0.5 + 2**-5 (-> 0.5), 248 (-> 256, the next binade), 2**-6 * 1.0625 at the smallest normal (-> 2**-6), and among
+    # the subnormals (step 2**-9): 1.5, 2.5, 3.5 and 4.5 steps (-> 2, 2, 4, 4) and half a step (-> 0)
+    ties = torch.tensor([1.0625, 1.1875, 3.125, 3.375, 0.5 + 2 ** -5, 248.0, 2 ** -6 * 1.0625, 2 ** -9 * 1.5,
+                         2 ** -9 * 2.5, 2 ** -9 * 3.5, 2 ** -9 * 4.5, 2 ** -10])
     x[2] = torch.linspace(-300.0, 300.0, D)
     x[2, :ties.numel()] = ties
     x[2, ties.numel():2 * ties.numel()] = -ties
@@ -41,8 +44,9 @@ def residual_tile() -> torch.Tensor:
 
 def check(device: str) -> dict:
     """Run the store on ``device`` and compare with torch: {'scale_rel', 'codes_equal' (fraction of the finite
-    elements whose fp8 byte equals torch's, either zero equal to the other), 'ties_equal', 'max_steps' (largest
-    difference in fp8 steps), 'nan_where_nonfinite', 'finite_elsewhere'}."""
+    elements whose fp8 byte equals torch's, either zero equal to the other), 'ties_equal' (row 2 as torch rounds
+    it), 'ties_scale_exact' (row 2's scale came out exactly 1, so its values reached the cast unchanged), 'max_steps'
+    (largest difference in fp8 steps), 'nan_where_nonfinite', 'finite_elsewhere'}."""
     x = residual_tile()
     ro = torch.empty(ROWS, D, dtype=torch.float8_e4m3fn, device=device)
     ros = torch.empty(ROWS, dtype=torch.float32, device=device)
@@ -60,6 +64,7 @@ def check(device: str) -> dict:
     return dict(scale_rel=float(((ros.cpu() - s).abs() / s).max()),
                 codes_equal=float(same.sum() / finite.sum()),
                 ties_equal=bool(same[2].all()),
+                ties_scale_exact=bool(ros[2].item() == 1.0),
                 max_steps=int(steps.max()),
                 nan_where_nonfinite=bool(torch.isnan(got.float())[~finite].all()),
                 finite_elsewhere=bool(torch.isfinite(got.float())[finite].all()))

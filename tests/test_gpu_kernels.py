@@ -289,7 +289,9 @@ def test_fp8_residual_store_rounds_as_torch_and_keeps_non_finite_nan():
     (tests/fp8_store_check.py)."""
     import fp8_store_check
     r = fp8_store_check.check(DEV)
-    assert r["scale_rel"] <= 1e-6 and r["ties_equal"] and r["codes_equal"] >= 0.999 and r["max_steps"] <= 1, r
+    assert r["scale_rel"] <= 1e-6 and r["codes_equal"] >= 0.999 and r["max_steps"] <= 1, r
+    # the ties reach the cast exactly only where Triton's fp32 division gave the row scale 448 / 448 = 1 exactly
+    assert r["ties_equal"] or not r["ties_scale_exact"], r
     assert r["nan_where_nonfinite"] and r["finite_elsewhere"], r
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue")
+PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings")
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,19 @@ def test_hopper_bench_dry_run(dry_runs, plan):
         for label in ("fixed", "mass", "fixed-again"):
             assert {("anchor", f"fused_fp8-{label}"), ("reuse", f"fused_fp8-{label}")} <= kinds
         assert sum(1 for r in rows if r["kind"] in ("anchor", "reuse")) == 2 * 6
-    elif plan == "anchor":  # three anchor paths at each of seven densities
+    elif plan == "anchor":  # three anchor paths at each of seven densities, then our dense kernels for reference
         paths = {("anchor", "fused_fp8"), ("anchor", "cudnn+epilogue"), ("anchor", "api")}
-        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == paths
+        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn"), ("dense_lse", "tma"), ("dense_lse", "pointer")} \
+            == paths
         assert sorted({r["target"] for r in rows if "target" in r}) == [0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25]
-        assert len(rows) == 3 * 7 + 2  # and the cuDNN dense rows every shape starts with
+        assert len(rows) == 3 * 7 + 2 + 2  # and the cuDNN dense rows every shape starts with
+    elif plan == "tilings":  # the fused anchor on each candidate tiling alone, then the composed path and the API's
+        tilings = [r for r in rows if r["kind"] == "anchor" and r["variant"].startswith("fused_t")]
+        assert {r["variant"] for r in tilings} == {f"fused_t{i}" for i in range(len(tilings) // 3)}
+        assert len({r["config"] for r in tilings}) == len(tilings) // 3 >= 2  # each row names its own tiling
+        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == {r2 for r2 in kinds if r2[0] == "anchor"}
+        assert {("anchor", "cudnn+epilogue"), ("anchor", "api")} <= kinds and ("anchor", "fused_fp8") not in kinds
+        assert sorted({r["target"] for r in rows if "target" in r}) == [0.08, 0.15, 0.25]
     elif plan == "epilogue":  # four kernels at two densities (the halves in sequence are timed on a GPU only)
         assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == {
             ("bsa128", "tma"), ("residual_epilogue", "alone"), ("reuse", "fused_fp8_mass"), ("anchor", "api")}
