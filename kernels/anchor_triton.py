@@ -4,8 +4,7 @@ Each query block walks its selected KV blocks first: that online-softmax state i
 (exact). The same state then continues over the complement blocks, giving the dense output and row LSE.
 The residual R = dense - sparse is formed from both outputs rounded to the model's dtype (the sparse one waits in
 the output tensor during the second walk), as the twin forms it, and stored in the model's dtype or as fp8 with a
-per-row scale. So an anchor costs one dense pass instead of dense + sparse + a
-residual pass.
+per-row scale. So an anchor costs one dense pass instead of dense + sparse + a residual pass.
 Twin of ``anchor_torch.block_anchor_attention``.
 
 At low densities one cuDNN dense call plus the block-sparse kernel is cheaper than this pass, which runs at the

@@ -28,10 +28,10 @@ def residual_tile() -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
     x = torch.randn(ROWS, D, generator=g) * torch.logspace(-6, 3, ROWS).view(-1, 1)
     x[1] = 0.0
-    # row 2 at scale exactly 1 (its max is 448): ties between neighbouring fp8 values round to the even one
-    # halfway between neighbouring fp8 values: 1.0625 (-> 1), 1.1875 (-> 1.25), 3.125 (-> 3), 3.375 (-> 3.5),
-    # 0.5 + 2**-5 (-> 0.5), 248 (-> 256, the next binade), 2**-6 * 1.0625 at the smallest normal (-> 2**-6), and among
-    # the subnormals (step 2**-9): 1.5, 2.5, 3.5 and 4.5 steps (-> 2, 2, 4, 4) and half a step (-> 0)
+    # row 2 at scale exactly 1 (its max is 448), with values halfway between neighbouring fp8 values, which round to
+    # the even one: 1.0625 (-> 1), 1.1875 (-> 1.25), 3.125 (-> 3), 3.375 (-> 3.5), 0.5 + 2**-5 (-> 0.5), 248 (-> 256,
+    # the next binade), 2**-6 * 1.0625 at the smallest normal (-> 2**-6), and among the subnormals (step 2**-9): 1.5,
+    # 2.5, 3.5 and 4.5 steps (-> 2, 2, 4, 4) and half a step (-> 0)
     ties = torch.tensor([1.0625, 1.1875, 3.125, 3.375, 0.5 + 2 ** -5, 248.0, 2 ** -6 * 1.0625, 2 ** -9 * 1.5,
                          2 ** -9 * 2.5, 2 ** -9 * 3.5, 2 ** -9 * 4.5, 2 ** -10])
     x[2] = torch.linspace(-300.0, 300.0, D)
