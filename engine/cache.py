@@ -50,6 +50,11 @@ class Entry:
     def nbytes(self) -> int:
         return self.selection.nbytes + (0 if self.residual is None else self.residual.nbytes)
 
+    @property
+    def host_nbytes(self) -> int:
+        """Its bytes in host memory (``pinned``: the selection's lists narrower)."""
+        return self.selection.host_nbytes + (0 if self.residual is None else self.residual.nbytes)
+
     def map(self, fn) -> "Entry":
         return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn),
                      importance=self.importance)
@@ -73,15 +78,21 @@ class Entry:
                      importance=self.importance)
 
     def to(self, device, non_blocking=False) -> "Entry":
-        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+        """A copy on ``device`` with the selection as the kernels take it (a host entry's lists are narrower:
+        ``pinned``)."""
+        out = self.map(lambda t: t.to(device, non_blocking=non_blocking))
+        out.selection = out.selection.device_form()
+        return out
 
     def pinned(self, owner=None) -> "Entry":
         """A CPU copy, in pinned memory when CUDA is present (so copies back can be asynchronous). ``owner``: the
         caching cache's pool token (buffers given back after a failed copy are its, engine/pinned_pool.py).
 
         A CUDA tensor is copied straight into a page-locked buffer, asynchronously on the current stream (no
-        pageable bounce buffer, no host wait; later readers are ordered after it by the stream)."""
+        pageable bounce buffer, no host wait; later readers are ordered after it by the stream). The selection is
+        copied in its host form (a block selection's lists as int16: half their bytes; ``to`` widens them again)."""
         taken = []
+        src = Entry(self.selection.host_form(), self.residual, importance=self.importance)
 
         def cp(t):
             if t.is_cuda:  # large tensors in exact-size page-locked buffers (engine/pinned_pool.py), others in torch's
@@ -90,7 +101,7 @@ class Entry:
             c = t.detach().to("cpu", copy=True)
             return c.pin_memory() if torch.cuda.is_available() else c
         try:
-            out = self.map(cp)
+            out = src.map(cp)
         except BaseException:  # host memory ran out midway: the buffers already taken are nobody's; their copies,
             # issued on the device's current stream, finish before the pool writes or unregisters them
             if taken:  # pool buffers are taken for CUDA tensors only; an entry's tensors share one device
@@ -273,7 +284,7 @@ class SelectionCache:
         if self._device_fits(size, entry):
             self.on_device[key] = entry
             where = "device"
-        elif self._cpu_fits(size):
+        elif self._cpu_fits(entry.host_nbytes):
             self.on_cpu[key] = self._to_host(entry)
             self.counters["offloaded"] += 1
             where = "cpu"
@@ -331,7 +342,8 @@ class SelectionCache:
         # drop nothing when dropping every lesser residual would still leave no room (they would be lost for nothing)
         gain = {where: sum(self._store(where)[k].residual.nbytes
                            for _, k, w in lesser if w == where) for where in ("device", "cpu")}
-        if not (self._device_fits(size - gain["device"], entry) or self._cpu_fits(size - gain["cpu"])):
+        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
+        if not (self._device_fits(size - gain["device"], entry) or self._cpu_fits(host - gain["cpu"])):
             return False
         freed = False
         for _, k, where in lesser:
@@ -343,9 +355,9 @@ class SelectionCache:
             self.counters["residual_dropped"] += 1
             self._note_dropped(k)
             freed = True
-            if self._device_fits(size, entry) or self._cpu_fits(size):
+            if self._device_fits(size, entry) or self._cpu_fits(host):
                 return True
-        return freed and (self._device_fits(size, entry) or self._cpu_fits(size))
+        return freed and (self._device_fits(size, entry) or self._cpu_fits(host))
 
     def _pack_stored(self, size: int, entry: Entry, sides: set) -> None:
         """Pack stored fp8 residuals to 4 bits on ``sides`` ("device", "cpu": where packing can make room), the least
@@ -353,8 +365,9 @@ class SelectionCache:
         sparse where dropping its residual sends it dense, so residuals are packed before ``_make_room`` drops any,
         and only as many as it takes."""
         stored = self._residual_entries(lambda where, e: where in sides and e.residual.can_pack())
+        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
         for _, k, where in stored:
-            if self._device_fits(size, entry) or self._cpu_fits(size):
+            if self._device_fits(size, entry) or self._cpu_fits(host):
                 return
             store = self._store(where)
             old = store[k].wait()
@@ -391,8 +404,9 @@ class SelectionCache:
                     gain[where] += e.residual.nbytes
                 elif e.residual is not None:
                     gain[where] += e.residual.packing_frees
+        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
         return {where for where, fits in (("device", self._device_fits(size - gain["device"], entry)),
-                                          ("cpu", self._cpu_fits(size - gain["cpu"]))) if fits}
+                                          ("cpu", self._cpu_fits(host - gain["cpu"]))) if fits}
 
     def _note_packed(self, key: tuple) -> None:
         if not self.packed_layers:
@@ -404,7 +418,7 @@ class SelectionCache:
     def _keep_selection_on_host(self, key: tuple, entry: Entry) -> bool:
         """Store ``entry``'s selection alone in host memory, up to SELECTION_SLACK past cpu_budget; its residual, if
         it has one, is dropped (counted, logged once, listed in the Report). False when even that does not fit."""
-        if not self._cpu_fits(entry.selection.nbytes, SELECTION_SLACK):
+        if not self._cpu_fits(entry.selection.host_nbytes, SELECTION_SLACK):
             return False
         self.on_cpu[key] = self._to_host(Entry(entry.selection, None, importance=entry.importance))
         self.counters["offloaded"] += 1
@@ -503,7 +517,7 @@ class SelectionCache:
                 break
             entry = self.on_device.pop(key)
             moved += entry.nbytes
-            if self._cpu_fits(entry.nbytes):
+            if self._cpu_fits(entry.host_nbytes):
                 self.on_cpu[key] = self._to_host(entry)
                 self.counters["offloaded"] += 1
             else:

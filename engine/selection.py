@@ -3,8 +3,9 @@
 BlockSelection holds CSR-like block lists (the block-sparse kernel's input); TokenSelection holds query
 groups and per-group KV token lists (the token-sparse kernel's input) plus the query rows computed
 densely (text rows). Both offer the same interface — ``run``, ``density`` (the exact fraction of query-key
-pairs computed), ``nbytes``, ``map``/``tensors`` (device moves for the cache's offload), ``batch_slice`` and
-``picture`` (the report's map) — so nothing outside this file tells them apart.
+pairs computed), ``nbytes``, ``map``/``tensors`` (device moves for the cache's offload), ``host_form``/``device_form``
+and ``host_nbytes`` (the narrower lists host memory keeps), ``batch_slice`` and ``picture`` (the report's map) — so nothing outside this
+file tells them apart.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .. import kernels
 
 from ..kernels.compact_torch import LOW_PAD, SEGMENT, decode_lists  # one definition: the kernels' list format
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
+HOST_INDEX_MAX = 32767  # block lists whose indices stay below this are kept as int16 in host memory
 
 
 def _nbytes(*ts) -> int:
@@ -53,6 +55,32 @@ class BlockSelection:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.kv_indices, self.kv_counts)
+
+    def _narrows(self) -> bool:
+        """Whether host memory keeps the lists as int16: int32 lists whose indices all fit. No synchronisation: the
+        engine's lists are self-attention's (as many key as query tokens), so no index reaches
+        ceil(nqb * block_q / block_k)."""
+        bound = -(-self.kv_counts.shape[-1] * self.block_q // self.block_k)
+        return self.kv_indices.dtype == torch.int32 and bound <= HOST_INDEX_MAX
+
+    def host_form(self) -> "BlockSelection":
+        """This selection as host memory keeps it: kv_indices int16 (half the bytes; an offloaded entry's lists at Wan
+        14B 720p are ~9 MB a layer in int32) where every block index fits, else unchanged. ``device_form`` restores
+        int32 for the kernels."""
+        if not self._narrows():
+            return self
+        return dataclasses.replace(self, kv_indices=self.kv_indices.to(torch.int16))
+
+    @property
+    def host_nbytes(self) -> int:
+        """``host_form().nbytes`` without making it."""
+        return self.nbytes - (self.kv_indices.numel() * 2 if self._narrows() else 0)
+
+    def device_form(self) -> "BlockSelection":
+        """The lists as the kernels take them (int32 kv_indices), from ``host_form`` or as they are."""
+        if self.kv_indices.dtype == torch.int32:
+            return self
+        return dataclasses.replace(self, kv_indices=self.kv_indices.to(torch.int32))
 
     def map(self, fn) -> "BlockSelection":
         """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""
@@ -168,6 +196,18 @@ class TokenSelection:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.q_groups, self.kv_low, self.seg_ends, self.kv_counts, self.dense_rows)
+
+    def host_form(self) -> "TokenSelection":
+        """As host memory keeps it: unchanged (the lists are int16 already)."""
+        return self
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.nbytes
+
+    def device_form(self) -> "TokenSelection":
+        """As the kernels take it: unchanged."""
+        return self
 
     def map(self, fn) -> "TokenSelection":
         """A copy with ``fn`` applied to every tensor (device moves, pinned copies)."""

@@ -314,7 +314,7 @@ def test_cpu_side_leaves_the_host_its_reserve(monkeypatch):
     cache = SelectionCache(device_budget=0, cpu_budget=10**12, offload=True)
     monkeypatch.setattr(cache_mod, "host_memory", lambda: (40 * gib, 128 * gib))  # reserve: 32 GiB of 128
     assert cache.put(("a",), e) == "cpu"
-    monkeypatch.setattr(cache_mod, "host_memory", lambda: (32 * gib + e.nbytes - 1, 128 * gib))
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: (32 * gib + e.host_nbytes - 1, 128 * gib))
     # pinning it would eat into the reserve: its selection alone goes (a few KB), its residual is dropped
     assert cache.put(("b",), _entry(1)) == "cpu-no-residual" and cache.on_cpu[("b",)].residual is None
     monkeypatch.setattr(cache_mod, "host_memory", lambda: (9 * gib, 16 * gib))  # small host: the 8 GiB floor

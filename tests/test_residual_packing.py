@@ -238,7 +238,8 @@ def test_auto_packs_residuals_before_it_drops_any(monkeypatch, caplog, side):
     es = [entry(i, imp, n=8192 if i == 3 else 4096) for i, imp in enumerate((0.2, 0.1, 0.3, 0.05, 0.4))]
     # two fp8 entries and two more selections (the third's and the fourth's): the third fits once one stored residual
     # is packed with it, the fourth's selection fits where its residual does not
-    room = 2 * es[0].nbytes + es[0].selection.nbytes + es[3].selection.nbytes + 100
+    size = (lambda e: e.nbytes) if side == "device" else (lambda e: e.host_nbytes)  # host lists are int16
+    room = 2 * size(es[0]) + size(Entry(es[0].selection, None)) + size(Entry(es[3].selection, None)) + 100
     budgets = dict(device_budget=room, cpu_budget=0, offload=False) if side == "device" else \
         dict(device_budget=0, cpu_budget=room, offload=True)
     cache = SelectionCache(pack_when_short=True, **budgets)

@@ -2,6 +2,7 @@
 matter most when room runs out and says which were dropped, and an out-of-memory error in the model moves the
 run's cache off the device and runs the forward again instead of ending the run."""
 
+import dataclasses
 import weakref
 from types import SimpleNamespace
 
@@ -58,7 +59,9 @@ def test_a_full_card_and_host_budget_keep_the_selection_in_host_memory(monkeypat
     assert cache.on_cpu[(3, True, (), 4096)].residual is not None  # the more important residual stays
     bare = cache.get((7, True, (), 4096), "cpu")
     assert bare.residual is None and torch.equal(bare.selection.kv_indices, newcomer.selection.kv_indices)
-    assert cache.cpu_bytes == kept.nbytes + newcomer.selection.nbytes > cache.cpu_budget
+    # host memory holds the selections' lists as int16 (Entry.pinned)
+    held = kept.residual.nbytes + kept.selection.host_form().nbytes + newcomer.selection.host_form().nbytes
+    assert cache.cpu_bytes == held > cache.cpu_budget
     assert cache.counters["fallbacks"] == 0 and cache.info()["dropped_residual_layers"] == [7]
     # the host reserve still holds: with no host memory to spare the layer falls back
     monkeypatch.setattr(cache_mod, "host_memory", lambda: (1 << 30, 64 << 30))
@@ -69,7 +72,7 @@ def test_a_full_card_and_host_budget_keep_the_selection_in_host_memory(monkeypat
     # an entry without a residual (residual off) gets the same slack for its selection
     monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
     bare = Entry(entry(4, 0.1).selection, None)
-    full = SelectionCache(device_budget=0, cpu_budget=bare.nbytes * 2 - 1, offload=True)
+    full = SelectionCache(device_budget=0, cpu_budget=bare.host_nbytes * 2 - 1, offload=True)
     assert full.put((1, True, (), 4096), bare) == "cpu" and full.put((2, True, (), 4096), bare) == "cpu"
     assert full.cpu_bytes > full.cpu_budget and full.counters["residual_dropped"] == 0
 
@@ -299,3 +302,29 @@ def test_auto_budget_without_room_does_not_prefetch(monkeypatch):
         return cache.counters["prefetched"]
     assert run(1 << 30) == 1  # room: the next entry is copied ahead
     assert run(1024) == 0  # no room: nothing is copied ahead
+
+
+def test_host_entries_keep_block_lists_as_int16_and_give_back_int32(monkeypatch):
+    """An offloaded block selection's lists are int16 in host memory (half their bytes, so a capped host holds more
+    layers' entries), and an entry fetched back has the int32 lists the kernels take, equal to the stored ones; lists
+    whose indices could pass int16's range stay int32."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    e = entry(0, 0.1)
+    sel = e.selection
+    host = e.pinned()
+    assert host.selection.kv_indices.dtype == torch.int16 and host.selection.kv_counts.dtype == torch.int32
+    assert host.selection.nbytes == sel.nbytes - sel.kv_indices.numel() * 2
+    back = host.to("cpu")
+    assert back.selection.kv_indices.dtype == torch.int32 and torch.equal(back.selection.kv_indices, sel.kv_indices)
+    assert torch.equal(back.selection.kv_counts, sel.kv_counts) and back.selection.density == sel.density
+    # the cache's host side counts the narrower lists; a fetched entry runs as the original does
+    cache = SelectionCache(device_budget=0, cpu_budget=1 << 30, offload=True)
+    assert cache.put((3, True, (), 4096), e) == "cpu"
+    assert cache.cpu_bytes == e.residual.nbytes + host.selection.nbytes == e.host_nbytes
+    got = cache.get((3, True, (), 4096), "cpu")
+    assert got.selection.kv_indices.dtype == torch.int32 and torch.equal(got.selection.kv_indices, sel.kv_indices)
+    q, k, v = (torch.randn(1, 2, 4096, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    assert torch.equal(got.selection.run(q, k, v, backend="torch"), sel.run(q, k, v, backend="torch"))
+    # lists whose key blocks could number more than 32 767 (64 query blocks of 1 024 tokens, 1-token key blocks)
+    wide = dataclasses.replace(sel, block_q=1024, block_k=1)
+    assert wide.host_form() is wide and wide.device_form() is wide
