@@ -4,8 +4,8 @@ BlockSelection holds CSR-like block lists (the block-sparse kernel's input); Tok
 groups and per-group KV token lists (the token-sparse kernel's input) plus the query rows computed
 densely (text rows). Both offer the same interface — ``run``, ``density`` (the exact fraction of query-key
 pairs computed), ``nbytes``, ``map``/``tensors`` (device moves for the cache's offload), ``host_form``/``device_form``
-and ``host_nbytes`` (the narrower lists host memory keeps), ``batch_slice`` and ``picture`` (the report's map) — so nothing outside this
-file tells them apart.
+and ``host_nbytes`` (the narrower lists host memory keeps), ``batch_slice`` and ``picture`` (the report's map) — so
+nothing outside this file tells them apart.
 """
 
 from __future__ import annotations
