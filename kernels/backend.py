@@ -31,8 +31,9 @@ def triton_available() -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1): kernels then accept CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1): kernels then accept CPU tensors. Read as Triton
+    reads it: "1", "true" and "on", in any case, turn it on; anything else ("0", "false", unset) leaves it off."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
 def triton_device_ok(t: torch.Tensor) -> bool:

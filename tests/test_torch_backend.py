@@ -266,3 +266,15 @@ def test_torch_backend_on_cuda_matches_reference(dtype):
     mass = group_kv_mass(cu[0], cu[1], lse, cu[5], backend="torch").cpu()
     assert torch.isfinite(mass).all()
     assert torch.allclose(mass.double().sum(-1), (groups >= 0).sum(-1).double(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), (" True ", True), ("0", False),
+                                      ("false", False), ("", False), ("off", False), (None, False)])
+def test_the_interpreter_switch_reads_as_triton_reads_it(monkeypatch, value, on):
+    """TRITON_INTERPRET as Triton reads it (1 / true / on): "false" must not make the kernels take CPU tensors and
+    the fp8 store round in software while Triton compiles for the GPU."""
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert backend.interpreting() is on
