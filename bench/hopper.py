@@ -238,13 +238,13 @@ class Shape:
                 return AT.block_anchor_attention(q, k, v, idx, cnt, **kw)
             if not tilings:
                 self.rec("anchor", "fused_fp8", fused, config=lambda: AH.last_config("anchor"), target=dens, kept=real)
-            try:
-                for i, cfg in enumerate(candidates if tilings else ()):
-                    AH.ANCHOR_CONFIGS[:] = [cfg]
-                    AH._tuned.pop("anchor", None)
-                    self.rec("anchor", f"fused_t{i}", fused, config=str(cfg), target=dens, kept=real)
-            finally:
-                if tilings:
+            else:
+                try:
+                    for i, cfg in enumerate(candidates):
+                        AH.ANCHOR_CONFIGS[:] = [cfg]
+                        AH._tuned.pop("anchor", None)
+                        self.rec("anchor", f"fused_t{i}", fused, config=str(cfg), target=dens, kept=real)
+                finally:
                     AH.ANCHOR_CONFIGS[:] = candidates
                     AH._tuned.pop("anchor", None)
 

@@ -55,6 +55,10 @@ class Entry:
         """Its bytes in host memory (``pinned``: the selection's lists narrower)."""
         return self.selection.host_nbytes + (0 if self.residual is None else self.residual.nbytes)
 
+    def on_host(self, size: int) -> int:
+        """``size`` bytes of this entry (all of it, or with its residual packed) as host memory holds them."""
+        return size - (self.nbytes - self.host_nbytes)
+
     def map(self, fn) -> "Entry":
         return Entry(self.selection.map(fn), None if self.residual is None else self.residual.map(fn),
                      importance=self.importance)
@@ -342,7 +346,7 @@ class SelectionCache:
         # drop nothing when dropping every lesser residual would still leave no room (they would be lost for nothing)
         gain = {where: sum(self._store(where)[k].residual.nbytes
                            for _, k, w in lesser if w == where) for where in ("device", "cpu")}
-        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
+        host = entry.on_host(size)
         if not (self._device_fits(size - gain["device"], entry) or self._cpu_fits(host - gain["cpu"])):
             return False
         freed = False
@@ -365,7 +369,7 @@ class SelectionCache:
         sparse where dropping its residual sends it dense, so residuals are packed before ``_make_room`` drops any,
         and only as many as it takes."""
         stored = self._residual_entries(lambda where, e: where in sides and e.residual.can_pack())
-        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
+        host = entry.on_host(size)
         for _, k, where in stored:
             if self._device_fits(size, entry) or self._cpu_fits(host):
                 return
@@ -404,7 +408,7 @@ class SelectionCache:
                     gain[where] += e.residual.nbytes
                 elif e.residual is not None:
                     gain[where] += e.residual.packing_frees
-        host = size - (entry.nbytes - entry.host_nbytes)  # the host keeps the selection's lists narrower
+        host = entry.on_host(size)
         return {where for where, fits in (("device", self._device_fits(size - gain["device"], entry)),
                                           ("cpu", self._cpu_fits(host - gain["cpu"]))) if fits}
 

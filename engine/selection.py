@@ -203,6 +203,7 @@ class TokenSelection:
 
     @property
     def host_nbytes(self) -> int:
+        """Its bytes in host memory: ``nbytes``."""
         return self.nbytes
 
     def device_form(self) -> "TokenSelection":
