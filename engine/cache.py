@@ -55,6 +55,11 @@ class Entry:
         """Its bytes in host memory (``pinned``: the selection's lists narrower)."""
         return self.selection.host_nbytes + (0 if self.residual is None else self.residual.nbytes)
 
+    @property
+    def device_nbytes(self) -> int:
+        """Its bytes once ``to`` a device (a host entry's int16 block lists widen to int32 there)."""
+        return self.selection.device_nbytes + (0 if self.residual is None else self.residual.nbytes)
+
     def on_host(self, size: int) -> int:
         """``size`` bytes of this entry (all of it, or with its residual packed) as host memory holds them."""
         return size - (self.nbytes - self.host_nbytes)
@@ -611,7 +616,8 @@ class SelectionCache:
         if self.prefetch_off or nxt not in self.on_cpu or nxt in self.prefetched:
             return
         dev = torch.device(device)
-        if self.device_budget is None and not self._device_fits(self.on_cpu[nxt].nbytes, self.on_cpu[nxt], dev):
+        # the copy's size on the device, its lists widened (Entry.to), not the host entry's own
+        if self.device_budget is None and not self._device_fits(self.on_cpu[nxt].device_nbytes, self.on_cpu[nxt], dev):
             # "auto" found no room for it on the device: a prefetched copy would crowd the model's own forward (a
             # 16 GB card ran out of memory there at its first reuse step and ran the step again, 18.6 against
             # 8.1 s: docs/benchmarks.md, "The small-VRAM preset on a 16 GB card"); the entry is fetched when used

@@ -76,6 +76,11 @@ class BlockSelection:
         """``host_form().nbytes`` without making it."""
         return self.nbytes - (self.kv_indices.numel() * 2 if self._narrows() else 0)
 
+    @property
+    def device_nbytes(self) -> int:
+        """``device_form().nbytes`` without making it: a host form's int16 lists count as the int32 they become."""
+        return self.nbytes + (self.kv_indices.numel() * 2 if self.kv_indices.dtype == torch.int16 else 0)
+
     def device_form(self) -> "BlockSelection":
         """The lists as the kernels take them (int32 kv_indices), from ``host_form`` or as they are."""
         if self.kv_indices.dtype == torch.int32:
@@ -204,6 +209,11 @@ class TokenSelection:
     @property
     def host_nbytes(self) -> int:
         """Its bytes in host memory: ``nbytes``."""
+        return self.nbytes
+
+    @property
+    def device_nbytes(self) -> int:
+        """Its bytes on the device: ``nbytes``."""
         return self.nbytes
 
     def device_form(self) -> "TokenSelection":

@@ -304,6 +304,26 @@ def test_auto_budget_without_room_does_not_prefetch(monkeypatch):
     assert run(1024) == 0  # no room: nothing is copied ahead
 
 
+def test_prefetch_asks_for_room_for_the_widened_copy(monkeypatch):
+    """A host entry's block lists are int16 and its device copy's int32: the prefetch asks the device for the copy's
+    size, so room for the host entry's bytes alone copies nothing ahead."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    keys = [(layer, True, (), 4096) for layer in range(2)]
+    host = [entry(i, 0.1).pinned() for i in range(2)]
+    assert host[1].device_nbytes == host[1].to("cpu").nbytes > host[1].nbytes
+
+    def prefetched(room):
+        monkeypatch.setattr(cache_mod, "AUTO_NON_CUDA_BYTES", room)
+        cache = SelectionCache(device_budget=None, cpu_budget=1 << 30, offload=True)
+        cache.on_cpu.update(zip(keys, host))
+        cache.order_now = list(keys)
+        cache.new_step()
+        assert cache.get(keys[0], "cpu") is not None
+        return cache.counters["prefetched"]
+    assert prefetched(host[1].nbytes) == 0
+    assert prefetched(host[1].device_nbytes) == 1
+
+
 def test_host_entries_keep_block_lists_as_int16_and_give_back_int32(monkeypatch):
     """An offloaded block selection's lists are int16 in host memory (half their bytes, so a capped host holds more
     layers' entries), and an entry fetched back has the int32 lists the kernels take, equal to the stored ones; lists
