@@ -29,16 +29,17 @@ from _pack import load  # noqa: E402
 SMEM_LIMITS = {75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_one(fn, types, constexprs, divisible, config, arch: int = 90):
+def compile_one(fn, types, constexprs, divisible, config, arch: int = 90, source=None):
     """Compile ``fn`` (a JITFunction) for compute capability ``arch`` (90: sm_90a); returns a dict of resources (or
-    an error)."""
+    an error). ``source``: the source class (default triton.compiler.ASTSource; Gluon's GluonASTSource for a
+    ``gluon.jit`` function)."""
     import triton
     from triton.backends.compiler import GPUTarget
     names = fn.arg_names
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names and n not in constexprs}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
-                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    src = (source or triton.compiler.ASTSource)(fn=fn, signature=sig, attrs=attrs,
+                                                constexprs={(names.index(k),): v for k, v in constexprs.items()})
     opts = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     if getattr(config, "maxnreg", None):
         opts["maxnreg"] = config.maxnreg
