@@ -243,15 +243,16 @@ def attention(q, k, v, kv_indices=None, kv_counts=None, *, block_n=128, stages=2
     return out
 
 
-def compile_report(raise_errors=False):
-    """Every configuration compiled for sm_90a without a GPU: [(label, resources)] (tools/compile_report.py)."""
+def compile_report(raise_errors=False, configs=None, modes=(True, False)):
+    """Configurations (default every one of CONFIGS) compiled for sm_90a without a GPU, dense (True) and block-sparse
+    (False): [(label, resources)] (tools/compile_report.py: regs, spill bytes, shared bytes, tma, wgmma)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from compile_report import compile_one
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = _attention_fwd
     rows = []
-    for dense in (True, False):
-        for cfg in CONFIGS:
+    for dense in modes:
+        for cfg in configs or CONFIGS:
             bn, st, split = cfg["BLOCK_N"], cfg["STAGES"], cfg["SPLIT"]
             warps = 4 if split else 8
             q_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
