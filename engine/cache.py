@@ -305,7 +305,10 @@ class SelectionCache:
             self._pack_stored(entry.nbytes, entry, sides)
             # host buffers this cache freed (replaced or packed entries) are not of the sizes it asks for now, except
             # those of the packed entry this one replaces (a later anchor's): its buffers serve this one
-            POOL.free_released(self._pool_token, keep=[t.numel() * t.element_size() for t in _tensors(entry)])
+            # (the sizes the host copy asks for: its block lists int16, not the device entry's int32)
+            keep = entry.selection.host_tensor_nbytes()
+            keep += [] if entry.residual is None else [t.numel() * t.element_size() for t in entry.residual.tensors()]
+            POOL.free_released(self._pool_token, keep=keep)
             where = self.put(key, entry)
             if where in ("device", "cpu"):
                 self._note_packed(key)

@@ -71,6 +71,11 @@ class BlockSelection:
             return self
         return dataclasses.replace(self, kv_indices=self.kv_indices.to(torch.int16))
 
+    def host_tensor_nbytes(self) -> list[int]:
+        """The bytes of each of ``host_form().tensors()`` without making it (the host buffers ``pinned`` asks for)."""
+        idx = self.kv_indices.numel() * (2 if self._narrows() else self.kv_indices.element_size())
+        return [idx, self.kv_counts.numel() * self.kv_counts.element_size()]
+
     @property
     def host_nbytes(self) -> int:
         """``host_form().nbytes`` without making it."""
@@ -205,6 +210,10 @@ class TokenSelection:
     def host_form(self) -> "TokenSelection":
         """As host memory keeps it: unchanged (the lists are int16 already)."""
         return self
+
+    def host_tensor_nbytes(self) -> list[int]:
+        """The bytes of each of its tensors (host memory keeps them as they are)."""
+        return [t.numel() * t.element_size() for t in self.tensors()]
 
     @property
     def host_nbytes(self) -> int:

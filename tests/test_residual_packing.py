@@ -294,6 +294,27 @@ def test_auto_packs_only_on_the_side_where_packing_makes_room(monkeypatch):
     assert cache.cpu_bytes <= cache.cpu_budget
 
 
+def test_packing_spares_the_host_buffers_of_the_sizes_the_host_copy_asks_for(monkeypatch):
+    """Before storing a packed entry the cache frees the host buffers it released, keeping those of the sizes it asks
+    for next: the host copy's, whose block lists are int16 (asking with the device entry's int32 sizes freed the
+    buffer of the packed entry it replaces at a later anchor, and page-locked a new one)."""
+    monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
+    asked = []
+    real = cache_mod.POOL.free_released
+    monkeypatch.setattr(cache_mod.POOL, "free_released",
+                        lambda owner, keep=(): asked.append(list(keep)) or real(owner, keep=keep))
+    small, big, new = entry(0, 0.01, n=1024), entry(1, 0.2), entry(2, 0.1)
+    packed_new = new.nbytes - new.residual.packing_frees
+    cache = SelectionCache(device_budget=small.nbytes, cpu_budget=big.nbytes + packed_new - big.residual.packing_frees
+                           + 1000, offload=True, pack_when_short=True)
+    cache.put((0, True, (), 1024), small)
+    cache.put((1, True, (), 4096), big)
+    assert cache.put((2, True, (), 4096), new) == "cpu"
+    stored = cache.on_cpu[(2, True, (), 4096)]
+    assert stored.selection.kv_indices.dtype == torch.int16
+    assert asked == [[t.numel() * t.element_size() for t in cache_mod._tensors(stored)]]
+
+
 def test_a_host_packing_that_fails_gives_its_pool_buffer_back(monkeypatch):
     """Packing a host residual takes a page-locked buffer from the pool for the result; when packing raises (out of
     GPU memory for a chunk, say) the buffer goes back to the pool, owned by this cache, and the error propagates."""
