@@ -207,6 +207,14 @@ CONFIGS = [dict(BLOCK_N=128, STAGES=2, SPLIT=False), dict(BLOCK_N=128, STAGES=2,
            dict(BLOCK_N=64, STAGES=4, SPLIT=False)]
 
 
+CONFIGS_ALL = list(CONFIGS)
+
+
+def _tag(cfg):
+    """A configuration's label: 'BN128 s2 split'."""
+    return f"BN{cfg['BLOCK_N']} s{cfg['STAGES']} {'split' if cfg['SPLIT'] else 'w8'}"
+
+
 def _gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -262,7 +270,7 @@ def compile_report(raise_errors=False, configs=None, modes=(True, False)):
                          v_desc=f"tensordesc<bf16[{bn}, 128],{kv_layout!r}>",
                          Out="*bf16", IDX="*i32", CNT="*i32", qk_scale="fp32")
             consts = dict(DENSE=dense, BLOCK_M=128, BLOCK_N=bn, HEAD_D=128, STAGES=st, SPLIT=split, num_warps=warps)
-            label = f"{'dense' if dense else 'sparse'} BN{bn} s{st} {'split' if split else 'w8'}"
+            label = f"{'dense' if dense else 'sparse'} {_tag(cfg)}"
             conf = argparse.Namespace(num_warps=warps, num_stages=1, maxnreg=None)
             if raise_errors:
                 import triton.compiler
@@ -308,7 +316,7 @@ def _check(K, log):
             log(f"sparse {h}x{n} bk{bn}: our Triton kernel's max |err| {lists[bn][3]:.2e}")
         for cfg in CONFIGS:
             bn = cfg["BLOCK_N"]
-            tag = f"{h}x{n} BN{bn} s{cfg['STAGES']} {'split' if cfg['SPLIT'] else 'w8'}"
+            tag = f"{h}x{n} {_tag(cfg)}"
             idx, cnt, twin, mine_err = lists[bn]
             for kind, lists_, want, tol in (("dense", (), ref, ours_err), ("sparse", (idx, cnt), twin, mine_err)):
                 try:
@@ -329,7 +337,7 @@ def _bench_kernels():
     return kb
 
 
-def _time(K, shapes, log, budget_s, configs):
+def _time(K, shapes, log, budget_s, configs, densities=(0.25, 0.1, 0.5)):
     """ms of cuDNN dense, our TMA dense kernel, every Gluon configuration dense, and at d 0.5 / 0.25 / 0.1 our
     block-sparse kernel and the Gluon kernel (lists of 128 × BLOCK_N blocks), on random bf16 inputs."""
     import torch.nn.functional as F
@@ -359,10 +367,10 @@ def _time(K, shapes, log, budget_s, configs):
         for cfg in configs:
             if time.time() > t_end:
                 break
-            tag = f"gluon BN{cfg['BLOCK_N']} s{cfg['STAGES']} {'split' if cfg['SPLIT'] else 'w8'}"
+            tag = f"gluon {_tag(cfg)}"
             rec("dense", tag, lambda: attention(q, k, v, block_n=cfg["BLOCK_N"], stages=cfg["STAGES"],
                                                 split=cfg["SPLIT"]))
-        for dens in (0.25, 0.1, 0.5):
+        for dens in densities:
             if time.time() > t_end:
                 break
             nqb = triton.cdiv(n, 128)
@@ -377,7 +385,7 @@ def _time(K, shapes, log, budget_s, configs):
                 bn = cfg["BLOCK_N"]
                 i2, c2 = lists[bn]
                 kept = kb.kept_fraction(c2, n, 128, bn)
-                tag = f"gluon BN{bn} s{cfg['STAGES']} {'split' if cfg['SPLIT'] else 'w8'} bk{bn}"
+                tag = f"gluon {_tag(cfg)} bk{bn}"
                 rec("sparse", tag, lambda: attention(q, k, v, i2, c2, block_n=bn, stages=cfg["STAGES"],
                                                      split=cfg["SPLIT"]), kept)
             if 64 in lists:
@@ -395,7 +403,15 @@ def main():
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a and report; no GPU needed")
     ap.add_argument("--shapes", default="wan14b,hyv,wan13b")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the timings")
+    ap.add_argument("--configs", default="", help="only these configurations, e.g. 'BN128 s2 split,BN128 s2 w8'")
+    ap.add_argument("--densities", default="0.25,0.1,0.5", help="block-sparse densities timed ('' for dense only)")
     args = ap.parse_args()
+    global CONFIGS
+    if args.configs:
+        want = {c.strip() for c in args.configs.split(",")}
+        CONFIGS = [c for c in CONFIGS if _tag(c) in want]
+        if not CONFIGS:
+            ap.error(f"--configs: none of {sorted(want)} is a configuration ({[_tag(c) for c in CONFIGS_ALL]})")
     log_file = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -419,12 +435,12 @@ def main():
         checks = _check(K, log)
         result["checks"] = checks
         failed = {label.split(" ", 2)[2] for label, _, ok in checks if not ok}
-        passed = [c for c in CONFIGS if f"BN{c['BLOCK_N']} s{c['STAGES']} {'split' if c['SPLIT'] else 'w8'}"
-                  not in failed]
+        passed = [c for c in CONFIGS if _tag(c) not in failed]
         if failed:
             log(f"checks failed for {sorted(failed)}: those are not timed")
         if passed:
-            result["rows"] = _time(K, [s for s in args.shapes.split(",") if s], log, args.budget, passed)
+            result["rows"] = _time(K, [s for s in args.shapes.split(",") if s], log, args.budget, passed,
+                                   [float(x) for x in args.densities.split(",") if x.strip()])
     if args.out:
         Path(args.out, "gluon.json").write_text(json.dumps(result, indent=1))
     return 0 if all(ok for _, _, ok in result.get("checks", [])) else 1
