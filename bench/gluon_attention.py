@@ -283,7 +283,7 @@ def _check(K, log):
     twice shows far above bf16 rounding); each error must stay within 3x (+2e-3) of our Triton kernel's on the same
     call. Returns [(label, max abs error, ok)]."""
     import torch.nn.functional as F
-    kb = _bench_kernels()
+    import kernels as kb  # bench/kernels.py (bench/ is on the path: the script's folder): SHAPES, block_lists, bench
     out = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for h, n in ((2, 4133), (3, 32760)):
@@ -323,18 +323,12 @@ def _check(K, log):
     return out
 
 
-def _bench_kernels():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import kernels as kb  # bench/kernels.py: SHAPES, block_lists, bench
-    return kb
-
-
 def _time(K, shapes, log, budget_s, configs, densities=(0.25, 0.1, 0.5)):
     """ms of cuDNN dense, our TMA dense kernel, every Gluon configuration dense, and at d 0.5 / 0.25 / 0.1 our
     block-sparse kernel and the Gluon kernel (lists of 128 × BLOCK_N blocks), on random bf16 inputs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    kb = _bench_kernels()
+    import kernels as kb  # bench/kernels.py (bench/ is on the path: the script's folder): SHAPES, block_lists, bench
     t_end = time.time() + budget_s
     rows = []
     for name in shapes:
@@ -420,8 +414,7 @@ def main():
         log(f"{label}: {res}")
     result = dict(report=report)
     if not args.compile_only:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from _pack import load
+        from _pack import load  # bench/_pack.py
         K = load("kernels")
         log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         checks = _check(K, log)

@@ -60,6 +60,11 @@ class Entry:
         """Its bytes once ``to`` a device (a host entry's int16 block lists widen to int32 there)."""
         return self.selection.device_nbytes + (0 if self.residual is None else self.residual.nbytes)
 
+    def host_tensor_nbytes(self) -> list[int]:
+        """The bytes of each host buffer ``pinned`` asks for (the selection's lists in their host form)."""
+        res = [] if self.residual is None else [t.numel() * t.element_size() for t in self.residual.tensors()]
+        return self.selection.host_tensor_nbytes() + res
+
     def on_host(self, size: int) -> int:
         """``size`` bytes of this entry (all of it, or with its residual packed) as host memory holds them."""
         return size - (self.nbytes - self.host_nbytes)
@@ -306,9 +311,7 @@ class SelectionCache:
             # host buffers this cache freed (replaced or packed entries) are not of the sizes it asks for now, except
             # those of the packed entry this one replaces (a later anchor's): its buffers serve this one
             # (the sizes the host copy asks for: its block lists int16, not the device entry's int32)
-            keep = entry.selection.host_tensor_nbytes()
-            keep += [] if entry.residual is None else [t.numel() * t.element_size() for t in entry.residual.tensors()]
-            POOL.free_released(self._pool_token, keep=keep)
+            POOL.free_released(self._pool_token, keep=entry.host_tensor_nbytes())
             where = self.put(key, entry)
             if where in ("device", "cpu"):
                 self._note_packed(key)

@@ -79,7 +79,7 @@ class BlockSelection:
     @property
     def host_nbytes(self) -> int:
         """``host_form().nbytes`` without making it."""
-        return self.nbytes - (self.kv_indices.numel() * 2 if self._narrows() else 0)
+        return sum(self.host_tensor_nbytes())
 
     @property
     def device_nbytes(self) -> int:

@@ -2,23 +2,18 @@
 partition layouts build, fit the H100's shared memory and the register split without spilling, and lower to TMA
 copies and wgmma. Its numbers come from the GPU (bench/device_gluon.sh)."""
 
-import importlib.util
-
 import pytest
-from conftest import ROOT
 
 triton = pytest.importorskip("triton")
 
 
-def test_the_gluon_probe_compiles_for_hopper_without_spills():
+def test_the_gluon_probe_compiles_for_hopper_without_spills(bench_import):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this Triton has no Gluon for Hopper: {exc}")
-    spec = importlib.util.spec_from_file_location("gluon_attention", ROOT / "bench" / "gluon_attention.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_import("gluon_attention")
     rows = mod.compile_report(configs=[dict(BLOCK_N=128, STAGES=2, SPLIT=False)], modes=(True,))
     rows += mod.compile_report(configs=[dict(BLOCK_N=128, STAGES=2, SPLIT=True)], modes=(False,))
     assert [label for label, _ in rows] == ["dense BN128 s2 w8", "sparse BN128 s2 split"]
