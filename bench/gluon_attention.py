@@ -391,8 +391,16 @@ def main():
     ap.add_argument("--budget", type=float, default=300.0, help="seconds for the timings")
     ap.add_argument("--configs", default="", help="only these configurations, e.g. 'BN128 s2 split,BN128 s2 w8'")
     ap.add_argument("--densities", default="0.25,0.1,0.5", help="block-sparse densities timed ('' for dense only)")
+    ap.add_argument("--list-configs", action="store_true", help="print the configurations' labels, one a line")
+    ap.add_argument("--check-only", action="store_true",
+                    help="only the checks against the twins (exit 0 when every configuration passes): "
+                         "bench/device_gluon.sh runs each configuration so in its own process first, so that a "
+                         "configuration that hangs the GPU costs its own timeout, not the run")
     args = ap.parse_args()
     global CONFIGS
+    if args.list_configs:
+        sys.stdout.write("".join(_tag(c) + "\n" for c in CONFIGS))
+        return 0
     if args.configs:
         want = {c.strip() for c in args.configs.split(",")}
         CONFIGS = [c for c in CONFIGS if _tag(c) in want]
@@ -423,10 +431,10 @@ def main():
         passed = [c for c in CONFIGS if _tag(c) not in failed]
         if failed:
             log(f"checks failed for {sorted(failed)}: those are not timed")
-        if passed:
+        if passed and not args.check_only:
             result["rows"] = _time(K, [s for s in args.shapes.split(",") if s], log, args.budget, passed,
                                    [float(x) for x in args.densities.split(",") if x.strip()])
-    if args.out:
+    if args.out and not args.check_only:  # a check-only run's results are in the log (one process a configuration)
         Path(args.out, "gluon.json").write_text(json.dumps(result, indent=1))
     return 0 if all(ok for _, _, ok in result.get("checks", [])) else 1
 
