@@ -82,11 +82,12 @@ def timeit(fn):
     return times[len(times) // 2]
 
 
-def run_tests(out_dir, timeout):
-    say("GPU tests: pytest -m gpu tests/test_gpu_kernels.py (SPARSE_ATTN_TUNE=first)")
+def run_tests(out_dir, timeout, select=""):
+    say(f"GPU tests: pytest -m gpu tests/test_gpu_kernels.py {'-k ' + repr(select) if select else ''} "
+        "(SPARSE_ATTN_TUNE=first)")
     env = dict(os.environ, SPARSE_ATTN_TUNE="first", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/test_gpu_kernels.py", "-p",
-           "no:cacheprovider"]
+           "no:cacheprovider"] + (["-k", select] if select else [])
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         log, rc = proc.stdout + proc.stderr, proc.returncode
@@ -151,13 +152,15 @@ class Shape:
 
     def dense(self):
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        q, k, v, K = self.q, self.k, self.v, self.m["K"]
+        q, k, v = self.q, self.k, self.v
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION] if DEV == "cuda" else [SDPBackend.MATH]):
             r = self.rec("dense", "cudnn", lambda: F.scaled_dot_product_attention(q, k, v))
         self.cudnn = r["ms"] if r else None
         if r:
             r["x_cudnn"], r["x_d"] = 1.0, 1.0
-        self.rec("dense_lse", "cudnn", lambda: K.attention_dense(q, k, v, return_lse=True))
+        if DEV == "cuda":  # cuDNN itself: kernels/api.py's auto takes the Gluon kernel first on Hopper
+            self.rec("dense_lse", "cudnn", lambda: self.m["DC"].attention_dense(q, k, v, scale=self.d ** -0.5,
+                                                                                 return_lse=True))
 
     def dense_ours(self):
         q, k, v, DT, AH = self.q, self.k, self.v, self.m["DT"], self.m["AH"]
@@ -249,12 +252,60 @@ class Shape:
                     AH._tuned.pop("anchor", None)
 
             def epilogue(idx=idx, cnt=cnt):
-                out, lse = K.attention_dense(q, k, v, return_lse=True)
+                out, lse = self.cudnn_lse()
                 return out, AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
             self.rec("anchor", "cudnn+epilogue", epilogue, config=lambda: AH.last_config("sparse"), target=dens,
                      kept=real)
             self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
                      target=dens, kept=real)
+
+    def cudnn_lse(self):
+        """cuDNN's dense output and LSE (the dense half of the composed anchor before the Gluon kernel)."""
+        if DEV == "cpu":
+            return self.m["K"].attention_dense(self.q, self.k, self.v, return_lse=True)
+        return self.m["DC"].attention_dense(self.q, self.k, self.v, scale=self.d ** -0.5, return_lse=True)
+
+    def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False):
+        """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse
+        on uniform and skewed lists; the engine's reuse call (fp8 residual weighted by the mass); the block anchor
+        as kernels/api.py runs it now (the Gluon dense call + the residual epilogue) against cuDNN + the epilogue;
+        with ``flex``, FlexAttention live on the same lists."""
+        q, k, v, K, AT, AH, BT, DT = (self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"],
+                                      self.m["DT"])
+        for path in ("gluon", "tma"):
+            self.rec("dense_lse", path, lambda path=path: DT.attention_dense(q, k, v, return_lse=True, path=path))
+        for skewed, dens_list in ((False, densities), (True, densities[:2])):
+            tag = "bsa128_skew" if skewed else "bsa128"
+            for dens in dens_list:
+                idx, cnt, real = self.block_lists(dens, skewed)
+                for path in ("gluon", "tma"):
+                    r = self.rec(tag, path, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
+                        q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
+                        config=(lambda: AH.last_config("sparse")) if path == "tma" else None, target=dens)
+                    ref = FLEX_REF.get((self.name, skewed, dens))
+                    if r and ref:
+                        r["vs_flex_ref"] = ref / r["ms"]
+        kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
+        out, lse = self.cudnn_lse()
+        for dens in anchor_densities:
+            idx, cnt, real = self.block_lists(dens, False)
+            triple = AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
+            for path in ("gluon", "tma"):
+                self.rec("reuse", f"{path}_fp8_mass", lambda idx=idx, cnt=cnt, triple=triple, path=path:
+                         BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False,
+                                                   residual=triple, path=path), real, target=dens)
+            del triple
+            self.rec("anchor", "api", lambda idx=idx, cnt=cnt: K.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     target=dens, kept=real)
+
+            def cudnn_epilogue(idx=idx, cnt=cnt):
+                o, ls = self.cudnn_lse()
+                return o, AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
+            self.rec("anchor", "cudnn+epilogue", cudnn_epilogue, target=dens, kept=real)
+        del out, lse
+        if flex:
+            self.flex_rows(densities[:2])
+            self.flex_rows(densities[:2], True)
 
     def residual(self, densities):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
@@ -513,14 +564,16 @@ def main():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings"),
+    ap.add_argument("--tests-k", default="", help="only the GPU tests pytest's -k selects")
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon"),
                     default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
                          "against the fixed one (Shape.mass); anchor: the fused anchor against the dense call plus "
                          "the residual epilogue, per density (Shape.anchor_paths); epilogue: the composed anchor's "
                          "halves, alone and in sequence (Shape.epilogue); tilings: the fused anchor on each candidate "
-                         "tiling against the composed anchor (Shape.anchor_paths with tilings)")
+                         "tiling against the composed anchor (Shape.anchor_paths with tilings); gluon: the Gluon "
+                         "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -534,12 +587,13 @@ def main():
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 date=time.strftime("%Y-%m-%d %H:%M"))
     say(f"meta {meta}")
-    tests = None if args.skip_tests else run_tests(out_dir, args.tests_timeout)
+    tests = None if args.skip_tests else run_tests(out_dir, args.tests_timeout, args.tests_k)
     budget = Budget(args.budget)
     mods = dict(K=load("kernels"), BT=load("kernels.block_sparse_triton"), AH=load("kernels.attention_hopper"),
                 DT=load("kernels.dense_triton"), AT=load("kernels.anchor_triton"),
                 TT=load("kernels.token_sparse_triton"), MT=load("kernels.mass_triton"),
-                CT=load("kernels.compact_torch"), TokenSelection=load("engine.selection").TokenSelection,
+                CT=load("kernels.compact_torch"), DC=load("kernels.dense_cudnn"),
+                TokenSelection=load("engine.selection").TokenSelection,
                 encode=load("kernels._residual").encode_residual,
                 Residual=load("engine.residual").Residual)
     flex = None if args.no_flex else kb.flex_runner()
@@ -578,6 +632,9 @@ def main():
                 for step in ((name, "anchor_paths", (0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25)), (name, "dense_ours"))]
     if args.plan == "epilogue":
         plan = [(name, "epilogue", (0.08, 0.1)) for name in names]
+    if args.plan == "gluon":
+        plan = [(name, "gluon", (0.25, 0.1, 0.5), (0.08, 0.1) if i == 0 else (0.08,), i == 0)
+                for i, name in enumerate(names)]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):

@@ -7,6 +7,12 @@ strides. That needs compute capability 9.x, a Triton with device-side descriptor
 their per-program scratch, and 16-byte aligned K/V bases and strides (last stride 1). Anything else runs
 the pointer-load kernels. A TMA kernel that fails to compile is logged once and its kind is not tried
 again in this process (the pointer kernel runs instead). docs/kernel_notes.md has the measurements.
+
+The Gluon kernel (kernels/attention_gluon.py: dense and block-sparse, faster than cuDNN and than the TMA kernels,
+docs/kernel_notes.md "v17") runs before both where ``gluon_problem`` finds nothing against it, and from
+GLUON_MIN_TOKENS query tokens on: its launch goes through Gluon's own launcher, which neither kernels/fast_launch.py
+nor a replay (kernels/replay.py) can take, so below that size, where a call is host-bound (docs/benchmarks.md, "Host
+overhead at 4 608 tokens"), the TMA kernels keep the call.
 """
 
 from __future__ import annotations
@@ -55,6 +61,62 @@ def tma_problem(tensors, capability: tuple[int, int] | None) -> str | None:
     return None
 
 
+GLUON_MIN_TOKENS = 16384
+GLUON_HEAD_DIMS = (64, 128)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_import_problem() -> str | None:
+    """Why kernels/attention_gluon.py cannot be imported here (a Triton without Gluon's Hopper API), or None."""
+    try:
+        from . import attention_gluon  # noqa: F401
+    except Exception as exc:  # ImportError, or an older Gluon's missing names
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return None
+
+
+def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 128,
+                  block_k: int = 128, auto: bool = True) -> str | None:
+    """Why the Gluon kernel of ``kind`` ("gluon_dense", "gluon_sparse") cannot take q (B,H,Nq,D), k/v (B,H,Nk,D) with
+    blocks of block_q x block_k, or None when it can. ``auto``: the automatic choice, which also leaves it alone
+    under SPARSE_ATTN_GLUON=0, after a failure of this kind and below GLUON_MIN_TOKENS query tokens."""
+    if auto:
+        if os.environ.get("SPARSE_ATTN_GLUON", "1") == "0":
+            return "SPARSE_ATTN_GLUON=0"
+        if kind in _broken:
+            return f"it failed earlier ({_broken[kind]})"
+        if q.shape[2] < GLUON_MIN_TOKENS:
+            return f"{q.shape[2]} query tokens, under {GLUON_MIN_TOKENS}"
+    if interpreting():
+        return "the interpreter has no Gluon"
+    cap = device_capability(q)
+    if cap is None or cap[0] != 9:
+        return f"compute capability {cap} is not 9.x (Hopper)"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} are not one of fp16/bf16"
+    if q.shape[-1] not in GLUON_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} is not one of {GLUON_HEAD_DIMS}"
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return "k/v have other heads than q"
+    if block_q != 128 or block_k not in (64, 128):
+        return f"blocks {block_q}x{block_k} are not 128x64 or 128x128"
+    if any(t.data_ptr() % 16 for t in (q, k, v)):
+        return "a base address is not 16-byte aligned"
+    return gluon_import_problem()
+
+
+def use_gluon(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 128,
+              block_k: int = 128, path: str = "auto") -> bool:
+    """Whether the Gluon kernel of ``kind`` runs this call under ``path`` ("auto": when ``gluon_problem`` finds
+    nothing; "gluon": always, or ValueError with the reason it cannot; any other path: never)."""
+    if path not in ("auto", "gluon"):
+        return False
+    problem = gluon_problem(kind, q, k, v, block_q, block_k, auto=path == "auto")
+    if problem is not None and path == "gluon":
+        raise ValueError(f"the Gluon kernel cannot take this call: {problem}")
+    return problem is None
+
+
 def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
     """Compute capability of a CUDA tensor's device; None for other devices."""
     return cuda_capability(t)
@@ -72,7 +134,9 @@ def mark_broken(kind: str, exc: BaseException) -> None:
     """Remember that kernel ``kind`` failed to compile here; logged once."""
     if kind not in _broken:
         _broken[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        log.warning("sparse attention: the TMA %s kernel failed (%s); using the pointer kernel", kind, _broken[kind])
+        log.warning("sparse attention: the %s %s kernel failed (%s); using the %s kernel",
+                    "Gluon" if kind.startswith("gluon") else "TMA", kind, _broken[kind],
+                    "TMA (or pointer)" if kind.startswith("gluon") else "pointer")
 
 
 def attempt(kind: str, auto: bool, launch):

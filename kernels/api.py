@@ -62,13 +62,14 @@ def _group_size(q_groups) -> int | None:
 def attention_dense(q, k, v, *, scale=None, return_lse=False, backend="auto"):
     """Dense attention. q: (B,H,Nq,D), k/v: (B,H,Nk,D) -> out (B,H,Nq,D) [+ lse (B,H,Nq) fp32].
 
-    ``auto`` on CUDA prefers cuDNN's fused attention (faster than our Triton kernel on Hopper, and it
-    returns the LSE too), then the Triton kernel; ``triton`` always runs the Triton kernel.
+    ``auto`` on CUDA prefers, on Hopper, the Gluon kernel (faster than cuDNN there: kernels/attention_gluon.py), then
+    cuDNN's fused attention (faster than our other Triton kernels, and it returns the LSE too), then the Triton
+    kernel; ``triton`` always runs a Triton kernel (Gluon's first where it may run).
     """
     if choose(backend, q, _why_not(q), "attention_dense") == "triton":
-        from . import dense_cudnn, dense_triton
+        from . import _hopper, dense_cudnn, dense_triton
         q, k, v = _addressable(q, k, v)
-        if backend == "auto" and dense_cudnn.supported(q):
+        if backend == "auto" and not _hopper.use_gluon("gluon_dense", q, k, v) and dense_cudnn.supported(q):
             from ._checks import check_qkv, check_scale
             res = dense_cudnn.attention_dense(q, k, v, scale=check_scale(scale, check_qkv(q, k, v)[4]),
                                               return_lse=return_lse)

@@ -119,7 +119,7 @@ def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     return order
 
 
-PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")
+PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon")
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True,
@@ -131,8 +131,9 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     mass) weighted by the mass there (kernels/_residual.py). Returns out (B,H,Nq,D), with ``return_lse`` (out, lse
     fp32 (B,H,Nq)).
     ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
-    path: "auto" (TMA kernel on Hopper when kernels/_hopper.py allows, else pointer loads), or one
-    variant: "pointer", "tma", "persistent" (TMA, persistent grid), "warp_spec" (TMA, warp-specialised).
+    path: "auto" (on Hopper the Gluon kernel, then the TMA kernel, as kernels/_hopper.py allows; else pointer
+    loads), or one variant: "pointer", "tma", "persistent" (TMA, persistent grid), "warp_spec" (TMA,
+    warp-specialised), "gluon" (kernels/attention_gluon.py; block_q 128, block_k 64 or 128, D 64 or 128).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
@@ -148,6 +149,13 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
     order = heavy_first_order(cnt)
     auto = path == "auto"
+    if _hopper.use_gluon("gluon_sparse", q, k, v, block_q, block_k, path):
+        from . import attention_gluon
+        done = _hopper.attempt("gluon_sparse", auto, lambda: attention_gluon.attention(
+            q, k, v, out, scale=scale, block_k=block_k, idx=idx, cnt=cnt, order=order, lse=lse, res=res,
+            mass=mass))
+        if done is not None:
+            return (done, lse) if return_lse else done
     if auto:
         path = "tma" if _hopper.use_tma("sparse", k, v) else "pointer"
     if path != "pointer":

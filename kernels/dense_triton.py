@@ -62,7 +62,7 @@ def _dense_fwd(Q, K, V, Out, LSE,
         tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=q_ok)
 
 
-PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec")
+PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon")
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -70,8 +70,9 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     """Dense attention on the Triton kernels. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
 
     Returns out (B,H,Nq,D) in q's dtype [+ lse (B,H,Nq) fp32, natural log, -inf for empty rows].
-    path: "auto" (TMA kernel on Hopper when kernels/_hopper.py allows, else pointer loads) or one variant
-    ("pointer", "tma", "persistent", "warp_spec"); an explicit variant that fails raises.
+    path: "auto" (on Hopper the Gluon kernel, then the TMA kernel, as kernels/_hopper.py allows; else pointer
+    loads) or one variant ("pointer", "tma", "persistent", "warp_spec", "gluon"); an explicit variant that fails
+    raises.
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
@@ -81,6 +82,12 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     auto = path == "auto"
+    if _hopper.use_gluon("gluon_dense", q, k, v, path=path):
+        from . import attention_gluon
+        done = _hopper.attempt("gluon_dense", auto, lambda: attention_gluon.attention(
+            q, k, v, out, scale=scale, lse=lse if return_lse else None))
+        if done is not None:
+            return (out, lse) if return_lse else out
     if auto:
         path = "tma" if _hopper.use_tma("dense", k, v) else "pointer"
     if path != "pointer":

@@ -36,7 +36,7 @@ RECORDS = 16  # recordings in all before giving up (a key or layout that changes
 # environment switches the kernels read at each launch (kernels/_hopper.py: the TMA kernels; kernels/_triton_common.py:
 # the loop and the rescaling): a plan is replayed only under the values it was recorded with
 # (tests/test_replay.py checks that every such switch the kernels read is listed)
-LAUNCH_ENV = ("SPARSE_ATTN_TMA", "SPARSE_ATTN_LOOP", "SPARSE_ATTN_RESCALE")
+LAUNCH_ENV = ("SPARSE_ATTN_TMA", "SPARSE_ATTN_GLUON", "SPARSE_ATTN_LOOP", "SPARSE_ATTN_RESCALE")
 
 _aten = torch.ops.aten
 _ALLOCATIONS = frozenset({_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,

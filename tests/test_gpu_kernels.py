@@ -987,3 +987,108 @@ def test_fp8_residual_read_as_bytes_equals_the_typed_load(monkeypatch, n, d, bq,
         outs[typed].append(K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", residual=res))
     for typed_out, bytes_out in zip(outs[True], outs[False]):
         assert not torch.isnan(bytes_out).any() and torch.equal(typed_out, bytes_out)
+
+
+# ---- the Gluon kernel (kernels/attention_gluon.py): against SDPA and the twins at real sizes ----
+
+def _bnhd(t):
+    """The same values as a (B, N, H, D)-contiguous tensor seen as (B, H, N, D): ComfyUI's transposed views."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("n,nk,d,dtype,layout", [(32768, 32768, 128, torch.bfloat16, "bhnd"),
+                                                  (75600, 75600, 128, torch.bfloat16, "bnhd"),
+                                                  (4133, 4133, 64, torch.float16, "bhnd"),
+                                                  (20000, 20000, 64, torch.bfloat16, "bnhd"),
+                                                  (20000, 4133, 128, torch.bfloat16, "mixed")])
+def test_gluon_dense_matches_sdpa(n, nk, d, dtype, layout):
+    from comfyui_sparse_attention.kernels import dense_triton
+    h = 3
+    q, k, v = qkv(h, max(n, nk), d, seed=n + nk + d, dtype=dtype)
+    q, k, v = q[:, :, :n].contiguous(), k[:, :, :nk].contiguous(), v[:, :, :nk].contiguous()
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    elif layout == "mixed":  # q transposed, k contiguous, v transposed: k and v in different layouts
+        q, v = _bnhd(q), _bnhd(v)
+    out, lse = dense_triton.attention_dense(q, k, v, return_lse=True, path="gluon")
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert out.is_contiguous() and not torch.isnan(out).any() and rel(out, ref) <= 1e-2
+    rows = torch.cat([torch.arange(0, n, 997, device=DEV), torch.tensor([n - 1], device=DEV)])
+    s = (q[:, :, rows].float() @ k.float().transpose(-1, -2)) * d ** -0.5
+    assert torch.allclose(lse[:, :, rows], torch.logsumexp(s, -1), atol=2e-2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("n,d,bk,res_kind,layout", [(32760, 128, 128, "fp8", "bhnd"), (75600, 128, 128, "bf16", "bnhd"),
+                                                    (20000, 64, 64, "none", "bhnd"), (4133, 128, 64, "fp8", "bnhd")])
+def test_gluon_block_sparse_matches_twin(n, d, bk, res_kind, layout):
+    """Skewed lists (empty, short and full rows; the ragged last blocks), each residual kind, the row LSE; a row with
+    an empty list gets exactly its residual."""
+    from comfyui_sparse_attention.kernels import block_sparse_torch, block_sparse_triton
+    h, bq = 2, 128
+    q, k, v = qkv(h, n, d, seed=n + d + 5)
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
+    idx, cnt = skewed_lists(h, nqb, nkb, max(2, nkb // 8), seed=bk + d)
+    res = make_residual(res_kind, q.shape, seed=n)
+    out, lse = block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual=res,
+                                                          path="gluon", return_lse=True)
+    want, want_lse = block_sparse_torch.block_sparse_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk,
+                                                               residual=res, return_lse=True)
+    assert not torch.isnan(out).any() and rel(out, want) <= 1e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse - want_lse)[fin].abs().max() < 2e-2
+    empty = out[0, 0, bq:2 * bq]  # query block 1 of head 0 has an empty list
+    assert torch.equal(empty, torch.zeros_like(empty) if res is None else decoded(res)[0, 0, bq:2 * bq].to(out.dtype))
+
+
+@needs_hopper
+@pytest.mark.parametrize("n", [32760, 75600])
+def test_gluon_mass_weighted_residual_matches_twin(n):
+    """A reuse call weighted by an anchor's mass on the Gluon kernel against the twin; the weighting moves the
+    output."""
+    from comfyui_sparse_attention.kernels import anchor_torch, block_sparse_torch, block_sparse_triton
+    h, bq, d = 2, 128, 128
+    q, k, v = qkv(h, n, d, seed=n + 19)
+    nb = math.ceil(n / bq)
+    idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=d + 3)
+    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
+                                               return_mass=True)
+    q2 = (q.float() * 1.1).to(q.dtype)
+    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1],
+                                                     path="gluon")
+    want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1])
+    fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq,
+                                                      residual=twin[1][:2])
+    assert not torch.isnan(got).any()
+    assert rel(got, want) <= 1e-2 and rel(want, fixed) > 3 * rel(got, want)
+
+
+@needs_hopper
+def test_auto_takes_the_gluon_kernel_from_its_size_on(monkeypatch):
+    """``auto`` runs the Gluon kernel for dense and block-sparse calls from GLUON_MIN_TOKENS query tokens on (the
+    engine's 128 x 128 blocks), the TMA kernels below, and neither under SPARSE_ATTN_GLUON=0."""
+    from comfyui_sparse_attention.kernels import _hopper, attention_gluon
+    if _hopper.gluon_import_problem():
+        pytest.skip(f"no Gluon here: {_hopper.gluon_import_problem()}")
+    calls = []
+    real = attention_gluon.attention
+    monkeypatch.setattr(attention_gluon, "attention", lambda *a, **kw: (calls.append(kw.get("idx") is None),
+                                                                         real(*a, **kw))[1])
+
+    def run(n):
+        q, k, v = qkv(2, n, 128, seed=n)
+        nb = math.ceil(n / 128)
+        idx, cnt = random_lists(2, nb, nb, 8, seed=n)
+        K.attention_dense(q, k, v)
+        K.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128)
+    run(_hopper.GLUON_MIN_TOKENS)
+    assert calls == [True, False]
+    calls.clear()
+    run(_hopper.GLUON_MIN_TOKENS - 1)
+    assert calls == []
+    monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")
+    run(_hopper.GLUON_MIN_TOKENS)
+    assert calls == [] and not _hopper.broken()
