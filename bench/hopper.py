@@ -265,11 +265,12 @@ class Shape:
             return self.m["K"].attention_dense(self.q, self.k, self.v, return_lse=True)
         return self.m["DC"].attention_dense(self.q, self.k, self.v, scale=self.d ** -0.5, return_lse=True)
 
-    def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False):
+    def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False, fused_densities=()):
         """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse
         on uniform and skewed lists; the engine's reuse call (fp8 residual weighted by the mass); the block anchor
         as kernels/api.py runs it now (the Gluon dense call + the residual epilogue) against cuDNN + the epilogue;
-        with ``flex``, FlexAttention live on the same lists."""
+        at ``fused_densities`` the fused one-pass anchor against the Gluon dense call + the epilogue; with ``flex``,
+        FlexAttention live on the same lists."""
         q, k, v, K, AT, AH, BT, DT = (self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"],
                                       self.m["DT"])
         for path in ("gluon", "tma"):
@@ -303,6 +304,15 @@ class Shape:
                 return o, AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
             self.rec("anchor", "cudnn+epilogue", cudnn_epilogue, target=dens, kept=real)
         del out, lse
+        for dens in fused_densities:  # where kernels/api.py takes the fused one-pass anchor (FUSED_ANCHOR_ABOVE)
+            idx, cnt, real = self.block_lists(dens, False)
+            self.rec("anchor", "fused_fp8", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(q, k, v, idx, cnt, **kw),
+                     config=lambda: AH.last_config("anchor"), target=dens, kept=real)
+
+            def gluon_epilogue(idx=idx, cnt=cnt):
+                o, ls = DT.attention_dense(q, k, v, return_lse=True, path="gluon")
+                return o, AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
+            self.rec("anchor", "gluon+epilogue", gluon_epilogue, target=dens, kept=real)
         if flex:
             self.flex_rows(densities[:2])
             self.flex_rows(densities[:2], True)
@@ -633,8 +643,8 @@ def main():
     if args.plan == "epilogue":
         plan = [(name, "epilogue", (0.08, 0.1)) for name in names]
     if args.plan == "gluon":
-        plan = [(name, "gluon", (0.25, 0.1, 0.5), (0.08, 0.1) if i == 0 else (0.08,), i == 0)
-                for i, name in enumerate(names)]
+        plan = [(name, "gluon", (0.25, 0.1, 0.5), (0.08, 0.1) if i == 0 else (0.08,), i == 0,
+                 (0.15, 0.25) if i == 0 else ()) for i, name in enumerate(names)]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
