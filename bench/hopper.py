@@ -158,9 +158,7 @@ class Shape:
         self.cudnn = r["ms"] if r else None
         if r:
             r["x_cudnn"], r["x_d"] = 1.0, 1.0
-        if DEV == "cuda":  # cuDNN itself: kernels/api.py's auto takes the Gluon kernel first on Hopper
-            self.rec("dense_lse", "cudnn", lambda: self.m["DC"].attention_dense(q, k, v, scale=self.d ** -0.5,
-                                                                                 return_lse=True))
+        self.rec("dense_lse", "cudnn", self.cudnn_lse)  # cuDNN itself: kernels/api.py's auto takes Gluon first
 
     def dense_ours(self):
         q, k, v, DT, AH = self.q, self.k, self.v, self.m["DT"], self.m["AH"]
@@ -273,13 +271,15 @@ class Shape:
         FlexAttention live on the same lists."""
         q, k, v, K, AT, AH, BT, DT = (self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"],
                                       self.m["DT"])
-        for path in ("gluon", "tma"):
+        paths = ("gluon", "tma") if DEV == "cuda" else ("tma",)  # the interpreter has no Gluon
+        ours = paths[0]
+        for path in paths:
             self.rec("dense_lse", path, lambda path=path: DT.attention_dense(q, k, v, return_lse=True, path=path))
         for skewed, dens_list in ((False, densities), (True, densities[:2])):
             tag = "bsa128_skew" if skewed else "bsa128"
             for dens in dens_list:
                 idx, cnt, real = self.block_lists(dens, skewed)
-                for path in ("gluon", "tma"):
+                for path in paths:
                     r = self.rec(tag, path, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
                         q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
                         config=(lambda: AH.last_config("sparse")) if path == "tma" else None, target=dens)
@@ -291,7 +291,7 @@ class Shape:
         for dens in anchor_densities:
             idx, cnt, real = self.block_lists(dens, False)
             triple = AT.block_residual(q, k, v, idx, cnt, out, lse, **kw)
-            for path in ("gluon", "tma"):
+            for path in paths:
                 self.rec("reuse", f"{path}_fp8_mass", lambda idx=idx, cnt=cnt, triple=triple, path=path:
                          BT.block_sparse_attention(q, k, v, idx, cnt, block_q=128, block_k=128, validate=False,
                                                    residual=triple, path=path), real, target=dens)
@@ -309,10 +309,10 @@ class Shape:
             self.rec("anchor", "fused_fp8", lambda idx=idx, cnt=cnt: AT.block_anchor_attention(q, k, v, idx, cnt, **kw),
                      config=lambda: AH.last_config("anchor"), target=dens, kept=real)
 
-            def gluon_epilogue(idx=idx, cnt=cnt):
-                o, ls = DT.attention_dense(q, k, v, return_lse=True, path="gluon")
+            def our_epilogue(idx=idx, cnt=cnt):
+                o, ls = DT.attention_dense(q, k, v, return_lse=True, path=ours)
                 return o, AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
-            self.rec("anchor", "gluon+epilogue", gluon_epilogue, target=dens, kept=real)
+            self.rec("anchor", f"{ours}+epilogue", our_epilogue, target=dens, kept=real)
         if flex:
             self.flex_rows(densities[:2])
             self.flex_rows(densities[:2], True)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings")
+PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,14 @@ def test_hopper_bench_dry_run(dry_runs, plan):
             ("bsa128", "tma"), ("residual_epilogue", "alone"), ("reuse", "fused_fp8_mass"), ("anchor", "api")}
         assert sorted({r["target"] for r in rows if "target" in r}) == [0.08, 0.1]
         assert len(rows) == 4 * 2 + 2
+    elif plan == "gluon":  # the interpreter has no Gluon: its rows are the TMA side of each comparison
+        assert kinds - {("dense", "cudnn")} == {
+            ("dense_lse", "cudnn"), ("dense_lse", "tma"), ("bsa128", "tma"), ("bsa128_skew", "tma"),
+            ("reuse", "tma_fp8_mass"), ("anchor", "api"), ("anchor", "cudnn+epilogue"), ("anchor", "fused_fp8"),
+            ("anchor", "tma+epilogue")}
+        assert sorted({r["target"] for r in rows if r["kind"] == "anchor"}) == [0.08, 0.1, 0.15, 0.25]
+        assert sum(1 for r in rows if r["kind"] == "bsa128") == 3 and sum(
+            1 for r in rows if r["kind"] == "bsa128_skew") == 2
     else:
         assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
                 ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds
