@@ -1092,3 +1092,44 @@ def test_auto_takes_the_gluon_kernel_from_its_size_on(monkeypatch):
     monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")
     run(_hopper.GLUON_MIN_TOKENS)
     assert calls == [] and not _hopper.broken()
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_gluon_batch_of_two_matches_twin(layout):
+    """A CFG batch (B = 2) on the Gluon kernel, dense with LSE and block-sparse with an fp8 residual weighted by the
+    mass: each batch row against the twin (the kernel's rows, lists and epilogue tensors are indexed by b * H + h)."""
+    from comfyui_sparse_attention.kernels import (anchor_torch, block_sparse_torch, block_sparse_triton,
+                                                  dense_triton)
+    h, n, d, bq = 3, 20000, 128, 128
+    parts = [qkv(h, n, d, seed=s) for s in (71, 72)]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    out, lse = dense_triton.attention_dense(q, k, v, return_lse=True, path="gluon")
+    ref, ref_lse = dense_torch_lse(q, k, v)
+    assert rel(out[0], ref[0]) <= 1e-2 and rel(out[1], ref[1]) <= 1e-2
+    assert (lse - ref_lse).abs().max() < 2e-2
+    nb = math.ceil(n / bq)
+    idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=9)
+    idx, cnt = torch.cat([idx, idx.flip(1)]), torch.cat([cnt, cnt.flip(1)])  # another list per batch row
+    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
+                                               return_mass=True)
+    q2 = (q.float() * 1.1).to(q.dtype)
+    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1],
+                                                     path="gluon")
+    want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1])
+    assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+
+
+def dense_torch_lse(q, k, v):
+    """fp32 reference dense output and row LSE (B, H, N) of q (B, H, N, D) against k, v, one head at a time."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        for hh in range(q.shape[1]):
+            s = (q[b, hh].float() @ k[b, hh].float().T) * q.shape[-1] ** -0.5
+            lses.append(torch.logsumexp(s, -1))
+            outs.append(torch.softmax(s, -1) @ v[b, hh].float())
+            del s
+    shape = q.shape
+    return torch.stack(outs).view(shape), torch.stack(lses).view(shape[:3])
