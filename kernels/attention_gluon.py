@@ -121,11 +121,13 @@ def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q,
 def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_q, n_kv, qk_scale,
               Out, Lse, R, RS, MS, bh, q_first,
               DENSE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """One warpgroup: ROWS query rows (q_smem; rows q_first ... of head bh) against every tile of the list."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+              STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr, WRITE_LSE: gl.constexpr,
+              WARPS: gl.constexpr):
+    """A consumer partition of WARPS warps (one warpgroup per 64 rows): ROWS query rows (q_smem; rows q_first ... of
+    head bh) against every tile of the list."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -185,11 +187,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
 def _attention_fwd(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, qk_scale,
                    DENSE: gl.constexpr, ORDERED: gl.constexpr, Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr,
-                   MASS: gl.constexpr, WRITE_LSE: gl.constexpr):
+                   MASS: gl.constexpr, WRITE_LSE: gl.constexpr, SPLIT: gl.constexpr):
     """Dense: grid (query blocks, B*H). Block-sparse: a 1-D grid over the B*H*NQB rows of the lists, taken in
     ORDER (heaviest first) when ORDERED. Q_BNHD / KV_BNHD: the descriptor is over (B*N, H*D) rather than
-    (B*H*N, D) (module docstring). Launched with 4 warps: the consumers' two warpgroups are added by
-    warp_specialize."""
+    (B*H*N, D) (module docstring). SPLIT (the product's layout): two consumer partitions of one warpgroup, 64 rows
+    each, launched with 4 warps (warp_specialize adds the consumers' and the loader's); False: one 8-warp consumer
+    for the 128 rows, launched with 8 warps (slower: the compiler syncs its two warpgroups before every barrier
+    arrival; kept for bench/gluon_attention.py's comparison, docs/kernel_notes.md "v17")."""
     if DENSE:
         qb = gl.program_id(0)
         bh = gl.program_id(1)
@@ -233,23 +237,32 @@ def _attention_fwd(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER,
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=2 if SPLIT else 1)  # every consumer releases a slot
+        mbarrier.init(v_empty.index(s), count=2 if SPLIT else 1)
     fence_async_shared()
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0 + qb * (2 * half), q_col], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
 
-    gl.warp_specialize([
-        (_consumer, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, N_Q,
-                     N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), DENSE, half, BLOCK_N, HEAD_D, STAGES,
-                     RESIDUAL, MASS, WRITE_LSE)),
-        (_consumer, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count,
-                     N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half) + half, DENSE, half, BLOCK_N,
-                     HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE)),
-        (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0,
-                   kv_col, DENSE, BLOCK_N, STAGES)),
-    ], [4, 1], [240, 24])
+    if SPLIT:
+        gl.warp_specialize([
+            (_consumer, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count,
+                         N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), DENSE, half, BLOCK_N, HEAD_D,
+                         STAGES, RESIDUAL, MASS, WRITE_LSE, 4)),
+            (_consumer, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
+                         count, N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half) + half, DENSE, half,
+                         BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE, 4)),
+            (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0,
+                       kv_col, DENSE, BLOCK_N, STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, N_Q, N_KV,
+                         qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), DENSE, 2 * half, BLOCK_N, HEAD_D, STAGES,
+                         RESIDUAL, MASS, WRITE_LSE, 8)),
+            (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0,
+                       kv_col, DENSE, BLOCK_N, STAGES)),
+        ], [1], [24])
 
 
 def _gl_dtype(dtype: torch.dtype):
@@ -273,16 +286,19 @@ def _descriptor(rows: torch.Tensor, block_rows: int, d: int):
     return TensorDescriptor(rows, list(rows.shape), [rows.stride(0), 1], [block_rows, d], layout)
 
 
-def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=None, lse=None, res=None, mass=None):
+def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=None, lse=None, res=None, mass=None,
+              tiles=None, split=True):
     """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128 (kernels/_hopper.py checks);
     out: contiguous (B,H,Nq,D) in q's dtype, written. Dense when ``idx`` is None; else block-sparse over int32
     contiguous lists idx (B,H,ceil(Nq/128),max_k) / cnt (B,H,ceil(Nq/128)) of 128 x ``block_k`` blocks, rows in
     ``order`` (int32 (B*H*nqb,) or None). lse: contiguous fp32 (B,H,Nq), written, or None. res: a checked residual
     (data (B,H,Nq,D) in q's dtype with scale None, or float8_e4m3fn data with fp32 (B,H,Nq,1) scale) added in the
-    epilogue; mass: fp32 (B,H,Nq,2), weights it (kernels/_residual.py). Returns out."""
+    epilogue; mass: fp32 (B,H,Nq,2), weights it (kernels/_residual.py). tiles: (BLOCK_N, STAGES) instead of
+    TILES[block_k] (BLOCK_N = block_k for block lists), and split False for one 8-warp consumer: the other
+    configurations bench/gluon_attention.py times. Returns out."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    bn, stages = TILES[block_k]
+    bn, stages = tiles or TILES[block_k]
     q_rows, q_bnhd = as_rows(q)
     k_rows, k_bnhd = as_rows(k)
     v_rows, v_bnhd = as_rows(v)
@@ -310,5 +326,5 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
         order if order is not None else out, h, nq, nk, nqb, max_k, scale * LOG2E,
         DENSE=dense, ORDERED=order is not None and not dense, Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn,
         HEAD_D=d, STAGES=stages, RESIDUAL=residual, MASS=mass is not None and res is not None,
-        WRITE_LSE=lse is not None, num_warps=4)
+        WRITE_LSE=lse is not None, SPLIT=split, num_warps=4 if split else 8)
     return out

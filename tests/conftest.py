@@ -42,6 +42,21 @@ def bench_import(monkeypatch):
     return importlib.import_module
 
 
+@pytest.fixture(scope="module")
+def compile_report_module():
+    """tools/compile_report.py as a module (it compiles for any NVIDIA target without a GPU); skips where this Triton
+    has no NVIDIA backend."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no NVIDIA backend: {exc}")
+    spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def comfyui_path() -> Path | None:
     """The ComfyUI source tree named by COMFYUI_PATH, or None."""
     p = os.environ.get("COMFYUI_PATH")

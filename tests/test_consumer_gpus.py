@@ -6,10 +6,8 @@ for any target without one (tools/compile_report.py); what a kernel takes there 
 "v14").
 """
 
-import importlib.util
 
 import pytest
-from conftest import ROOT
 
 triton = pytest.importorskip("triton")
 
@@ -18,17 +16,9 @@ ARCHS = {80: "A100", 86: "RTX 30xx", 89: "RTX 40xx", 120: "RTX 50xx"}
 
 
 @pytest.fixture(scope="module")
-def report():
+def report(compile_report_module):
     """tools/compile_report.py as a module (it compiles for any target without a GPU)."""
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"this Triton has no NVIDIA backend: {exc}")
-    spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return compile_report_module
 
 
 def test_fp8_is_typed_only_from_compute_capability_8_9():

@@ -5,31 +5,25 @@ without spilling, fit sm_90's shared memory and lower to TMA copies and wgmma. T
 GPU tests (tests/test_gpu_kernels.py) check the numbers against the twins."""
 
 import argparse
-import importlib.util
 
 import pytest
-from conftest import ROOT
 
 triton = pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
-def gluon():
+def gluon(compile_report_module):
     try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
         from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this Triton has no Gluon for Hopper: {exc}")
     from comfyui_sparse_attention.kernels import attention_gluon
-    spec = importlib.util.spec_from_file_location("compile_report", ROOT / "tools" / "compile_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    return attention_gluon, report
+    return attention_gluon, compile_report_module
 
 
 def _compile(gluon, *, dense, d=128, block_k=128, dtype="bf16", residual=0, mass=False, lse=False, ordered=False,
-             q_bnhd=False, kv_bnhd=False):
+             q_bnhd=False, kv_bnhd=False, split=True):
     mod, report = gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -43,8 +37,8 @@ def _compile(gluon, *, dense, d=128, block_k=128, dtype="bf16", residual=0, mass
                  Out=f"*{dtype}", Lse="*fp32", R={0: f"*{dtype}", 1: f"*{dtype}", 2: "*fp8e4nv"}[residual],
                  RS="*fp32", MS="*fp32", IDX="*i32", CNT="*i32", ORDER="*i32", qk_scale="fp32")
     consts = dict(DENSE=dense, ORDERED=ordered, Q_BNHD=q_bnhd, KV_BNHD=kv_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages,
-                  RESIDUAL=residual, MASS=mass, WRITE_LSE=lse)
-    conf = argparse.Namespace(num_warps=4, num_stages=1, maxnreg=None)
+                  RESIDUAL=residual, MASS=mass, WRITE_LSE=lse, SPLIT=split)
+    conf = argparse.Namespace(num_warps=4 if split else 8, num_stages=1, maxnreg=None)
     pointers = ["Out", "Lse", "R", "RS", "MS", "IDX", "CNT", "ORDER"]
     return report.compile_one(mod._attention_fwd, types, consts, pointers, conf, source=GluonASTSource)
 
@@ -57,6 +51,7 @@ VARIANTS = {
     "sparse bk64, model-dtype residual, lse, transposed k/v": dict(dense=False, block_k=64, residual=1, lse=True,
                                                                    kv_bnhd=True),
     "sparse D64, fp8 residual": dict(dense=False, d=64, residual=2),
+    "one 8-warp consumer (the probe's w8)": dict(dense=False, split=False),
 }
 
 

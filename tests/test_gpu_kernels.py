@@ -1049,19 +1049,11 @@ def test_gluon_block_sparse_matches_twin(n, d, bk, res_kind, layout):
 def test_gluon_mass_weighted_residual_matches_twin(n):
     """A reuse call weighted by an anchor's mass on the Gluon kernel against the twin; the weighting moves the
     output."""
-    from comfyui_sparse_attention.kernels import anchor_torch, block_sparse_torch, block_sparse_triton
     h, bq, d = 2, 128, 128
     q, k, v = qkv(h, n, d, seed=n + 19)
     nb = math.ceil(n / bq)
     idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=d + 3)
-    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
-                                               return_mass=True)
-    q2 = (q.float() * 1.1).to(q.dtype)
-    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1],
-                                                     path="gluon")
-    want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1])
-    fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq,
-                                                      residual=twin[1][:2])
+    got, want, fixed = gluon_mass_reuse(q, k, v, idx, cnt, bq)
     assert not torch.isnan(got).any()
     assert rel(got, want) <= 1e-2 and rel(want, fixed) > 3 * rel(got, want)
 
@@ -1099,8 +1091,7 @@ def test_auto_takes_the_gluon_kernel_from_its_size_on(monkeypatch):
 def test_gluon_batch_of_two_matches_twin(layout):
     """A CFG batch (B = 2) on the Gluon kernel, dense with LSE and block-sparse with an fp8 residual weighted by the
     mass: each batch row against the twin (the kernel's rows, lists and epilogue tensors are indexed by b * H + h)."""
-    from comfyui_sparse_attention.kernels import (anchor_torch, block_sparse_torch, block_sparse_triton,
-                                                  dense_triton)
+    from comfyui_sparse_attention.kernels import dense_triton
     h, n, d, bq = 3, 20000, 128, 128
     parts = [qkv(h, n, d, seed=s) for s in (71, 72)]
     q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
@@ -1113,12 +1104,7 @@ def test_gluon_batch_of_two_matches_twin(layout):
     nb = math.ceil(n / bq)
     idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=9)
     idx, cnt = torch.cat([idx, idx.flip(1)]), torch.cat([cnt, cnt.flip(1)])  # another list per batch row
-    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
-                                               return_mass=True)
-    q2 = (q.float() * 1.1).to(q.dtype)
-    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1],
-                                                     path="gluon")
-    want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, block_q=bq, block_k=bq, residual=twin[1])
+    got, want, _ = gluon_mass_reuse(q, k, v, idx, cnt, bq)
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
 
 
@@ -1133,3 +1119,17 @@ def dense_torch_lse(q, k, v):
             del s
     shape = q.shape
     return torch.stack(outs).view(shape), torch.stack(lses).view(shape[:3])
+
+
+def gluon_mass_reuse(q, k, v, idx, cnt, bq):
+    """An anchor's fp8 residual with its mass (the twin's), then a reuse call on queries moved by 10 %: (the Gluon
+    kernel's output, the twin's, the twin's with the residual unweighted)."""
+    from comfyui_sparse_attention.kernels import anchor_torch, block_sparse_torch, block_sparse_triton
+    twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
+                                               return_mass=True)
+    q2 = (q.float() * 1.1).to(q.dtype)
+    kw = dict(block_q=bq, block_k=bq)
+    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], path="gluon", **kw)
+    want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], **kw)
+    fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1][:2], **kw)
+    return got, want, fixed
