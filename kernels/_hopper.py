@@ -102,7 +102,21 @@ def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return f"blocks {block_q}x{block_k} are not 128x64 or 128x128"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
         return "a base address is not 16-byte aligned"
+    if auto:  # another layout would be copied for the kernel's descriptors; the TMA kernels take any strides
+        layouts = [rows_layout(t) for t in (q, k, v)]
+        if None in layouts or layouts[1] != layouts[2]:
+            return f"q/k/v layouts {layouts} (neither (B, H, N, D)- nor (B, N, H, D)-contiguous, or k and v differ)"
     return gluon_import_problem()
+
+
+def rows_layout(t: torch.Tensor) -> str | None:
+    """How the Gluon kernel's 2-D descriptors address a (B, H, N, D) tensor without a copy: "bhnd" (contiguous: rows of
+    (B*H*N, D)), "bnhd" ((B, N, H, D)-contiguous seen as (B, H, N, D): rows of (B*N, H*D)), or None (a copy)."""
+    if t.is_contiguous():
+        return "bhnd"
+    if t.transpose(1, 2).is_contiguous():
+        return "bnhd"
+    return None
 
 
 def use_gluon(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 128,

@@ -20,7 +20,10 @@ Layouts: q, k, v are addressed through 2-D TMA descriptors, either over a contig
 (b*H + h)*N + n, column 0) or over a (B, N, H, D) tensor seen as (B, H, N, D) (rows b*N + n, column h*D: the
 transposed views ComfyUI's (B, N, H*D) attention inputs arrive as), with no copy; anything else is copied contiguous.
 A query or KV tile past a head's end reads the next head's rows (or TMA's zero fill): those keys are masked to -inf and
-those query rows are not stored. Out, LSE, the residual and its scale and mass are contiguous (B, H, N, ...).
+those query rows are not stored. (Their weight is exactly 0, but a non-finite value in those V rows still reaches the
+row through 0 x inf = NaN in PV, where the TMA kernels' per-head descriptors read zeros: an inf in a model's V already
+makes every output of its own head that attends it non-finite, so a run with one is broken either way.) Out, LSE,
+the residual and its scale and mass are contiguous (B, H, N, ...).
 
 kernels/_hopper.py (``gluon_problem``) says when this kernel may run; it is imported only there, so a Triton without
 Gluon costs nothing. There is no interpreter for Gluon: tests/test_gluon_kernels.py compiles every variant for sm_90a
@@ -38,6 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ._hopper import rows_layout
 from ._residual import MASS_EPS
 from ._triton_common import LOG2E
 
@@ -271,11 +275,13 @@ def _gl_dtype(dtype: torch.dtype):
 
 def as_rows(t: torch.Tensor):
     """(2-D row view, BNHD flag) of a (B, H, N, D) tensor for a TMA descriptor: a contiguous tensor as (B*H*N, D), a
-    transposed (B, N, H, D)-contiguous one as (B*N, H*D); anything else copied contiguous first."""
+    transposed (B, N, H, D)-contiguous one as (B*N, H*D); anything else copied contiguous first (the automatic choice
+    leaves such calls to the TMA kernels: kernels/_hopper.py, ``gluon_problem``)."""
     b, h, n, d = t.shape
-    if t.is_contiguous():
+    layout = rows_layout(t)
+    if layout == "bhnd":
         return t.view(b * h * n, d), False
-    if t.transpose(1, 2).is_contiguous():
+    if layout == "bnhd":
         return t.transpose(1, 2).view(b * n, h * d), True
     return t.contiguous().view(b * h * n, d), False
 
