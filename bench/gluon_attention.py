@@ -65,31 +65,13 @@ def attention(q, k, v, kv_indices=None, kv_counts=None, *, block_n=128, stages=2
 
 def compile_report(configs=None, modes=(True, False)):
     """Configurations (default every one of CONFIGS) compiled for sm_90a without a GPU, dense (True) and block-sparse
-    (False): [(label, resources)] (tools/compile_report.py: regs, spill bytes, shared bytes, tma, wgmma)."""
+    (False): [(label, resources)] (tools/compile_report.py, ``compile_gluon``: regs, spill bytes, shared bytes, tma,
+    wgmma)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from compile_report import compile_one
-    from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _kernel_module()._attention_fwd
-    rows = []
-    for dense in modes:
-        for cfg in configs or CONFIGS:
-            bn, st, split = cfg["BLOCK_N"], cfg["STAGES"], cfg["SPLIT"]
-            warps = 4 if split else 8
-            q_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.bfloat16)
-            kv_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.bfloat16)
-            types = dict(q_desc=f"tensordesc<bf16[128, 128],{q_layout!r}>",
-                         k_desc=f"tensordesc<bf16[{bn}, 128],{kv_layout!r}>",
-                         v_desc=f"tensordesc<bf16[{bn}, 128],{kv_layout!r}>",
-                         Out="*bf16", Lse="*fp32", R="*bf16", RS="*fp32", MS="*fp32", IDX="*i32", CNT="*i32",
-                         ORDER="*i32", qk_scale="fp32")
-            consts = dict(DENSE=dense, ORDERED=False, Q_BNHD=False, KV_BNHD=False, BLOCK_N=bn, HEAD_D=128,
-                          STAGES=st, RESIDUAL=0, MASS=False, WRITE_LSE=False, SPLIT=split)
-            label = f"{'dense' if dense else 'sparse'} {_tag(cfg)}"
-            conf = argparse.Namespace(num_warps=warps, num_stages=1, maxnreg=None)
-            res = compile_one(fn, types, consts, ["Out", "Lse", "R", "RS", "MS", "IDX", "CNT", "ORDER"], conf,
-                              source=GluonASTSource)
-            rows.append((label, res))
-    return rows
+    from compile_report import compile_gluon
+    return [(f"{'dense' if dense else 'sparse'} {_tag(cfg)}",
+             compile_gluon(dense=dense, tiles=(cfg["BLOCK_N"], cfg["STAGES"]), split=cfg["SPLIT"]))
+            for dense in modes for cfg in configs or CONFIGS]
 
 
 def _check(K, log):
