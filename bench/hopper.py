@@ -353,14 +353,70 @@ class Shape:
             del triple
 
     def token(self, dens=0.15, variant="pointer", reuse=True):
+        """The token kernel as the engine calls it (``auto``: on Hopper from 16 384 tokens the Gluon kernel, since
+        the twenty-fifth session; "gluon_token" times both paths by name) on random groups of 128 and lists."""
         q, k, v, TT, Residual = self.q, self.k, self.v, self.m["TT"], self.m["Residual"]
-        h, n = self.h, self.n
-        if getattr(self, "token_lists", None) is not None:  # the same lists for every variant of this shape
-            grp, toks, tcnt, kk = self.token_lists
-            self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt,
-                                                                            validate=False),
-                     kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
+        n = self.n
+        fresh = getattr(self, "token_lists", None) is None
+        grp, toks, tcnt, kk = self.make_token_lists(dens)
+        self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
+                 kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
+        if not fresh or not reuse:  # the same lists for every variant of this shape
             return
+        res = Residual.encode(torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05, "fp8")
+        self.rec("token128_reuse", "fused_fp8", lambda: TT.token_sparse_attention(
+            q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale)), kk / n, target=dens,
+            config=lambda: TT._token_fwd.best_config)
+        self.rec("token128_reuse", "separate_fp8", lambda: res.add_to(TT.token_sparse_attention(
+            q, k, v, grp, toks, tcnt, validate=False)), kk / n, target=dens)
+
+    def gluon_token(self, dens=0.15):
+        """kernels/token_sparse_gluon.py against the pointer kernel on the same lists: int32 lists without a
+        residual (the Gluon kernel also on other tilings and with eight loader warps), and the engine's reuse call
+        (compact lists, fp8 residual). Each Gluon row carries its output's relative L2 distance to the pointer
+        kernel's (``rel_vs_pointer``)."""
+        q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
+        TG = load("kernels.token_sparse_gluon")
+        grp, toks, tcnt, kk = self.make_token_lists(dens)
+        low, ends, res = self.compact_token_lists()
+        calls = dict(token128=lambda path: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False,
+                                                                     path=path),
+                     token128_reuse=lambda path: TT.token_sparse_attention_compact(
+                         q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale), path=path))
+        refs = {}
+
+        def rec(kind, variant, path):
+            r = self.rec(kind, variant, lambda: calls[kind](path), kk / self.n, target=dens,
+                         config=(lambda: TT._token_fwd.best_config) if path == "pointer" else None)
+            if r is not None and path == "pointer":
+                refs[kind] = calls[kind]("pointer").float()
+            elif r is not None and kind in refs:
+                out = calls[kind](path).float()
+                r["rel_vs_pointer"] = float((out - refs[kind]).norm() / refs[kind].norm())
+                say(f"{self.name:7s} {kind:18s} {variant:12s} rel to pointer {r['rel_vs_pointer']:.2e}")
+        if DEV != "cuda":
+            rec("token128", "pointer", "pointer")
+            rec("token128_reuse", "pointer_compact_fp8", "pointer")
+            return
+        tiles, loader = TG.TILES, TG.LOADER
+        variants = [("gluon", tiles, loader)] + [(f"gluon_bn{a[0]}s{a[1]}", {**tiles, self.d: a}, loader)
+                                                 for a in ((64, 6), (64, 4))] + [("gluon_l8", tiles, (8, 40, 208))]
+        rec("token128", "pointer", "pointer")
+        for name, t, ld in variants:
+            TG.TILES, TG.LOADER = t, ld
+            try:
+                rec("token128", name, "gluon")
+            finally:
+                TG.TILES, TG.LOADER = tiles, loader
+        rec("token128_reuse", "pointer_compact_fp8", "pointer")
+        rec("token128_reuse", "gluon_compact_fp8", "gluon")
+
+    def make_token_lists(self, dens=0.15):
+        """Random groups of 128 queries and sorted lists of dens x N tokens each, made once per shape: (groups int32
+        (1, H, G, 128), lists int32 (1, H, G, k), counts int32 (1, H, G), k)."""
+        if getattr(self, "token_lists", None) is not None:
+            return self.token_lists
+        h, n = self.h, self.n
         perm = torch.randperm(n, device=DEV, generator=self.gen).to(torch.int32)
         g = math.ceil(n / 128)
         groups = torch.full((g * 128,), -1, dtype=torch.int32, device=DEV)
@@ -372,18 +428,8 @@ class Shape:
             t = torch.topk(torch.rand(g, n, device=DEV, generator=self.gen), kk, dim=-1).indices
             toks[0, h0] = torch.sort(t, -1).values.to(torch.int32)
         tcnt = torch.full((1, h, g), kk, dtype=torch.int32, device=DEV)
-        grp = self.groups
-        self.token_lists = (grp, toks, tcnt, kk)
-        self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
-                 kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
-        if not reuse:
-            return
-        res = Residual.encode(torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05, "fp8")
-        self.rec("token128_reuse", "fused_fp8", lambda: TT.token_sparse_attention(
-            q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale)), kk / n, target=dens,
-            config=lambda: TT._token_fwd.best_config)
-        self.rec("token128_reuse", "separate_fp8", lambda: res.add_to(TT.token_sparse_attention(
-            q, k, v, grp, toks, tcnt, validate=False)), kk / n, target=dens)
+        self.token_lists = (self.groups, toks, tcnt, kk)
+        return self.token_lists
 
     def pass2(self):
         q, k, v, K, MT = self.q, self.k, self.v, self.m["K"], self.m["MT"]
@@ -496,21 +542,25 @@ class Shape:
     def token_compact(self, variant, dens=0.15):
         """The token kernel on the compact int16 lists the engine caches (kernels/compact_torch.py), made from the
         shape's int32 token lists, with an fp8 residual: what a mc_sparse reuse call runs."""
-        if getattr(self, "token_lists", None) is None:
-            self.token(variant="pointer", reuse=False)
-        grp, toks, tcnt, kk = self.token_lists
+        grp, toks, tcnt, kk = self.make_token_lists(dens)
+        low, ends, res = self.compact_token_lists()
+        q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
+        self.rec("token128_reuse", variant, lambda: TT.token_sparse_attention_compact(
+            q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale)), kk / self.n,
+            config=lambda: TT._token_fwd.best_config, target=dens)
+
+    def compact_token_lists(self):
+        """``make_token_lists``'s lists compacted as the engine caches them, with an fp8 residual: (low, ends,
+        residual), made once per shape."""
         if getattr(self, "compact_lists", None) is None:  # the engine's own compaction, at the engine's width
+            _, toks, tcnt, kk = self.make_token_lists()
             width = self.m["CT"].aligned_width(kk)
             padded = torch.nn.functional.pad(toks, (0, width - kk), value=-1)
             low, ends = self.m["TokenSelection"].compact(padded, tcnt, self.n)
             res = self.m["Residual"].encode(torch.randn(self.q.shape, device=DEV, dtype=self.q.dtype,
                                                         generator=self.gen) * 0.05, "fp8")
             self.compact_lists = (low, ends, res)
-        low, ends, res = self.compact_lists
-        q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
-        self.rec("token128_reuse", variant, lambda: TT.token_sparse_attention_compact(
-            q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale)), kk / self.n,
-            config=lambda: TT._token_fwd.best_config, target=dens)
+        return self.compact_lists
 
     def warp_spec(self, dens=0.25):
         q, k, v, BT, AH = self.q, self.k, self.v, self.m["BT"], self.m["AH"]
@@ -575,7 +625,8 @@ def main():
     ap.add_argument("--shapes", default="wan14b,wan13b,hyv")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tests-k", default="", help="only the GPU tests pytest's -k selects")
-    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon"),
+    ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon",
+                                           "token"),
                     default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
@@ -645,6 +696,8 @@ def main():
     if args.plan == "gluon":
         plan = [(name, "gluon", (0.25, 0.1, 0.5), (0.08, 0.1) if i == 0 else (0.08,), i == 0,
                  (0.15, 0.25) if i == 0 else ()) for i, name in enumerate(names)]
+    if args.plan == "token":
+        plan = [(name, "gluon_token") for name in names]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):

@@ -18,6 +18,7 @@ overhead at 4 608 tokens"), the TMA kernels keep the call.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 
@@ -65,11 +66,12 @@ GLUON_MIN_TOKENS = 16384
 GLUON_HEAD_DIMS = (64, 128)
 
 
-@functools.lru_cache(maxsize=1)
-def gluon_import_problem() -> str | None:
-    """Why kernels/attention_gluon.py cannot be imported here (a Triton without Gluon's Hopper API), or None."""
+@functools.lru_cache(maxsize=4)
+def gluon_import_problem(module: str = "attention_gluon") -> str | None:
+    """Why kernels/<module>.py (a Gluon kernel) cannot be imported here (a Triton without the Gluon API it uses), or
+    None."""
     try:
-        from . import attention_gluon  # noqa: F401
+        importlib.import_module(f".{module}", __package__)
     except Exception as exc:  # ImportError, or an older Gluon's missing names
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return None
@@ -77,9 +79,10 @@ def gluon_import_problem() -> str | None:
 
 def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 128,
                   block_k: int = 128, auto: bool = True) -> str | None:
-    """Why the Gluon kernel of ``kind`` ("gluon_dense", "gluon_sparse") cannot take q (B,H,Nq,D), k/v (B,H,Nk,D) with
-    blocks of block_q x block_k, or None when it can. ``auto``: the automatic choice, which also leaves it alone
-    under SPARSE_ATTN_GLUON=0, after a failure of this kind and below GLUON_MIN_TOKENS query tokens."""
+    """Why the Gluon kernel of ``kind`` ("gluon_dense", "gluon_sparse"; "gluon_token": kernels/token_sparse_gluon.py,
+    query groups of block_q) cannot take q (B,H,Nq,D), k/v (B,H,Nk,D) with blocks of block_q x block_k, or None when
+    it can. ``auto``: the automatic choice, which also leaves it alone under SPARSE_ATTN_GLUON=0, after a failure of
+    this kind and below GLUON_MIN_TOKENS query tokens."""
     if auto:
         if os.environ.get("SPARSE_ATTN_GLUON", "1") == "0":
             return "SPARSE_ATTN_GLUON=0"
@@ -98,6 +101,8 @@ def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return f"head dim {q.shape[-1]} is not one of {GLUON_HEAD_DIMS}"
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         return "k/v have other heads than q"
+    if kind == "gluon_token":
+        return _gluon_token_problem(q, k, v, block_q, auto)
     if block_q != 128 or block_k not in (64, 128):
         return f"blocks {block_q}x{block_k} are not 128x64 or 128x128"
     if any(t.data_ptr() % 16 for t in (q, k, v)):
@@ -107,6 +112,21 @@ def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         if None in layouts or layouts[1] != layouts[2]:
             return f"q/k/v layouts {layouts} (neither (B, H, N, D)- nor (B, N, H, D)-contiguous, or k and v differ)"
     return gluon_import_problem()
+
+
+def _gluon_token_problem(q, k, v, group: int, auto: bool) -> str | None:
+    """The token kernel's own conditions: groups of 128 queries, and K/V rows its 16-byte cp.async copies can read in
+    place (the head dim contiguous, every other stride and the base 16-byte aligned); the automatic choice also
+    leaves head dim 64 to the pointer kernel, which was faster there (docs/benchmarks.md, "Token-sparse in Gluon":
+    0.94 / 1.02 against 0.79 / 0.90 of 1/d on the H100)."""
+    if group != 128:
+        return f"query groups of {group}, not 128"
+    if auto and q.shape[-1] != 128:
+        return f"head dim {q.shape[-1]}: the pointer kernel is the faster one there"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in t.stride()[:3]) or t.data_ptr() % 16:
+            return f"{name} strides {tuple(t.stride())} are not 16-byte rows with the head dim contiguous"
+    return gluon_import_problem("token_sparse_gluon")
 
 
 def rows_layout(t: torch.Tensor) -> str | None:

@@ -86,19 +86,23 @@ def _scores(s_raw, blk, n_kv, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q,
+def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows,
               o_layout: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr, RESIDUAL: gl.constexpr,
-              MASS: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """Rows q_first ... of head bh: out = acc / l plus the residual (times the mass weight), stored to Out; the row LSE
-    (natural log, -inf for a row that attended nothing) to Lse. Out/R are contiguous (B*H*N_Q, D), RS/Lse (B*H*N_Q),
-    MS (B*H*N_Q, 2)."""
+              MASS: gl.constexpr, WRITE_LSE: gl.constexpr, GATHER: gl.constexpr):
+    """Rows q_first ... of head bh (GATHER: the rows q_rows[q_first ...] lists, -1 for none): out = acc / l plus the
+    residual (times the mass weight), stored to Out; the row LSE (natural log, -inf for a row that attended nothing)
+    to Lse. Out/R are contiguous (B*H*N_Q, D), RS/Lse (B*H*N_Q), MS (B*H*N_Q, 2)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
     empty = l_o == 0.0
     out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
-    rows = q_first + gl.arange(0, ROWS, layout=row_o)
-    ok = rows < n_q
+    if GATHER:
+        rows = gl.load(q_rows + q_first + gl.arange(0, ROWS, layout=row_o))
+        ok = rows >= 0
+    else:
+        rows = q_first + gl.arange(0, ROWS, layout=row_o)
+        ok = rows < n_q
     flat = bh.to(gl.int64) * n_q + rows  # the rows' index in the contiguous (B*H*N_Q, ...) tensors
     lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
@@ -123,12 +127,14 @@ def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q,
 
 @gluon.jit
 def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_q, n_kv, qk_scale,
-              Out, Lse, R, RS, MS, bh, q_first,
+              Out, Lse, R, RS, MS, bh, q_first, q_rows,
               DENSE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr, WRITE_LSE: gl.constexpr,
-              WARPS: gl.constexpr):
+              WARPS: gl.constexpr, GATHER: gl.constexpr):
     """A consumer partition of WARPS warps (one warpgroup per 64 rows): ROWS query rows (q_smem; rows q_first ... of
-    head bh) against every tile of the list."""
+    head bh) against every tile of the list. GATHER (kernels/token_sparse_gluon.py): the tiles are gathered token rows
+    written by cp.async (count tiles, DENSE, n_kv the list's length: its tail's slots masked), so each wait is
+    followed by a proxy fence before the tensor cores read the tile, and the rows are stored where q_rows says."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -145,6 +151,8 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
     if count > 0:
         # tile 0: scores and softmax; its PV is issued in the next iteration (or after the loop)
         mbarrier.wait(k_ready.index(0), 0)
+        if GATHER:
+            fence_async_shared()
         s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_raw, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_bufs.index(0)))
         mbarrier.arrive(k_empty.index(0), count=1)
@@ -159,9 +167,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
             s_slot = i % STAGES
             v_slot = (i - 1) % STAGES
             mbarrier.wait(k_ready.index(s_slot), (i // STAGES) & 1)
+            if GATHER:
+                fence_async_shared()
             s_tok = warpgroup_mma(q_smem, k_bufs.index(s_slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             mbarrier.wait(v_ready.index(v_slot), ((i - 1) // STAGES) & 1)
+            if GATHER:
+                fence_async_shared()
             o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
             # groups complete in order: one outstanding means the scores are in, PV(i-1) may still run
             s_raw, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_bufs.index(s_slot)))
@@ -180,11 +192,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         v_slot = (count - 1) % STAGES
         mbarrier.wait(v_ready.index(v_slot), ((count - 1) // STAGES) & 1)
+        if GATHER:
+            fence_async_shared()
         o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
         acc, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_bufs.index(v_slot)))
         mbarrier.arrive(v_empty.index(v_slot), count=1)
-    _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, o_layout, ROWS, HEAD_D, RESIDUAL, MASS,
-              WRITE_LSE)
+    _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows, o_layout, ROWS, HEAD_D, RESIDUAL, MASS,
+              WRITE_LSE, GATHER)
 
 
 @gluon.jit
@@ -251,19 +265,19 @@ def _attention_fwd(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER,
     if SPLIT:
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count,
-                         N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), DENSE, half, BLOCK_N, HEAD_D,
-                         STAGES, RESIDUAL, MASS, WRITE_LSE, 4)),
+                         N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), idx_row, DENSE, half,
+                         BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE, 4, False)),
             (_consumer, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
-                         count, N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half) + half, DENSE, half,
-                         BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE, 4)),
+                         count, N_Q, N_KV, qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half) + half, idx_row,
+                         DENSE, half, BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE, 4, False)),
             (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0,
                        kv_col, DENSE, BLOCK_N, STAGES)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, N_Q, N_KV,
-                         qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), DENSE, 2 * half, BLOCK_N, HEAD_D, STAGES,
-                         RESIDUAL, MASS, WRITE_LSE, 8)),
+                         qk_scale, Out, Lse, R, RS, MS, bh, qb * (2 * half), idx_row, DENSE, 2 * half, BLOCK_N,
+                         HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE, 8, False)),
             (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0,
                        kv_col, DENSE, BLOCK_N, STAGES)),
         ], [1], [24])

@@ -4,7 +4,9 @@ One program holds a tile of C grouped queries (gathered by index) and walks its 
 list in chunks of BLOCK_N, gathering K/V rows by index inside the loop: gathered K/V never exist in
 memory. Outputs are written back at the queries' original positions, plus the residual when one is
 given (kernels/_residual.py). Gathered rows cannot use TMA on Hopper (its TMA has no row gather), so this
-kernel stays on pointer loads; its configs are tuned for Hopper (docs/kernel_notes.md). Twin of
+kernel stays on pointer loads; its configs are tuned for Hopper (docs/kernel_notes.md). On Hopper, groups of 128 from
+GLUON_MIN_TOKENS query tokens on go to kernels/token_sparse_gluon.py instead (cp.async gathers feeding a
+warp-specialised schedule; kernels/_hopper.py, ``gluon_problem``). Twin of
 ``token_sparse_torch.token_sparse_attention``.
 """
 
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fast_launch
+from . import _hopper, fast_launch
 from ._checks import check_qkv, check_scale, triton_group_problem
 from ._residual import check_residual, contiguous_residual, decode_into, refuse_mass
 from ._triton_common import (LOG2E, add_residual, configs, finish, head_dim_pad, kv_tile, last_dim_contiguous,
@@ -106,35 +108,45 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
 
 
-def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, validate=True, residual=None):
+PATHS = ("auto", "pointer", "gluon")
+
+
+def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, validate=True, residual=None,
+                           path="auto"):
     """Token-sparse attention on the Triton kernel; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D); q_groups int32 (B,H,G,C) (-1 pads); kv_tokens int32
     (B,H,G,max_k) sorted; kv_counts int32 (B,H,G); residual None or a (data, scale) pair. Returns out
     (B,H,Nq,D); queries in no group get 0, or exactly the residual when one is given.
-    ``validate=False`` skips the index checks for trusted lists.
+    ``validate=False`` skips the index checks for trusted lists. ``path``: "auto" (the Gluon kernel where
+    ``_hopper.gluon_problem`` allows it, else the pointer kernel), "pointer", or "gluon" (ValueError where it cannot).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, max_k = check_token_lists(q, k, q_groups, kv_tokens, kv_counts, validate)
-    return _launch(q, k, v, q_groups, kv_tokens.to(torch.int32), None, kv_counts, g, c, max_k, scale, residual)
+    return _launch(q, k, v, q_groups, kv_tokens.to(torch.int32), None, kv_counts, g, c, max_k, scale, residual,
+                   path=path)
 
 
 def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_counts, *, scale=None, validate=True,
-                                   residual=None, fill_ungrouped=True):
+                                   residual=None, fill_ungrouped=True, path="auto"):
     """Token-sparse attention over compact lists on the Triton kernel, which decodes them in registers (no int32
     copy of the lists per call); arguments as in the PyTorch twin ``token_sparse_attention_compact``: kv_low int16
     (B,H,G,W), seg_ends int32 (B,H,G,S), kv_counts int32 (B,H,G). fill_ungrouped=False: rows in no group are
-    left unwritten (no residual decode pass, no zero fill)."""
+    left unwritten (no residual decode pass, no zero fill). ``path`` as in ``token_sparse_attention``."""
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
     g, c, width, _ = check_compact_lists(q, k, q_groups, kv_low, seg_ends, kv_counts, validate)
-    return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual, fill_ungrouped)
+    return _launch(q, k, v, q_groups, kv_low, seg_ends, kv_counts, g, c, width, scale, residual, fill_ungrouped,
+                   path)
 
 
-def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual, fill=True):
+def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual, fill=True, path="auto"):
     """The kernel over int32 token lists (seg_ends None) or compact int16 lists with their segment ends; ``fill``:
-    rows in no group get the residual (or 0), else they are left unwritten."""
+    rows in no group get the residual (or 0), else they are left unwritten. ``path``: "auto", "pointer" or
+    "gluon" (kernels/token_sparse_gluon.py)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     b, h, nq, d = q.shape
     nk = k.shape[2]
     why = triton_group_problem(c)
@@ -154,6 +166,13 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
         out.zero_()
     elif fill:
         decode_into(out, res)
+    if g > 0 and _hopper.use_gluon("gluon_token", q, k, v, block_q=c, path=path):
+        from . import token_sparse_gluon
+        done = _hopper.attempt("gluon_token", path == "auto", lambda: token_sparse_gluon.attention(
+            q, k, v, out, qg, tok, None if seg_ends is None else seg, cnt, scale=scale, segment=SEGMENT,
+            residual=None if res is None else (res[0].contiguous(), None if res[1] is None else res[1].contiguous())))
+        if done is not None:
+            return out
     if g > 0:
         res_args = residual_launch_args(res, out)
         fast_launch.launch(_token_fwd, (g, b * h), (

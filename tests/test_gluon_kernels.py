@@ -1,8 +1,11 @@
-"""The Gluon Hopper kernel (kernels/attention_gluon.py) compiled for sm_90a on the CPU, every variant the dispatch
-can launch: dense with and without LSE, block-sparse with each residual (model dtype, fp8 with its scale, weighted by
-the mass), row order and both descriptor layouts, D 64 and 128 (tools/compile_report.py, ``compile_gluon``). Each must
-build without spilling and fit sm_90's shared memory. There is no interpreter for Gluon; the GPU tests
-(tests/test_gpu_kernels.py) check the numbers against the twins."""
+"""The Gluon Hopper kernels compiled for sm_90a on the CPU, every variant the dispatch can launch
+(tools/compile_report.py): kernels/attention_gluon.py dense with and without LSE, block-sparse with each residual
+(model dtype, fp8 with its scale, weighted by the mass), row order and both descriptor layouts, D 64 and 128
+(``compile_gluon``); kernels/token_sparse_gluon.py on int32 and compact lists with each residual
+(``compile_gluon_token``).
+Each must build without spilling and fit sm_90's shared memory. There is no interpreter for Gluon; the GPU tests
+(tests/test_gpu_kernels.py) check the numbers against the twins, and the dispatch rules and the token launch's
+arguments are checked here on the CPU."""
 
 import pytest
 
@@ -40,7 +43,63 @@ def test_every_variant_compiles_for_hopper_without_spills(report, name):
     assert res["shared"] <= 232448, res  # sm_90's per-block opt-in maximum
 
 
-def test_rows_layout_addresses_comfyuis_views_without_a_copy(monkeypatch):
+TOKEN_VARIANTS = {
+    "int32 lists": dict(),
+    "compact lists, fp8 residual": dict(compact=True, residual=2),
+    "compact lists, model-dtype residual, fp16": dict(compact=True, residual=1, dtype="fp16"),
+    "D64, fp8 residual": dict(d=64, residual=2),
+    "D64 compact lists, model-dtype residual": dict(d=64, compact=True, residual=1),
+    "64-wide tiles four deep (the benchmark's alternative)": dict(compact=True, residual=2, tiles=(64, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(TOKEN_VARIANTS))
+def test_every_token_variant_compiles_for_hopper_without_spills(report, name):
+    """kernels/token_sparse_gluon.py: the gather loader (cp.async, four warps) and the block kernel's consumers fit
+    the register split it asks for (LOADER) with at most a few spilled values, and sm_90's shared memory; the scores
+    and PV are wgmma."""
+    res = report.compile_gluon_token(**TOKEN_VARIANTS[name])
+    assert "error" not in res, res
+    # the loader keeps the next tile's ids across its waits: a few live values spill on the CPU's compile (Triton
+    # 3.6, the device's: 0-40 bytes; 3.8: up to 184; docs/kernel_notes.md "v18"); the bound catches growth
+    assert res["spill"] <= 256 and res["wgmma"] and not res["tma"], res
+    assert res["shared"] <= 232448, res
+
+
+@pytest.fixture
+def pretend_hopper(monkeypatch):
+    """kernels/_hopper.py on a pretend Hopper with Gluon (this CPU has neither): (the module, GLUON_MIN_TOKENS, a
+    contiguous (1, 2, N, 128) bf16 tensor, the same seen through ComfyUI's transposed (B, N, H, D) layout)."""
+    import torch
+    from comfyui_sparse_attention.kernels import _hopper
+    monkeypatch.setattr(_hopper, "device_capability", lambda t: (9, 0))
+    monkeypatch.setattr(_hopper, "interpreting", lambda: False)
+    monkeypatch.setattr(_hopper, "gluon_import_problem", lambda module="attention_gluon": None)
+    n = _hopper.GLUON_MIN_TOKENS
+    return (_hopper, n, torch.zeros(1, 2, n, 128, dtype=torch.bfloat16),
+            torch.zeros(1, n, 2, 128, dtype=torch.bfloat16).transpose(1, 2))
+
+
+def test_gluon_token_rule_on_a_pretend_hopper(pretend_hopper):
+    """Which token-sparse calls kernels/_hopper.py gives the Gluon token kernel (pure torch, no GPU): groups of 128,
+    rows its 16-byte copies can read in place (ComfyUI's transposed views too), not an odd stride, and automatically
+    only at head dim 128; an explicit call names the reason."""
+    import torch
+    _hopper, n, bhnd, bnhd = pretend_hopper
+    odd = torch.zeros(1, 2, n, 131, dtype=torch.bfloat16)[..., :128]  # rows of 262 bytes
+    assert _hopper.gluon_problem("gluon_token", bhnd, bhnd, bhnd) is None
+    assert _hopper.gluon_problem("gluon_token", bnhd, bnhd, bhnd) is None
+    assert "groups of 64" in _hopper.gluon_problem("gluon_token", bhnd, bhnd, bhnd, block_q=64)
+    assert "16-byte" in _hopper.gluon_problem("gluon_token", bhnd, odd, bhnd)
+    assert "under" in _hopper.gluon_problem("gluon_token", bhnd[:, :, :n - 1], bhnd, bhnd)
+    d64 = torch.zeros(1, 2, n, 64, dtype=torch.bfloat16)  # measured slower than the pointer kernel: explicit only
+    assert "head dim 64" in _hopper.gluon_problem("gluon_token", d64, d64, d64)
+    assert _hopper.gluon_problem("gluon_token", d64, d64, d64, auto=False) is None
+    with pytest.raises(ValueError, match="groups of 64"):
+        _hopper.use_gluon("gluon_token", bhnd, bhnd, bhnd, block_q=64, path="gluon")
+
+
+def test_rows_layout_addresses_comfyuis_views_without_a_copy(request):
     """The descriptors' row views (pure torch, no GPU): a contiguous (B, H, N, D) tensor and ComfyUI's transposed
     (B, N, H, D) views are addressed in place, anything else is named for a copy, and the automatic choice leaves the
     latter (and k, v in different layouts) to the TMA kernels while an explicit Gluon call still takes them."""
@@ -53,12 +112,7 @@ def test_rows_layout_addresses_comfyuis_views_without_a_copy(monkeypatch):
     rows = t.transpose(1, 2).reshape(2 * 5, 3 * 4)  # row b*N + n, column h*D + d: the kernel's BNHD addressing
     assert torch.equal(rows[1 * 5 + 2, 2 * 4:3 * 4], x[1, 2, 2])
     # the rule on a pretend Hopper (this CPU has none): only the layouts differ between the calls below
-    monkeypatch.setattr(_hopper, "device_capability", lambda t: (9, 0))
-    monkeypatch.setattr(_hopper, "interpreting", lambda: False)
-    monkeypatch.setattr(_hopper, "gluon_import_problem", lambda: None)
-    n = _hopper.GLUON_MIN_TOKENS
-    bhnd = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16)
-    bnhd = torch.zeros(1, n, 2, 128, dtype=torch.bfloat16).transpose(1, 2)
+    _hopper, n, bhnd, bnhd = request.getfixturevalue("pretend_hopper")
     odd = torch.zeros(1, n, 2, 3, 128, dtype=torch.bfloat16).select(3, 0).transpose(1, 2)
     assert _hopper.gluon_problem("gluon_dense", bhnd, bhnd, bhnd) is None
     assert _hopper.gluon_problem("gluon_dense", bnhd, bhnd, bhnd) is None  # q's layout is its own
@@ -66,3 +120,38 @@ def test_rows_layout_addresses_comfyuis_views_without_a_copy(monkeypatch):
     assert "layouts" in _hopper.gluon_problem("gluon_dense", odd, bhnd, bhnd)
     assert _hopper.gluon_problem("gluon_dense", odd, bhnd, bnhd, auto=False) is None
     assert "under" in _hopper.gluon_problem("gluon_dense", bhnd[:, :, :n - 1], bhnd, bhnd)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact):
+    """token_sparse_triton's launch passes the Gluon token kernel the call's groups, lists (int32, or compact with
+    their segment ends), counts, scale and contiguous residual in the order ``token_sparse_gluon.attention`` takes
+    them: a stand-in computing the twin from exactly what it is handed reproduces the twin (pure torch, no GPU)."""
+    import torch
+    from comfyui_sparse_attention.kernels import _hopper, compact_torch, token_sparse_gluon, token_sparse_torch
+    from comfyui_sparse_attention.kernels import token_sparse_triton as tt
+    gen = torch.Generator().manual_seed(3)
+    b, h, n, d = 1, 2, 300, 64
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for _ in range(3))
+    groups = torch.randperm(384, generator=gen).view(1, 1, 3, 128).expand(b, h, 3, 128).contiguous().to(torch.int32)
+    groups = torch.where(groups < n, groups, -1)
+    keep = torch.rand(b, h, 3, n, generator=gen) < 0.3
+    low, ends, cnt = compact_torch.compact_keep(keep)
+    toks = compact_torch.decode_lists(low, ends).to(torch.int32)
+    res = (torch.randn(b, h, n, d, generator=gen).to(torch.float8_e4m3fn), torch.rand(b, h, n, 1, generator=gen))
+    seen = []
+
+    def stand_in(q_, k_, v_, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None):
+        seen.append(seg_ends is not None)
+        ids = lists if seg_ends is None else compact_torch.decode_lists(lists, seg_ends, segment=segment)
+        out.copy_(token_sparse_torch.token_sparse_attention(q_, k_, v_, q_groups, ids, kv_counts, scale=scale,
+                                                            residual=residual))
+        return out
+    monkeypatch.setattr(_hopper, "use_gluon", lambda *a, **kw: True)
+    monkeypatch.setattr(token_sparse_gluon, "attention", stand_in)
+    if compact:
+        got = tt.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, scale=0.2, residual=res)
+    else:
+        got = tt.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
+    want = token_sparse_torch.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
+    assert seen == [compact] and torch.allclose(got, want, atol=1e-5)

@@ -1133,3 +1133,79 @@ def gluon_mass_reuse(q, k, v, idx, cnt, bq):
     want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], **kw)
     fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1][:2], **kw)
     return got, want, fixed
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout,dtype,d,lists,res_kind,b,n", [
+    ("bhnd", torch.bfloat16, 128, "int32", "none", 1, 20011),
+    ("bnhd", torch.float16, 64, "compact", "fp8", 2, 40009),
+    ("bhnd", torch.bfloat16, 128, "compact", "bf16", 1, 75600),
+])
+def test_gluon_token_kernel_matches_twin(layout, dtype, d, lists, res_kind, b, n):
+    """kernels/token_sparse_gluon.py (cp.async gathers, the block kernel's consumers) against the twin and the pointer
+    kernel: ragged N (the last group padded with -1), lists of every length (empty, one token, the whole sequence,
+    129 = one tile and one slot, and random lengths), int32 and compact int16 lists (two segments past 32 768 tokens),
+    each residual kind, ComfyUI's transposed (B, N, H, D) views, a batch of two, D 64 and 128, fp16 and bf16; rows
+    of an empty list get exactly the residual (or 0)."""
+    from comfyui_sparse_attention.kernels import token_sparse_triton
+    from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+    h = 2
+    parts = [qkv(h, n, d, seed=n + s, dtype=dtype) for s in range(b)]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    groups = K.group_queries(q, 128)
+    g = groups.shape[2]
+    gen = torch.Generator(device=DEV).manual_seed(n)
+    p = torch.rand(b, h, g, 1, device=DEV, generator=gen) * 0.3
+    keep = torch.rand(b, h, g, n, device=DEV, generator=gen) < p
+    keep[:, :, 0] = False
+    keep[:, :, 1] = False
+    keep[:, :, 1, n // 2] = True
+    keep[:, :, 2] = True
+    keep[:, :, 3] = False
+    keep[:, :, 3, :129] = True
+    low, ends, cnt = K.compact_keep(keep)
+    res = make_residual(res_kind, q.shape, seed=n)
+    kw = dict(residual=res, validate=False)
+    if lists == "compact":
+        got = token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, path="gluon", **kw)
+        ptr = token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, path="pointer", **kw)
+    toks = decode_lists(low, ends).to(torch.int32).contiguous()
+    if lists == "int32":
+        got = token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, cnt, path="gluon", **kw)
+        ptr = token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, cnt, path="pointer", **kw)
+    twin = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="torch", residual=res)
+    assert not torch.isnan(got).any()
+    for bi in range(b):
+        assert rel(got[bi], twin[bi]) <= 1e-2 and rel(got[bi], ptr[bi]) <= 1e-2
+    rows = groups[0, 1, 0].long()
+    want = torch.zeros_like(got[0, 1, rows]) if res is None else decoded(res)[0, 1, rows].to(got.dtype)
+    assert torch.equal(got[0, 1, rows], want)
+
+
+@needs_hopper
+def test_auto_takes_the_gluon_token_kernel_for_groups_of_128(monkeypatch):
+    """``auto`` runs token-sparse calls of 128-query groups on the Gluon kernel from GLUON_MIN_TOKENS query tokens
+    on, and the pointer kernel for groups of 64, below that size and under SPARSE_ATTN_GLUON=0."""
+    from comfyui_sparse_attention.kernels import _hopper, token_sparse_gluon
+    if _hopper.gluon_problem("gluon_token", *qkv(1, 16, 64, seed=0), block_q=128, auto=False):
+        pytest.skip(f"no Gluon token kernel here: {_hopper.gluon_import_problem('token_sparse_gluon')}")
+    calls = []
+    real = token_sparse_gluon.attention
+    monkeypatch.setattr(token_sparse_gluon, "attention", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+
+    def run(n, c):
+        q, k, v = qkv(2, n, 128, seed=n)
+        groups = K.group_queries(q, c)
+        keep = torch.rand(1, 2, groups.shape[2], n, device=DEV) < 0.1
+        low, ends, cnt = K.compact_keep(keep)
+        out = K.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt)
+        assert not torch.isnan(out).any()
+    run(_hopper.GLUON_MIN_TOKENS, 128)
+    assert calls == [1]
+    run(_hopper.GLUON_MIN_TOKENS, 64)
+    run(_hopper.GLUON_MIN_TOKENS - 1, 128)
+    monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")
+    run(_hopper.GLUON_MIN_TOKENS, 128)
+    assert calls == [1] and not _hopper.broken()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon")
+PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon", "token")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,10 @@ def test_hopper_bench_dry_run(dry_runs, plan):
         assert sorted({r["target"] for r in rows if r["kind"] == "anchor"}) == [0.08, 0.1, 0.15, 0.25]
         assert sum(1 for r in rows if r["kind"] == "bsa128") == 3 and sum(
             1 for r in rows if r["kind"] == "bsa128_skew") == 2
+    elif plan == "token":  # the interpreter has no Gluon: the pointer kernel's side, int32 and compact lists
+        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == {
+            ("token128", "pointer"), ("token128_reuse", "pointer_compact_fp8")}
+        assert {r["target"] for r in rows if r["kind"].startswith("token")} == {0.15}
     else:
         assert {("bsa128", "tma"), ("bsa128", "pointer"), ("dense_lse", "tma"), ("anchor", "fused_fp8"),
                 ("token128", "pointer"), ("pass2_mass", "tma")} <= kinds

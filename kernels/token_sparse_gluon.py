@@ -1,0 +1,188 @@
+"""Token-sparse (gathered-KV) attention for Hopper in Gluon, scheduled like kernels/attention_gluon.py; twin
+``token_sparse_torch.token_sparse_attention`` (and ``_compact``).
+
+Why: the Triton token kernel (kernels/token_sparse_triton.py) loads its gathered K/V rows by pointer inside the
+softmax loop and ran at 0.72-0.79/d of cuDNN's dense rate at D 128 (docs/benchmarks.md); Hopper's TMA cannot gather
+rows, so the block-sparse kernels' lever (TMA plus a warp-specialised schedule, docs/kernel_notes.md "v17") needs
+another loader. Here a loader partition of four warps gathers each tile's K and V rows with cp.async (16-byte copies)
+into the same ring of swizzled buffers the block kernel's TMA fills, and signals each slot with a per-thread cp.async
+arrival on its "ready" barrier; the two consumer warpgroups are the block kernel's (``attention_gluon._consumer``
+with GATHER: a proxy fence after each wait, because cp.async writes through the generic proxy and the tensor cores
+read through the async one). On the H100 at D 128 and d 0.15 it runs at 0.80-0.88/d, 6-17 % faster than the pointer
+kernel, and the engine's reuse call (compact lists, fp8 residual) 5-16 % faster (docs/benchmarks.md, "Token-sparse
+in Gluon"); at D 64 the pointer kernel stays the faster one and keeps the automatic choice.
+
+A program is one query group of 128 (the engine's default ``group_size``; 64 stays on the Triton kernel): its rows
+are gathered by pointer into shared memory first, and stored back at their own positions with the residual (model
+dtype or fp8 with its row scale) added in the epilogue. The list's ragged tail reads row 0 of the head in its unused
+slots (their scores are masked to -inf, so they weigh exactly 0). Lists are int32 token ids (B,H,G,max_k) or the
+engine's compact int16 lists with their segment ends (kernels/compact_torch.py), decoded by the loader.
+
+kernels/_hopper.py (``gluon_problem`` with kind "gluon_token") says when this kernel may run; it is imported only from
+token_sparse_triton.py's launch, so a Triton without Gluon costs nothing. No interpreter runs Gluon:
+tests/test_gluon_kernels.py compiles its variants for sm_90a on the CPU and tests/test_gpu_kernels.py checks it
+against the twin.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from ._triton_common import LOG2E
+from .attention_gluon import RES_FP8, RES_MODEL, RES_NONE, _consumer
+
+GROUP = gl.constexpr(128)  # queries of a program: two consumer warpgroups of 64
+# The register file (Triton's warp-group allocation): the loader's partition is padded to a warpgroup, and the first
+# consumer (the default partition) gets what the second one and the loader's warpgroup leave of 3 x 168 registers a
+# thread. (loader warps, loader registers, second consumer's registers): four loader warps at 72 registers, the
+# consumers at 224 / 208. The loader holds the next tile's ids across its waits; Triton 3.6 (the device's) spills
+# nothing with int32 lists and 40 bytes with compact ones at 128-wide tiles, Triton 3.8 24-184 bytes; fewer loader
+# registers spill the copy addresses, consumers at 200 spill in the epilogue (docs/kernel_notes.md "v18"). Eight
+# loader warps at 40 registers measured 0-6 % slower.
+LOADER = (4, 72, 208)
+# (BLOCK_N, STAGES) by head dim. D 128: 128-wide tiles three deep (Q 32 KB + 3 x 2 x 32 KB), timed fastest on the
+# H100 against 64-wide tiles six or four deep (docs/benchmarks.md, "Token-sparse in Gluon"); D 64 (explicit calls
+# only): 128-wide tiles six deep (Q 16 KB + 6 x 2 x 16 KB), faster there than 64-wide ones.
+TILES = {128: (128, 3), 64: (128, 6)}
+
+
+@gluon.jit
+def _token_ids(tok_row, seg_row, slot, count, N_SEG: gl.constexpr, SEGMENT: gl.constexpr):
+    """Token ids of list slots ``slot`` (kernels/token_sparse_triton.py, ``_token_ids``): int32 ids as they are
+    (N_SEG 0) or compact int16 offsets decoded (offset + 32768 + SEGMENT x the row's segment ends at or below the
+    slot); slots at or past ``count`` read token 0, a valid row whose scores the consumers mask."""
+    ok = slot < count
+    raw = gl.load(tok_row + slot, mask=ok, other=0)
+    if N_SEG == 0:
+        tok = raw
+    else:
+        tok = raw.to(gl.int32) + 32768
+        for s in gl.static_range(N_SEG):
+            end = gl.load(seg_row + s)
+            tok += (slot >= end).to(gl.int32) * SEGMENT
+    return gl.where(ok, tok, 0)
+
+
+@gluon.jit
+def _gather_loader(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tok_row, seg_row,
+                   count, N_SEG: gl.constexpr, SEGMENT: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                   STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """WARPS warps: each tile's K then V rows into the ring, one cp.async call per tile and tensor (16-byte copies,
+    BLOCK_N x HEAD_D / (8 x 32 x WARPS) a thread); every thread's cp.async arrival (no increment) on the slot's ready
+    barrier (initialised to the loader's thread count) completes it once all its copies landed. The next tile's
+    token ids are loaded before this tile waits for its slots, so the list's latency is hidden behind them (loading
+    them where they are used left the loader, not the tensor cores, setting the pace: docs/kernel_notes.md "v18")."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [WARPS, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, ld)
+    cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld)), 0)
+    slots = gl.arange(0, BLOCK_N, layout=rows)
+    tok = _token_ids(tok_row, seg_row, slots, count, N_SEG, SEGMENT)
+    for i in range(gl.cdiv(count, BLOCK_N)):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        nxt = _token_ids(tok_row, seg_row, (i + 1) * BLOCK_N + slots, count, N_SEG, SEGMENT)
+        row_off = gl.expand_dims(tok.to(gl.int64), 1)
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        async_copy.async_copy_global_to_shared(k_bufs.index(s), k_base + (row_off * skn + cols))
+        async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        async_copy.async_copy_global_to_shared(v_bufs.index(s), v_base + (row_off * svn + cols))
+        async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+        tok = nxt
+
+
+@gluon.jit
+def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
+               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N_Q, G, MAX_K, qk_scale,
+               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr,
+               N_SEG: gl.constexpr, SEGMENT: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr):
+    """Grid (G, B*H): group g of head bh. Q, K, V: (B,H,N,D) with these strides (D contiguous); Out and the residual
+    R (RS its fp32 row scale) contiguous (B,H,N_Q,D); QG int32 (B*H*G, 128); TOK (B*H*G, MAX_K) int32 ids, or int16
+    compact offsets with SEG int32 (B*H*G, N_SEG) segment ends; CNT int32 (B*H*G)."""
+    gid = gl.program_id(0)
+    bh = gl.program_id(1)
+    row = bh.to(gl.int64) * G + gid
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    count = gl.load(CNT + row)
+    q_rows = QG + row * GROUP
+    tok_row = TOK + row * MAX_K
+    seg_row = SEG + row * N_SEG
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    half: gl.constexpr = GROUP // 2
+    smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GROUP, HEAD_D], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [GROUP, HEAD_D], q_l)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
+        mbarrier.init(v_ready.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(s), count=2)
+
+    # the group's query rows (padding -1 reads zeros) into shared memory, by pointer: read once per program
+    q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [4, 1], [1, 0])
+    qi = gl.load(q_rows + gl.arange(0, GROUP, layout=gl.SliceLayout(1, q_ld)))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, q_ld))
+    q_ptrs = Q + b * sqb + h * sqh + gl.expand_dims(gl.where(qi >= 0, qi, 0).to(gl.int64) * sqn, 1) \
+        + gl.expand_dims(cols, 0)
+    q_smem.store(gl.load(q_ptrs, mask=gl.expand_dims(qi >= 0, 1), other=0.0))
+    fence_async_shared()
+
+    n_tiles = gl.cdiv(count, BLOCK_N)
+    gl.warp_specialize([
+        (_consumer, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tok_row, n_tiles,
+                     N_Q, count, qk_scale, Out, Out, R, RS, RS, bh, 0, q_rows, True, half, BLOCK_N, HEAD_D,
+                     STAGES, RESIDUAL, False, False, 4, True)),
+        (_consumer, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tok_row, n_tiles,
+                     N_Q, count, qk_scale, Out, Out, R, RS, RS, bh, half, q_rows, True, half, BLOCK_N, HEAD_D,
+                     STAGES, RESIDUAL, False, False, 4, True)),
+        (_gather_loader, (K + b * skb + h * skh, V + b * svb + h * svh, skn, svn, k_bufs, v_bufs, k_ready, v_ready,
+                          k_empty, v_empty, tok_row, seg_row, count, N_SEG, SEGMENT, BLOCK_N, HEAD_D, STAGES,
+                          LOADER_WARPS)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None):
+    """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128, the last dim contiguous;
+    out: contiguous (B,H,Nq,D) in q's dtype, its grouped rows written. q_groups: int32 contiguous (B,H,G,128);
+    lists: int32 (B,H,G,max_k) sorted token ids with seg_ends None, or the compact int16 (B,H,G,W) with int32
+    seg_ends (B,H,G,S) of ``segment``-token segments; kv_counts int32 (B,H,G); all contiguous. residual: None or a
+    checked contiguous (data, scale) pair ((B,H,Nq,D) in q's dtype with scale None, or float8_e4m3fn data with fp32
+    (B,H,Nq,1) scale), added in the epilogue. tiles: (BLOCK_N, STAGES) instead of TILES[D] (what the benchmark
+    compares). Returns out."""
+    b, h, nq, d = q.shape
+    g = q_groups.shape[2]
+    bn, stages = tiles or TILES[d]
+    warps, regs, consumer_regs = LOADER
+    mode = RES_NONE
+    r_data = r_scale = out
+    if residual is not None:
+        r_data, r_scale = residual
+        mode = RES_MODEL if r_scale is None else RES_FP8
+        r_scale = out if r_scale is None else r_scale
+    seg = kv_counts if seg_ends is None else seg_ends
+    n_seg = 0 if seg_ends is None else seg_ends.shape[-1]
+    _token_fwd[(g, b * h)](
+        q, k, v, out, r_data, r_scale, q_groups, lists, kv_counts, seg, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], h, nq, g, max(1, lists.shape[-1]), scale * LOG2E,
+        HEAD_D=d, BLOCK_N=bn, STAGES=stages, RESIDUAL=mode, N_SEG=n_seg, SEGMENT=segment,
+        LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, num_warps=4)
+    return out
+
+
+def supported_group(c: int) -> bool:
+    """Whether a query group of c rows is this kernel's program (two consumer warpgroups of 64)."""
+    return c == GROUP
+
