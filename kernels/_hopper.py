@@ -168,9 +168,9 @@ def mark_broken(kind: str, exc: BaseException) -> None:
     """Remember that kernel ``kind`` failed to compile here; logged once."""
     if kind not in _broken:
         _broken[kind] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        log.warning("sparse attention: the %s %s kernel failed (%s); using the %s kernel",
+        log.warning("sparse attention: the %s %s kernel failed (%s); using the %s from now on",
                     "Gluon" if kind.startswith("gluon") else "TMA", kind, _broken[kind],
-                    "TMA (or pointer)" if kind.startswith("gluon") else "pointer")
+                    "other kernels (cuDNN, TMA or pointer loads)" if kind.startswith("gluon") else "pointer kernel")
 
 
 def attempt(kind: str, auto: bool, launch):

@@ -69,7 +69,11 @@ def attention_dense(q, k, v, *, scale=None, return_lse=False, backend="auto"):
     if choose(backend, q, _why_not(q), "attention_dense") == "triton":
         from . import _hopper, dense_cudnn, dense_triton
         q, k, v = _addressable(q, k, v)
-        if backend == "auto" and not _hopper.use_gluon("gluon_dense", q, k, v) and dense_cudnn.supported(q):
+        if backend == "auto" and _hopper.use_gluon("gluon_dense", q, k, v):
+            res = dense_triton.gluon_attention_dense(q, k, v, scale=scale, return_lse=return_lse)
+            if res is not None:
+                return res  # else it failed (logged once): cuDNN, as the calls after this one
+        if backend == "auto" and dense_cudnn.supported(q):
             from ._checks import check_qkv, check_scale
             res = dense_cudnn.attention_dense(q, k, v, scale=check_scale(scale, check_qkv(q, k, v)[4]),
                                               return_lse=return_lse)

@@ -65,6 +65,28 @@ def _dense_fwd(Q, K, V, Out, LSE,
 PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon")
 
 
+def _gluon(q, k, v, out, lse, scale, return_lse, auto):
+    """kernels/attention_gluon.py's dense call into out (and lse): its result, or None after a failure the automatic
+    choice survives (logged once, the kind then left alone: kernels/_hopper.py, ``attempt``)."""
+    from . import attention_gluon
+    done = _hopper.attempt("gluon_dense", auto, lambda: attention_gluon.attention(
+        q, k, v, out, scale=scale, lse=lse if return_lse else None))
+    return None if done is None else ((out, lse) if return_lse else out)
+
+
+def gluon_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                          return_lse: bool = False):
+    """The Gluon kernel's dense call for a caller that asked ``_hopper.use_gluon("gluon_dense", ...)`` already
+    (kernels/api.py, which then tries cuDNN when this fails): arguments and result as in ``attention_dense``, or None
+    when the kernel failed to compile or launch."""
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    q, k, v = last_dim_contiguous(q, k, v)
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    return _gluon(q, k, v, out, lse, scale, return_lse, True)
+
+
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                     return_lse: bool = False, path: str = "auto"):
     """Dense attention on the Triton kernels. q: (B,H,Nq,D); k, v: (B,H,Nk,D); fp16/bf16/fp32.
@@ -83,11 +105,9 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     auto = path == "auto"
     if _hopper.use_gluon("gluon_dense", q, k, v, path=path):
-        from . import attention_gluon
-        done = _hopper.attempt("gluon_dense", auto, lambda: attention_gluon.attention(
-            q, k, v, out, scale=scale, lse=lse if return_lse else None))
+        done = _gluon(q, k, v, out, lse, scale, return_lse, auto)
         if done is not None:
-            return (out, lse) if return_lse else out
+            return done
     if auto:
         path = "tma" if _hopper.use_tma("dense", k, v) else "pointer"
     if path != "pointer":

@@ -155,3 +155,30 @@ def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact)
         got = tt.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
     want = token_sparse_torch.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
     assert seen == [compact] and torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_failing_gluon_dense_call_falls_to_cudnn_at_once(monkeypatch):
+    """kernels/api.py's automatic dense call: when the Gluon kernel fails (a compile error, simulated), that very call
+    is answered by cuDNN, as every later one is, and the failure is remembered (pure torch, no GPU: the dispatch's
+    device checks and cuDNN are stand-ins)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+    from comfyui_sparse_attention.kernels import _hopper, api, attention_gluon, dense_cudnn
+    monkeypatch.setattr(_hopper, "_broken", {})
+    monkeypatch.setattr(api, "choose", lambda *a, **kw: "triton")
+    monkeypatch.setattr(_hopper, "use_gluon", lambda kind, *a, **kw: kind not in _hopper._broken)
+    tried = []
+
+    def compile_error(*a, **kw):
+        tried.append(1)
+        raise RuntimeError("PTX assembly failed (simulated)")
+    monkeypatch.setattr(attention_gluon, "attention", compile_error)
+    answered = []
+    monkeypatch.setattr(dense_cudnn, "supported", lambda q: True)
+    monkeypatch.setattr(dense_cudnn, "attention_dense", lambda q, k, v, scale, return_lse: (
+        answered.append(return_lse), (torch.full_like(q, 2.0), torch.zeros(q.shape[:3])))[1])
+    q = torch.randn(1, 2, 64, 64)
+    for _ in range(2):
+        out, lse = api.attention_dense(q, q, q, return_lse=True)
+        assert torch.equal(out, torch.full_like(q, 2.0))
+    assert tried == [1] and answered == [True, True] and "gluon_dense" in _hopper.broken()
