@@ -126,7 +126,10 @@ class Shape:
             self.rows.append(dict(shape=self.name, kind=kind, variant=variant, error=f"{type(exc).__name__}: "
                                   f"{str(exc)[:2000]}", trace=traceback.format_exc()[-3000:], **extra))
             return None
-        cfg = config() if callable(config) else config
+        try:
+            cfg = config() if callable(config) else config
+        except AttributeError:  # an autotuner that has not run in this process (another kernel took the call)
+            cfg = None
         r = dict(shape=self.name, heads=self.h, tokens=self.n, head_dim=self.d, kind=kind, variant=variant, ms=ms,
                  density=density, eff_tflops=self.flops * density / ms / 1e9, config=str(cfg) if cfg else "",
                  **extra)
@@ -353,22 +356,23 @@ class Shape:
             del triple
 
     def token(self, dens=0.15, variant="pointer", reuse=True):
-        """The token kernel as the engine calls it (``auto``: on Hopper from 16 384 tokens the Gluon kernel, since
-        the twenty-fifth session; "gluon_token" times both paths by name) on random groups of 128 and lists."""
+        """The pointer token kernel (named: ``auto`` takes the Gluon kernel on Hopper at these shapes since the
+        twenty-fifth session, and "gluon_token" compares the two) on random groups of 128 and their lists."""
         q, k, v, TT, Residual = self.q, self.k, self.v, self.m["TT"], self.m["Residual"]
         n = self.n
         fresh = getattr(self, "token_lists", None) is None
         grp, toks, tcnt, kk = self.make_token_lists(dens)
-        self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False),
+        self.rec("token128", variant, lambda: TT.token_sparse_attention(q, k, v, grp, toks, tcnt, validate=False,
+                                                                        path="pointer"),
                  kk / n, config=lambda: TT._token_fwd.best_config, target=dens)
         if not fresh or not reuse:  # the same lists for every variant of this shape
             return
         res = Residual.encode(torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=self.gen) * 0.05, "fp8")
         self.rec("token128_reuse", "fused_fp8", lambda: TT.token_sparse_attention(
-            q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale)), kk / n, target=dens,
-            config=lambda: TT._token_fwd.best_config)
+            q, k, v, grp, toks, tcnt, validate=False, residual=(res.data, res.scale), path="pointer"), kk / n,
+            target=dens, config=lambda: TT._token_fwd.best_config)
         self.rec("token128_reuse", "separate_fp8", lambda: res.add_to(TT.token_sparse_attention(
-            q, k, v, grp, toks, tcnt, validate=False)), kk / n, target=dens)
+            q, k, v, grp, toks, tcnt, validate=False, path="pointer")), kk / n, target=dens)
 
     def gluon_token(self, dens=0.15):
         """kernels/token_sparse_gluon.py against the pointer kernel on the same lists: int32 lists without a
@@ -541,13 +545,14 @@ class Shape:
 
     def token_compact(self, variant, dens=0.15):
         """The token kernel on the compact int16 lists the engine caches (kernels/compact_torch.py), made from the
-        shape's int32 token lists, with an fp8 residual: what a mc_sparse reuse call runs."""
+        shape's int32 token lists, with an fp8 residual: what a mc_sparse reuse call runs (on the pointer kernel,
+        named: see ``token``)."""
         grp, toks, tcnt, kk = self.make_token_lists(dens)
         low, ends, res = self.compact_token_lists()
         q, k, v, TT = self.q, self.k, self.v, self.m["TT"]
         self.rec("token128_reuse", variant, lambda: TT.token_sparse_attention_compact(
-            q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale)), kk / self.n,
-            config=lambda: TT._token_fwd.best_config, target=dens)
+            q, k, v, grp, low, ends, tcnt, validate=False, residual=(res.data, res.scale), path="pointer"),
+            kk / self.n, config=lambda: TT._token_fwd.best_config, target=dens)
 
     def compact_token_lists(self):
         """``make_token_lists``'s lists compacted as the engine caches them, with an fp8 residual: (low, ends,
@@ -594,8 +599,9 @@ def resources(mods):  # noqa: C901
 
 
 def table(meta, rows, tests, budget):
+    dims = "/".join(str(d) for d in sorted({r["head_dim"] for r in rows if "head_dim" in r})) or "128"
     lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, {meta['date']}. bf16, B=1, "
-             f"D=128, 128-blocks. ms = median; x cuDNN = cuDNN dense ms / ms; x d = x cuDNN * density "
+             f"D={dims}, 128-blocks. ms = median; x cuDNN = cuDNN dense ms / ms; x d = x cuDNN * density "
              f"(1 = ideal 1/d); vs Flex = Flex ms / ms (* = reference Flex time of docs/benchmarks.md).",
              f"GPU tests: {tests.get('tail', ['not run'])[-1] if tests else 'not run'}", "",
              "| shape | kernel | variant | d | ms | TF/s | x cuDNN | x d | vs Flex | note | config |",

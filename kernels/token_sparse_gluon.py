@@ -2,15 +2,16 @@
 ``token_sparse_torch.token_sparse_attention`` (and ``_compact``).
 
 Why: the Triton token kernel (kernels/token_sparse_triton.py) loads its gathered K/V rows by pointer inside the
-softmax loop and ran at 0.72-0.79/d of cuDNN's dense rate at D 128 (docs/benchmarks.md); Hopper's TMA cannot gather
-rows, so the block-sparse kernels' lever (TMA plus a warp-specialised schedule, docs/kernel_notes.md "v17") needs
-another loader. Here a loader partition of four warps gathers each tile's K and V rows with cp.async (16-byte copies)
-into the same ring of swizzled buffers the block kernel's TMA fills, and signals each slot with a per-thread cp.async
-arrival on its "ready" barrier; the two consumer warpgroups are the block kernel's (``attention_gluon._consumer``
-with GATHER: a proxy fence after each wait, because cp.async writes through the generic proxy and the tensor cores
-read through the async one). On the H100 at D 128 and d 0.15 it runs at 0.80-0.88/d, 6-17 % faster than the pointer
-kernel, and the engine's reuse call (compact lists, fp8 residual) 5-16 % faster (docs/benchmarks.md, "Token-sparse
-in Gluon"); at D 64 the pointer kernel stays the faster one and keeps the automatic choice.
+softmax loop and ran at 0.71-0.83/d of cuDNN's dense rate at D 128 in this kernel's runs (docs/benchmarks.md);
+Hopper's TMA cannot gather rows, so the block-sparse kernels' lever (TMA plus a warp-specialised schedule,
+docs/kernel_notes.md "v17") needs another loader. Here a loader partition of four warps gathers each tile's K and V
+rows with cp.async (16-byte copies) into the same ring of swizzled buffers the block kernel's TMA fills, and signals
+each slot with a per-thread cp.async arrival on its "ready" barrier; the two consumer warpgroups are the block
+kernel's (``attention_gluon._consumer`` with GATHER: a proxy fence after each wait, because cp.async writes through
+the generic proxy and the tensor cores read through the async one). On the H100 at D 128 and d 0.15 it ran at
+0.78-0.88/d, 6-17 % faster than the pointer kernel in 7 of 8 timings (equal in the eighth), and the engine's reuse
+call (compact lists, fp8 residual) 8-18 % faster (docs/benchmarks.md, "Token-sparse in Gluon"); at D 64 the pointer
+kernel stays the faster one and keeps the automatic choice.
 
 A program is one query group of 128 (the engine's default ``group_size``; 64 stays on the Triton kernel): its rows
 are gathered by pointer into shared memory first, and stored back at their own positions with the residual (model
@@ -41,7 +42,7 @@ GROUP = gl.constexpr(128)  # queries of a program: two consumer warpgroups of 64
 # consumers at 224 / 208. The loader holds the next tile's ids across its waits; Triton 3.6 (the device's) spills
 # nothing with int32 lists and 40 bytes with compact ones at 128-wide tiles, Triton 3.8 24-184 bytes; fewer loader
 # registers spill the copy addresses, consumers at 200 spill in the epilogue (docs/kernel_notes.md "v18"). Eight
-# loader warps at 40 registers measured 0-6 % slower.
+# loader warps at 40 registers measured up to 6 % slower (once 0.3 % faster).
 LOADER = (4, 72, 208)
 # (BLOCK_N, STAGES) by head dim. D 128: 128-wide tiles three deep (Q 32 KB + 3 x 2 x 32 KB), timed fastest on the
 # H100 against 64-wide tiles six or four deep (docs/benchmarks.md, "Token-sparse in Gluon"); D 64 (explicit calls
@@ -180,9 +181,4 @@ def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segm
         HEAD_D=d, BLOCK_N=bn, STAGES=stages, RESIDUAL=mode, N_SEG=n_seg, SEGMENT=segment,
         LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     return out
-
-
-def supported_group(c: int) -> bool:
-    """Whether a query group of c rows is this kernel's program (two consumer warpgroups of 64)."""
-    return c == GROUP
 

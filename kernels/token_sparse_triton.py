@@ -1,13 +1,12 @@
 """Token-sparse (gathered-KV) attention forward in Triton.
 
-One program holds a tile of C grouped queries (gathered by index) and walks its own sorted KV token
-list in chunks of BLOCK_N, gathering K/V rows by index inside the loop: gathered K/V never exist in
-memory. Outputs are written back at the queries' original positions, plus the residual when one is
-given (kernels/_residual.py). Gathered rows cannot use TMA on Hopper (its TMA has no row gather), so this
-kernel stays on pointer loads; its configs are tuned for Hopper (docs/kernel_notes.md). On Hopper, groups of 128 from
-GLUON_MIN_TOKENS query tokens on go to kernels/token_sparse_gluon.py instead (cp.async gathers feeding a
-warp-specialised schedule; kernels/_hopper.py, ``gluon_problem``). Twin of
-``token_sparse_torch.token_sparse_attention``.
+One program holds a tile of C grouped queries (gathered by index) and walks its own sorted KV token list in chunks of
+BLOCK_N, gathering K/V rows by index inside the loop: gathered K/V never exist in memory. Outputs are written back at
+the queries' original positions, plus the residual when one is given (kernels/_residual.py). Gathered rows cannot use
+TMA on Hopper (its TMA has no row gather), so this kernel stays on pointer loads; its configs are tuned for Hopper
+(docs/kernel_notes.md). On Hopper, groups of 128 at head dim 128 from GLUON_MIN_TOKENS query tokens on go to
+kernels/token_sparse_gluon.py instead (cp.async gathers feeding a warp-specialised schedule; kernels/_hopper.py,
+``gluon_problem``). Twin of ``token_sparse_torch.token_sparse_attention``.
 """
 
 from __future__ import annotations

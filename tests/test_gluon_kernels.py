@@ -127,6 +127,7 @@ def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact)
     """token_sparse_triton's launch passes the Gluon token kernel the call's groups, lists (int32, or compact with
     their segment ends), counts, scale and contiguous residual in the order ``token_sparse_gluon.attention`` takes
     them: a stand-in computing the twin from exactly what it is handed reproduces the twin (pure torch, no GPU)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     import torch
     from comfyui_sparse_attention.kernels import _hopper, compact_torch, token_sparse_gluon, token_sparse_torch
     from comfyui_sparse_attention.kernels import token_sparse_triton as tt

@@ -1140,6 +1140,7 @@ def gluon_mass_reuse(q, k, v, idx, cnt, bq):
     ("bhnd", torch.bfloat16, 128, "int32", "none", 1, 20011),
     ("bnhd", torch.float16, 64, "compact", "fp8", 2, 40009),
     ("bhnd", torch.bfloat16, 128, "compact", "bf16", 1, 75600),
+    ("bnhd", torch.bfloat16, 128, "compact", "fp8", 2, 33001),  # the engine's own call: CFG batch, ComfyUI's views
 ])
 def test_gluon_token_kernel_matches_twin(layout, dtype, d, lists, res_kind, b, n):
     """kernels/token_sparse_gluon.py (cp.async gathers, the block kernel's consumers) against the twin and the pointer
