@@ -267,11 +267,12 @@ class Shape:
         return self.m["DC"].attention_dense(self.q, self.k, self.v, scale=self.d ** -0.5, return_lse=True)
 
     def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False, fused_densities=()):
-        """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse
-        on uniform and skewed lists; the engine's reuse call (fp8 residual weighted by the mass); the block anchor
-        as kernels/api.py runs it now (the Gluon dense call + the residual epilogue) against cuDNN + the epilogue;
-        at ``fused_densities`` the fused one-pass anchor against the Gluon dense call + the epilogue; with ``flex``,
-        FlexAttention live on the same lists."""
+        """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse on
+        uniform and skewed lists (also on the Gluon kernel's persistent grid, "gluon_persistent"); the engine's
+        reuse call (fp8 residual weighted by the mass); the block anchor as kernels/api.py runs it now (the
+        Gluon dense call + the residual epilogue) against cuDNN + the epilogue; at ``fused_densities`` the
+        fused one-pass anchor against the Gluon dense call + the epilogue; with ``flex``, FlexAttention live on
+        the same lists."""
         q, k, v, K, AT, AH, BT, DT = (self.q, self.k, self.v, self.m["K"], self.m["AT"], self.m["AH"], self.m["BT"],
                                       self.m["DT"])
         paths = ("gluon", "tma") if DEV == "cuda" else ("tma",)  # the interpreter has no Gluon
@@ -282,7 +283,7 @@ class Shape:
             tag = "bsa128_skew" if skewed else "bsa128"
             for dens in dens_list:
                 idx, cnt, real = self.block_lists(dens, skewed)
-                for path in paths:
+                for path in paths[:1] + ("gluon_persistent",) * (DEV == "cuda") + paths[1:]:
                     r = self.rec(tag, path, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
                         q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
                         config=(lambda: AH.last_config("sparse")) if path == "tma" else None, target=dens)

@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ._hopper import rows_layout
+from ._hopper import num_sms, rows_layout
 from ._residual import MASS_EPS
 from ._triton_common import LOG2E
 
@@ -56,12 +56,13 @@ RES_NONE, RES_MODEL, RES_FP8 = 0, 1, 2
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0, kv_col,
-            DENSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            DENSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, base=0):
     """One warp: the K and V tiles of the row's blocks into the ring, each slot refilled once both consumers released
-    it. A fresh barrier counts its phase -1 as complete, so the first pass over the ring does not wait (parity ^ 1)."""
+    it. A fresh barrier counts its phase -1 as complete, so the first pass over the ring does not wait (parity ^ 1).
+    ``base``: the tiles this program's ring carried before this row (the persistent kernel's rows share one ring)."""
     for i in range(count):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
+        s = (base + i) % STAGES
+        ph = ((base + i) // STAGES) & 1
         if DENSE:
             blk = i
         else:
@@ -132,9 +133,26 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
               STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr, WRITE_LSE: gl.constexpr,
               WARPS: gl.constexpr, GATHER: gl.constexpr):
     """A consumer partition of WARPS warps (one warpgroup per 64 rows): ROWS query rows (q_smem; rows q_first ... of
-    head bh) against every tile of the list. GATHER (kernels/token_sparse_gluon.py): the tiles are gathered token rows
-    written by cp.async (count tiles, DENSE, n_kv the list's length: its tail's slots masked), so each wait is
-    followed by a proxy fence before the tensor cores read the tile, and the rows are stored where q_rows says."""
+    head bh) against every tile of the list, then the epilogue. GATHER (kernels/token_sparse_gluon.py): the tiles are
+    gathered token rows written by cp.async (count tiles, DENSE, n_kv the list's length: its tail's slots masked), so
+    each wait is followed by a proxy fence before the tensor cores read the tile, and the rows are stored where q_rows
+    says."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_kv,
+                            qk_scale, 0, DENSE, ROWS, BLOCK_N, HEAD_D, STAGES, WARPS, GATHER)
+    _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows, o_layout, ROWS, HEAD_D, RESIDUAL, MASS,
+              WRITE_LSE, GATHER)
+
+
+@gluon.jit
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_kv, qk_scale, base,
+            DENSE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+            STAGES: gl.constexpr, WARPS: gl.constexpr, GATHER: gl.constexpr):
+    """The online softmax of ROWS query rows (q_smem) over the row's ``count`` tiles, taken from the ring where the
+    loader put them: tile i in slot (base + i) % STAGES (``base``: the tiles the ring carried before this row).
+    Returns (acc [ROWS, HEAD_D] fp32 unnormalised, running max m_i (base 2), running sum l_i); every wgmma on q_smem
+    has completed when it returns."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -150,12 +168,13 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if count > 0:
         # tile 0: scores and softmax; its PV is issued in the next iteration (or after the loop)
-        mbarrier.wait(k_ready.index(0), 0)
+        s0 = base % STAGES
+        mbarrier.wait(k_ready.index(s0), (base // STAGES) & 1)
         if GATHER:
             fence_async_shared()
-        s_tok = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_raw, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_bufs.index(0)))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        s_tok = warpgroup_mma(q_smem, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_raw, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_bufs.index(s0)))
+        mbarrier.arrive(k_empty.index(s0), count=1)
         blk = 0 if DENSE else gl.load(idx_row)
         s = _scores(s_raw, blk, n_kv, qk_scale, s_layout, BLOCK_N)
         m_i = gl.max(s, 1)
@@ -164,14 +183,14 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, count):
-            s_slot = i % STAGES
-            v_slot = (i - 1) % STAGES
-            mbarrier.wait(k_ready.index(s_slot), (i // STAGES) & 1)
+            s_slot = (base + i) % STAGES
+            v_slot = (base + i - 1) % STAGES
+            mbarrier.wait(k_ready.index(s_slot), ((base + i) // STAGES) & 1)
             if GATHER:
                 fence_async_shared()
             s_tok = warpgroup_mma(q_smem, k_bufs.index(s_slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            mbarrier.wait(v_ready.index(v_slot), ((i - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(v_slot), ((base + i - 1) // STAGES) & 1)
             if GATHER:
                 fence_async_shared()
             o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
@@ -190,15 +209,65 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
             mbarrier.arrive(v_empty.index(v_slot), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        v_slot = (count - 1) % STAGES
-        mbarrier.wait(v_ready.index(v_slot), ((count - 1) // STAGES) & 1)
+        v_slot = (base + count - 1) % STAGES
+        mbarrier.wait(v_ready.index(v_slot), ((base + count - 1) // STAGES) & 1)
         if GATHER:
             fence_async_shared()
         o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
         acc, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_bufs.index(v_slot)))
         mbarrier.arrive(v_empty.index(v_slot), count=1)
-    _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows, o_layout, ROWS, HEAD_D, RESIDUAL, MASS,
-              WRITE_LSE, GATHER)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _list_row(row, IDX, CNT, NQB, MAX_K):
+    """Row ``row`` of the B*H*NQB block lists: (head bh, query block qb, its count, its index row in IDX)."""
+    return row // NQB, row % NQB, gl.load(CNT + row), IDX + row.to(gl.int64) * MAX_K
+
+
+@gluon.jit
+def _origins(bh, H, N_Q, N_KV, Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, HEAD_D: gl.constexpr):
+    """(first row, column) of head bh in the Q descriptor and in the K/V ones: rows of (B*H*N, D), or of (B*N, H*D)
+    with the head as a column offset (the module docstring's layouts)."""
+    b = bh // H
+    h = bh % H
+    if Q_BNHD:
+        q_row0 = b * N_Q
+        q_col = h * HEAD_D
+    else:
+        q_row0 = bh * N_Q
+        q_col = 0
+    if KV_BNHD:
+        kv_row0 = b * N_KV
+        kv_col = h * HEAD_D
+    else:
+        kv_row0 = bh * N_KV
+        kv_col = 0
+    return q_row0, q_col, kv_row0, kv_col
+
+
+@gluon.jit
+def _ring(q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+          CONSUMERS: gl.constexpr):
+    """Shared memory of a program: the 128-row query tile, STAGES K and V slots, and their barriers (the query tile's
+    and each slot's ready barrier count one TMA arrival, each slot's empty one the CONSUMERS' releases)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [128, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)  # every consumer releases a slot
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
+    return q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty
 
 
 @gluon.jit
@@ -221,42 +290,12 @@ def _attention_fwd(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER,
         row = gl.program_id(0)
         if ORDERED:
             row = gl.load(ORDER + row)
-        bh = row // NQB
-        qb = row % NQB
-        count = gl.load(CNT + row)
-        idx_row = IDX + row.to(gl.int64) * MAX_K
-    b = bh // H
-    h = bh % H
-    if Q_BNHD:
-        q_row0 = b * N_Q
-        q_col = h * HEAD_D
-    else:
-        q_row0 = bh * N_Q
-        q_col = 0
-    if KV_BNHD:
-        kv_row0 = b * N_KV
-        kv_col = h * HEAD_D
-    else:
-        kv_row0 = bh * N_KV
-        kv_col = 0
+        bh, qb, count, idx_row = _list_row(row, IDX, CNT, NQB, MAX_K)
+    q_row0, q_col, kv_row0, kv_col = _origins(bh, H, N_Q, N_KV, Q_BNHD, KV_BNHD, HEAD_D)
 
-    dtype: gl.constexpr = q_desc.dtype
     half: gl.constexpr = 64
-    q_smem = gl.allocate_shared_memory(dtype, [2 * half, HEAD_D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(q_bar, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2 if SPLIT else 1)  # every consumer releases a slot
-        mbarrier.init(v_empty.index(s), count=2 if SPLIT else 1)
+    q_smem, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty = _ring(q_desc, k_desc, v_desc, BLOCK_N,
+                                                                              HEAD_D, STAGES, 2 if SPLIT else 1)
     fence_async_shared()
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0 + qb * (2 * half), q_col], q_bar, q_smem)
@@ -283,6 +322,90 @@ def _attention_fwd(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER,
         ], [1], [24])
 
 
+@gluon.jit
+def _row_of(r, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr,
+            HEAD_D: gl.constexpr):
+    """List row ``ORDER[r]`` of the persistent kernel: (head bh, query block qb, its tile count, its index row, the
+    first Q row and column of its descriptor, the same for K/V)."""
+    bh, qb, count, idx_row = _list_row(gl.load(ORDER + r), IDX, CNT, NQB, MAX_K)
+    q_row0, q_col, kv_row0, kv_col = _origins(bh, H, N_Q, N_KV, Q_BNHD, KV_BNHD, HEAD_D)
+    return bh, qb, count, idx_row, q_row0 + qb * 128, q_col, kv_row0, kv_col
+
+
+@gluon.jit
+def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                       v_empty, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, Q_BNHD: gl.constexpr,
+                       KV_BNHD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """One warp, for every row this program takes (ORDER[pid], ORDER[pid + programs], ...): the row's query tile once
+    both consumers released the last one (they do before their epilogue, so the next row's Q and first K/V tiles
+    land while they store), then its K and V tiles into the ring that carries on across rows."""
+    it = 0
+    n = 0
+    for r in range(gl.program_id(0), N_ROWS, gl.num_programs(0)):
+        bh, qb, count, idx_row, q_row0, q_col, kv_row0, kv_col = _row_of(r, IDX, CNT, ORDER, H, N_Q, N_KV, NQB,
+                                                                         MAX_K, Q_BNHD, KV_BNHD, HEAD_D)
+        mbarrier.wait(q_empty, (n & 1) ^ 1)
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0, q_col], q_ready, q_smem)
+        _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0, kv_col,
+                False, BLOCK_N, STAGES, it)
+        it += count
+        n += 1
+
+
+@gluon.jit
+def _persistent_consumer(q_smem, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, IDX, CNT,
+                         ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, qk_scale, Out, Lse, R, RS, MS, half,
+                         Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                         STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """One warpgroup, 64 query rows (``half``: 0 or 64 into the tile) of every row the loader takes, in its order:
+    waits for the row's Q, attends its tiles, releases Q, then stores."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    it = 0
+    n = 0
+    for r in range(gl.program_id(0), N_ROWS, gl.num_programs(0)):
+        bh, qb, count, idx_row, q_row0, q_col, kv_row0, kv_col = _row_of(r, IDX, CNT, ORDER, H, N_Q, N_KV, NQB,
+                                                                         MAX_K, Q_BNHD, KV_BNHD, HEAD_D)
+        mbarrier.wait(q_ready, n & 1)
+        acc, m_i, l_i = _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, N_KV,
+                                qk_scale, it, False, 64, BLOCK_N, HEAD_D, STAGES, 4, False)
+        mbarrier.arrive(q_empty, count=1)
+        _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, qb * 128 + half, N_Q, idx_row, o_layout, 64, HEAD_D,
+                  RESIDUAL, MASS, WRITE_LSE, False)
+        it += count
+        n += 1
+
+
+@gluon.jit
+def _attention_persistent(q_desc, k_desc, v_desc, Out, Lse, R, RS, MS, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K,
+                          N_ROWS, qk_scale, Q_BNHD: gl.constexpr, KV_BNHD: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr, MASS: gl.constexpr,
+                          WRITE_LSE: gl.constexpr):
+    """Block-sparse, persistent: a grid of (at most) one program per SM walks the B*H*NQB list rows in ORDER
+    (heaviest first), each program taking every programs-th row, with one K/V ring and one Q buffer for all its rows:
+    the next row's loads overlap this row's epilogue, and no program waits to be scheduled behind a heavy row. Same
+    layouts and epilogue as ``_attention_fwd``."""
+    half: gl.constexpr = 64
+    q_smem, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = _ring(q_desc, k_desc, v_desc, BLOCK_N,
+                                                                                HEAD_D, STAGES, 2)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_empty, count=2)  # both consumers release the query tile
+    fence_async_shared()
+    gl.warp_specialize([
+        (_persistent_consumer, (q_smem.slice(0, half), q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+                                v_empty, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, qk_scale, Out, Lse, R, RS,
+                                MS, 0, Q_BNHD, KV_BNHD, BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS, WRITE_LSE)),
+        (_persistent_consumer, (q_smem.slice(half, half), q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready,
+                                k_empty, v_empty, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, qk_scale, Out,
+                                Lse, R, RS, MS, half, Q_BNHD, KV_BNHD, BLOCK_N, HEAD_D, STAGES, RESIDUAL, MASS,
+                                WRITE_LSE)),
+        (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready,
+                              k_empty, v_empty, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, Q_BNHD, KV_BNHD,
+                              BLOCK_N, HEAD_D, STAGES)),
+    ], [4, 1], [240, 24])
+
+
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -307,7 +430,7 @@ def _descriptor(rows: torch.Tensor, block_rows: int, d: int):
 
 
 def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=None, lse=None, res=None, mass=None,
-              tiles=None, split=True):
+              tiles=None, split=True, persistent=False):
     """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128 (kernels/_hopper.py checks);
     out: contiguous (B,H,Nq,D) in q's dtype, written. Dense when ``idx`` is None; else block-sparse over int32
     contiguous lists idx (B,H,ceil(Nq/128),max_k) / cnt (B,H,ceil(Nq/128)) of 128 x ``block_k`` blocks, rows in
@@ -315,7 +438,8 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
     (data (B,H,Nq,D) in q's dtype with scale None, or float8_e4m3fn data with fp32 (B,H,Nq,1) scale) added in the
     epilogue; mass: fp32 (B,H,Nq,2), weights it (kernels/_residual.py). tiles: (BLOCK_N, STAGES) instead of
     TILES[block_k] (BLOCK_N = block_k for block lists), and split False for one 8-warp consumer: the other
-    configurations bench/gluon_attention.py times. Returns out."""
+    configurations bench/gluon_attention.py times. persistent (block-sparse only): ``_attention_persistent``, one
+    program per SM walking the rows in ``order`` (index order when None). Returns out."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     bn, stages = tiles or TILES[block_k]
@@ -333,6 +457,19 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
         r_scale = out if r_scale is None else r_scale.contiguous()
     nqb = triton.cdiv(nq, BLOCK_M)
     dense = idx is None
+    if persistent:
+        if dense or not split:
+            raise ValueError("the persistent kernel takes block-sparse lists on the split layout only")
+        n_rows = b * h * nqb
+        if order is None:
+            order = torch.arange(n_rows, dtype=torch.int32, device=q.device)
+        _attention_persistent[(min(n_rows, num_sms(q.device)),)](
+            _descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), out,
+            lse if lse is not None else out, r_data, r_scale, mass if mass is not None else out, idx, cnt, order, h,
+            nq, nk, nqb, idx.shape[-1], n_rows, scale * LOG2E, Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn, HEAD_D=d,
+            STAGES=stages, RESIDUAL=residual, MASS=mass is not None and res is not None, WRITE_LSE=lse is not None,
+            num_warps=4)
+        return out
     if dense:
         grid = (nqb, b * h)
         idx = cnt = order = out

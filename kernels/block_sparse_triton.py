@@ -119,7 +119,7 @@ def heavy_first_order(kv_counts: torch.Tensor) -> torch.Tensor:
     return order
 
 
-PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon")
+PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon", "gluon_persistent")
 
 
 def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, scale=None, validate=True,
@@ -133,7 +133,9 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     ``validate=False`` skips the index checks (which synchronise with the GPU) for trusted lists.
     path: "auto" (on Hopper the Gluon kernel, then the TMA kernel, as kernels/_hopper.py allows; else pointer
     loads), or one variant: "pointer", "tma", "persistent" (TMA, persistent grid), "warp_spec" (TMA,
-    warp-specialised), "gluon" (kernels/attention_gluon.py; block_q 128, block_k 64 or 128, D 64 or 128).
+    warp-specialised), "gluon" (kernels/attention_gluon.py; block_q 128, block_k 64 or 128, D 64 or 128),
+    "gluon_persistent" (its persistent grid: one program per SM over the rows heaviest first; explicit only until timed,
+    docs/kernel_notes.md "v19").
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
@@ -149,11 +151,12 @@ def block_sparse_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
     order = heavy_first_order(cnt)
     auto = path == "auto"
-    if _hopper.use_gluon("gluon_sparse", q, k, v, block_q, block_k, path):
+    persistent = path == "gluon_persistent"
+    if _hopper.use_gluon("gluon_sparse", q, k, v, block_q, block_k, "gluon" if persistent else path):
         from . import attention_gluon
         done = _hopper.attempt("gluon_sparse", auto, lambda: attention_gluon.attention(
             q, k, v, out, scale=scale, block_k=block_k, idx=idx, cnt=cnt, order=order, lse=lse, res=res,
-            mass=mass))
+            mass=mass, persistent=persistent))
         if done is not None:
             return (done, lse) if return_lse else done
     if auto:

@@ -32,6 +32,9 @@ VARIANTS = {
                                                                    kv_bnhd=True),
     "sparse D64, fp8 residual": dict(dense=False, d=64, residual=2),
     "one 8-warp consumer (the probe's w8)": dict(dense=False, split=False),
+    "persistent, fp8 residual weighted by the mass": dict(dense=False, persistent=True, residual=2, mass=True),
+    "persistent D64 bk64, lse, transposed q/k/v": dict(dense=False, persistent=True, d=64, block_k=64, lse=True,
+                                                      q_bnhd=True, kv_bnhd=True),
 }
 
 
@@ -183,3 +186,20 @@ def test_a_failing_gluon_dense_call_falls_to_cudnn_at_once(monkeypatch):
         out, lse = api.attention_dense(q, q, q, return_lse=True)
         assert torch.equal(out, torch.full_like(q, 2.0))
     assert tried == [1] and answered == [True, True] and "gluon_dense" in _hopper.broken()
+
+
+def test_the_persistent_gluon_kernel_is_asked_for_by_name_and_takes_block_lists_only():
+    """``path="gluon_persistent"`` is an explicit choice that names why it cannot run here (no Hopper on this CPU),
+    and the launcher refuses a dense call for the persistent grid before building anything."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+    from comfyui_sparse_attention.kernels import attention_gluon, block_sparse_triton
+    q = torch.randn(1, 2, 256, 64)
+    idx = torch.zeros(1, 2, 2, 1, dtype=torch.int32)
+    cnt = torch.ones(1, 2, 2, dtype=torch.int32)
+    assert "gluon_persistent" in block_sparse_triton.PATHS
+    with pytest.raises(ValueError, match="Gluon kernel cannot take this call"):
+        block_sparse_triton.block_sparse_attention(q, q, q, idx, cnt, block_q=128, block_k=128,
+                                                   path="gluon_persistent")
+    with pytest.raises(ValueError, match="block-sparse lists"):
+        attention_gluon.attention(q, q, q, torch.empty_like(q), scale=0.125, persistent=True)

@@ -1121,15 +1121,16 @@ def dense_torch_lse(q, k, v):
     return torch.stack(outs).view(shape), torch.stack(lses).view(shape[:3])
 
 
-def gluon_mass_reuse(q, k, v, idx, cnt, bq):
+def gluon_mass_reuse(q, k, v, idx, cnt, bq, path="gluon"):
     """An anchor's fp8 residual with its mass (the twin's), then a reuse call on queries moved by 10 %: (the Gluon
-    kernel's output, the twin's, the twin's with the residual unweighted)."""
+    kernel's output (``path``: "gluon" or "gluon_persistent"), the twin's, the twin's with the residual
+    unweighted)."""
     from comfyui_sparse_attention.kernels import anchor_torch, block_sparse_torch, block_sparse_triton
     twin = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bq, residual_precision="fp8",
                                                return_mass=True)
     q2 = (q.float() * 1.1).to(q.dtype)
     kw = dict(block_q=bq, block_k=bq)
-    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], path="gluon", **kw)
+    got = block_sparse_triton.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], path=path, **kw)
     want = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1], **kw)
     fixed = block_sparse_torch.block_sparse_attention(q2, k, v, idx, cnt, residual=twin[1][:2], **kw)
     return got, want, fixed
@@ -1210,3 +1211,31 @@ def test_auto_takes_the_gluon_token_kernel_for_groups_of_128(monkeypatch):
     monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")
     run(_hopper.GLUON_MIN_TOKENS, 128)
     assert calls == [1] and not _hopper.broken()
+
+
+@needs_hopper
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_gluon_persistent_matches_twin(layout):
+    """The persistent Gluon kernel (one program per SM over the rows heaviest first, one K/V ring and Q buffer across
+    a program's rows) on skewed lists (full and empty rows) of a batch of two: with the LSE against the
+    non-persistent kernel, and a reuse call with an fp8 residual weighted by the mass against the twin."""
+    from comfyui_sparse_attention.kernels import block_sparse_triton
+    h, n, d, bq = 3, 40000, 128, 128
+    parts = [qkv(h, n, d, seed=s) for s in (81, 82)]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    nb = math.ceil(n / bq)
+    idx, cnt = skewed_lists(h, nb, nb, max(2, nb // 8), seed=5)
+    idx, cnt = torch.cat([idx, idx.flip(1)]), torch.cat([cnt, cnt.flip(1)])
+    kw = dict(block_q=bq, block_k=bq, return_lse=True)
+    out, lse = block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, path="gluon_persistent", **kw)
+    ref, ref_lse = block_sparse_triton.block_sparse_attention(q, k, v, idx, cnt, path="gluon", **kw)
+    assert not torch.isnan(out).any() and rel(out, ref) <= 1e-3
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse - ref_lse)[fin].abs().max() < 1e-3
+    empty = (cnt == 0).nonzero()[0].tolist()  # a row with nothing to attend: zeros
+    rows = out[empty[0], empty[1], empty[2] * bq:(empty[2] + 1) * bq]
+    assert torch.equal(rows, torch.zeros_like(rows))
+    got, want, _ = gluon_mass_reuse(q, k, v, idx, cnt, bq, path="gluon_persistent")
+    assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2

@@ -64,11 +64,12 @@ def compile_one(fn, types, constexprs, divisible, config, arch: int = 90, source
 
 
 def compile_gluon(*, dense, d=128, block_k=128, tiles=None, split=True, dtype="bf16", residual=0, mass=False,
-                  lse=False, ordered=False, q_bnhd=False, kv_bnhd=False, arch: int = 90):
+                  lse=False, ordered=False, q_bnhd=False, kv_bnhd=False, persistent=False, arch: int = 90):
     """kernels/attention_gluon.py's kernel compiled (Triton >= 3.6 with Gluon) for one variant, as its ``attention``
     launches it: dense or block-sparse, head dim ``d``, the tiles of ``block_k`` (or ``tiles`` = (BLOCK_N, STAGES)),
     ``split`` (two consumer warpgroups) or one 8-warp consumer, bf16/fp16, residual 0 none / 1 model dtype / 2 fp8,
-    the mass, the LSE, heavy-first rows, the (B, N, H, D) descriptor layouts. Returns ``compile_one``'s dict."""
+    the mass, the LSE, heavy-first rows, the (B, N, H, D) descriptor layouts; ``persistent``: the persistent
+    block-sparse kernel (``_attention_persistent``) instead. Returns ``compile_one``'s dict."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     mod = load("kernels.attention_gluon")
@@ -81,11 +82,14 @@ def compile_gluon(*, dense, d=128, block_k=128, tiles=None, split=True, dtype="b
                  v_desc=f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
                  Out=f"*{dtype}", Lse="*fp32", R="*fp8e4nv" if residual == 2 else f"*{dtype}", RS="*fp32", MS="*fp32",
                  IDX="*i32", CNT="*i32", ORDER="*i32", qk_scale="fp32")
-    consts = dict(DENSE=dense, ORDERED=ordered, Q_BNHD=q_bnhd, KV_BNHD=kv_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages,
-                  RESIDUAL=residual, MASS=mass, WRITE_LSE=lse, SPLIT=split)
+    consts = dict(Q_BNHD=q_bnhd, KV_BNHD=kv_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, RESIDUAL=residual, MASS=mass,
+                  WRITE_LSE=lse)
+    if not persistent:
+        consts.update(DENSE=dense, ORDERED=ordered, SPLIT=split)
     conf = argparse.Namespace(num_warps=4 if split else 8, num_stages=1, maxnreg=None)
     pointers = ["Out", "Lse", "R", "RS", "MS", "IDX", "CNT", "ORDER"]
-    return compile_one(mod._attention_fwd, types, consts, pointers, conf, arch, source=GluonASTSource)
+    fn = mod._attention_persistent if persistent else mod._attention_fwd
+    return compile_one(fn, types, consts, pointers, conf, arch, source=GluonASTSource)
 
 
 
