@@ -56,11 +56,12 @@ RES_NONE, RES_MODEL, RES_FP8 = 0, 1, 2
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0, kv_col,
-            DENSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, base=0):
-    """One warp: the K and V tiles of the row's blocks into the ring, each slot refilled once both consumers released
-    it. A fresh barrier counts its phase -1 as complete, so the first pass over the ring does not wait (parity ^ 1).
-    ``base``: the tiles this program's ring carried before this row (the persistent kernel's rows share one ring)."""
-    for i in range(count):
+            DENSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, base=0, first=0):
+    """One warp: the K and V tiles first ... count - 1 of the row's blocks into the ring, each slot refilled once both
+    consumers released it. A fresh barrier counts its phase -1 as complete, so the first pass over the ring does not
+    wait (parity ^ 1). ``base``: the tiles this program's ring carried before this row (the persistent kernel's rows
+    share one ring)."""
+    for i in range(first, count):
         s = (base + i) % STAGES
         ph = ((base + i) // STAGES) & 1
         if DENSE:
@@ -336,19 +337,23 @@ def _row_of(r, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, Q_BNHD: gl.constexpr, 
 def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                        v_empty, IDX, CNT, ORDER, H, N_Q, N_KV, NQB, MAX_K, N_ROWS, Q_BNHD: gl.constexpr,
                        KV_BNHD: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    """One warp, for every row this program takes (ORDER[pid], ORDER[pid + programs], ...): the row's query tile once
-    both consumers released the last one (they do before their epilogue, so the next row's Q and first K/V tiles
-    land while they store), then its K and V tiles into the ring that carries on across rows."""
+    """One warp, for every row this program takes (ORDER[pid], ORDER[pid + programs], ...): the row's first K/V tiles
+    (as many as the ring holds: the slots free up while the consumers finish the previous row, which needs nothing
+    more from here), then its query tile once both consumers released the last one (they do before their epilogue),
+    then the rest of its tiles. The ring carries on across rows."""
     it = 0
     n = 0
     for r in range(gl.program_id(0), N_ROWS, gl.num_programs(0)):
         bh, qb, count, idx_row, q_row0, q_col, kv_row0, kv_col = _row_of(r, IDX, CNT, ORDER, H, N_Q, N_KV, NQB,
                                                                          MAX_K, Q_BNHD, KV_BNHD, HEAD_D)
+        head = gl.minimum(count, STAGES)
+        _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, head, kv_row0, kv_col,
+                False, BLOCK_N, STAGES, it, 0)
         mbarrier.wait(q_empty, (n & 1) ^ 1)
         mbarrier.expect(q_ready, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row0, q_col], q_ready, q_smem)
         _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, kv_row0, kv_col,
-                False, BLOCK_N, STAGES, it)
+                False, BLOCK_N, STAGES, it, head)
         it += count
         n += 1
 
