@@ -147,6 +147,15 @@ def _consumer(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_ro
 
 
 @gluon.jit
+def _wait_tile(ready, s, t, STAGES: gl.constexpr, GATHER: gl.constexpr):
+    """Wait until the ring's t-th tile (in slot s = t % STAGES) landed; GATHER: cp.async wrote it through the generic
+    proxy, so a proxy fence orders it before the tensor cores read it."""
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    if GATHER:
+        fence_async_shared()
+
+
+@gluon.jit
 def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_kv, qk_scale, base,
             DENSE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
             STAGES: gl.constexpr, WARPS: gl.constexpr, GATHER: gl.constexpr):
@@ -170,9 +179,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
     if count > 0:
         # tile 0: scores and softmax; its PV is issued in the next iteration (or after the loop)
         s0 = base % STAGES
-        mbarrier.wait(k_ready.index(s0), (base // STAGES) & 1)
-        if GATHER:
-            fence_async_shared()
+        _wait_tile(k_ready, s0, base, STAGES, GATHER)
         s_tok = warpgroup_mma(q_smem, k_bufs.index(s0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_raw, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_bufs.index(s0)))
         mbarrier.arrive(k_empty.index(s0), count=1)
@@ -186,14 +193,10 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
         for i in range(1, count):
             s_slot = (base + i) % STAGES
             v_slot = (base + i - 1) % STAGES
-            mbarrier.wait(k_ready.index(s_slot), ((base + i) // STAGES) & 1)
-            if GATHER:
-                fence_async_shared()
+            _wait_tile(k_ready, s_slot, base + i, STAGES, GATHER)
             s_tok = warpgroup_mma(q_smem, k_bufs.index(s_slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            mbarrier.wait(v_ready.index(v_slot), ((base + i - 1) // STAGES) & 1)
-            if GATHER:
-                fence_async_shared()
+            _wait_tile(v_ready, v_slot, base + i - 1, STAGES, GATHER)
             o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
             # groups complete in order: one outstanding means the scores are in, PV(i-1) may still run
             s_raw, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_bufs.index(s_slot)))
@@ -211,9 +214,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         v_slot = (base + count - 1) % STAGES
-        mbarrier.wait(v_ready.index(v_slot), ((base + count - 1) // STAGES) & 1)
-        if GATHER:
-            fence_async_shared()
+        _wait_tile(v_ready, v_slot, base + count - 1, STAGES, GATHER)
         o_tok = warpgroup_mma(p_op, v_bufs.index(v_slot), acc, is_async=True)
         acc, _, _ = warpgroup_mma_wait(0, deps=(o_tok, p_op, v_bufs.index(v_slot)))
         mbarrier.arrive(v_empty.index(v_slot), count=1)
@@ -415,6 +416,16 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+def residual_args(res, out: torch.Tensor):
+    """(RESIDUAL mode, data, scale) for a kernel's epilogue from a checked residual pair or None: the data (B,H,N,D)
+    and the fp32 (B,H,N,1) scale made contiguous (the epilogue indexes them as out's rows), ``out`` standing in for
+    what is absent."""
+    if res is None:
+        return RES_NONE, out, out
+    data, scale = res[0].contiguous(), res[1]
+    return (RES_MODEL, data, out) if scale is None else (RES_FP8, data, scale.contiguous())
+
+
 def as_rows(t: torch.Tensor):
     """(2-D row view, BNHD flag) of a (B, H, N, D) tensor for a TMA descriptor: a contiguous tensor as (B*H*N, D), a
     transposed (B, N, H, D)-contiguous one as (B*N, H*D); anything else copied contiguous first (the automatic choice
@@ -454,26 +465,22 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
     if k_bnhd != v_bnhd:  # one flag for both: the odd one copied
         k_rows, v_rows = k.contiguous().view(b * h * nk, d), v.contiguous().view(b * h * nk, d)
         k_bnhd = False
-    residual = RES_NONE
-    r_data = r_scale = out
-    if res is not None:
-        r_data, r_scale = res[0].contiguous(), res[1]
-        residual = RES_MODEL if r_scale is None else RES_FP8
-        r_scale = out if r_scale is None else r_scale.contiguous()
+    residual, r_data, r_scale = residual_args(res, out)
     nqb = triton.cdiv(nq, BLOCK_M)
     dense = idx is None
+    if persistent and (dense or not split):
+        raise ValueError("the persistent kernel takes block-sparse lists on the split layout only")
+    # what both kernels take first: the descriptors and the epilogue's tensors (out where one is absent)
+    head = (_descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), out,
+            lse if lse is not None else out, r_data, r_scale, mass if mass is not None else out)
+    flags = dict(Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, RESIDUAL=residual,
+                 MASS=mass is not None and res is not None, WRITE_LSE=lse is not None)
     if persistent:
-        if dense or not split:
-            raise ValueError("the persistent kernel takes block-sparse lists on the split layout only")
         n_rows = b * h * nqb
         if order is None:
             order = torch.arange(n_rows, dtype=torch.int32, device=q.device)
         _attention_persistent[(min(n_rows, num_sms(q.device)),)](
-            _descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), out,
-            lse if lse is not None else out, r_data, r_scale, mass if mass is not None else out, idx, cnt, order, h,
-            nq, nk, nqb, idx.shape[-1], n_rows, scale * LOG2E, Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn, HEAD_D=d,
-            STAGES=stages, RESIDUAL=residual, MASS=mass is not None and res is not None, WRITE_LSE=lse is not None,
-            num_warps=4)
+            *head, idx, cnt, order, h, nq, nk, nqb, idx.shape[-1], n_rows, scale * LOG2E, **flags, num_warps=4)
         return out
     if dense:
         grid = (nqb, b * h)
@@ -482,11 +489,7 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
     else:
         grid = (b * h * nqb,)
         max_k = idx.shape[-1]
-    _attention_fwd[grid](
-        _descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), out,
-        lse if lse is not None else out, r_data, r_scale, mass if mass is not None else out, idx, cnt,
-        order if order is not None else out, h, nq, nk, nqb, max_k, scale * LOG2E,
-        DENSE=dense, ORDERED=order is not None and not dense, Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn,
-        HEAD_D=d, STAGES=stages, RESIDUAL=residual, MASS=mass is not None and res is not None,
-        WRITE_LSE=lse is not None, SPLIT=split, num_warps=4 if split else 8)
+    _attention_fwd[grid](*head, idx, cnt, order if order is not None else out, h, nq, nk, nqb, max_k, scale * LOG2E,
+                         DENSE=dense, ORDERED=order is not None and not dense, SPLIT=split, **flags,
+                         num_warps=4 if split else 8)
     return out

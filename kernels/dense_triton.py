@@ -65,6 +65,17 @@ def _dense_fwd(Q, K, V, Out, LSE,
 PATHS = ("auto", "pointer", "tma", "persistent", "warp_spec", "gluon")
 
 
+def _prepare(q, k, v, scale, return_lse):
+    """Checked inputs (the last dim contiguous), the scale, and fresh out (B,H,Nq,D) and lse (B,H,Nq) fp32 (out itself
+    when no LSE is asked for, so the kernels always have a pointer)."""
+    b, h, nq, nk, d = check_qkv(q, k, v)
+    scale = check_scale(scale, d)
+    q, k, v = last_dim_contiguous(q, k, v)
+    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    return q, k, v, out, lse, scale
+
+
 def _gluon(q, k, v, out, lse, scale, return_lse, auto):
     """kernels/attention_gluon.py's dense call into out (and lse): its result, or None after a failure the automatic
     choice survives (logged once, the kind then left alone: kernels/_hopper.py, ``attempt``)."""
@@ -79,12 +90,7 @@ def gluon_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     """The Gluon kernel's dense call for a caller that asked ``_hopper.use_gluon("gluon_dense", ...)`` already
     (kernels/api.py, which then tries cuDNN when this fails): arguments and result as in ``attention_dense``, or None
     when the kernel failed to compile or launch."""
-    b, h, nq, nk, d = check_qkv(q, k, v)
-    scale = check_scale(scale, d)
-    q, k, v = last_dim_contiguous(q, k, v)
-    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
-    return _gluon(q, k, v, out, lse, scale, return_lse, True)
+    return _gluon(*_prepare(q, k, v, scale, return_lse), return_lse, True)
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -96,11 +102,9 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     loads) or one variant ("pointer", "tma", "persistent", "warp_spec", "gluon"); an explicit variant that fails
     raises.
     """
-    b, h, nq, nk, d = check_qkv(q, k, v)
-    scale = check_scale(scale, d)
-    q, k, v = last_dim_contiguous(q, k, v)
-    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else out
+    q, k, v, out, lse, scale = _prepare(q, k, v, scale, return_lse)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     auto = path == "auto"

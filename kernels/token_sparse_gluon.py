@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from ._triton_common import LOG2E
-from .attention_gluon import RES_FP8, RES_MODEL, RES_NONE, _consumer
+from .attention_gluon import _consumer, residual_args
 
 GROUP = gl.constexpr(128)  # queries of a program: two consumer warpgroups of 64
 # The register file (Triton's warp-group allocation): the loader's partition is padded to a warpgroup, and the first
@@ -156,23 +156,18 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
 
 
 def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None):
-    """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128, the last dim contiguous;
-    out: contiguous (B,H,Nq,D) in q's dtype, its grouped rows written. q_groups: int32 contiguous (B,H,G,128);
-    lists: int32 (B,H,G,max_k) sorted token ids with seg_ends None, or the compact int16 (B,H,G,W) with int32
-    seg_ends (B,H,G,S) of ``segment``-token segments; kv_counts int32 (B,H,G); all contiguous. residual: None or a
-    checked contiguous (data, scale) pair ((B,H,Nq,D) in q's dtype with scale None, or float8_e4m3fn data with fp32
-    (B,H,Nq,1) scale), added in the epilogue. tiles: (BLOCK_N, STAGES) instead of TILES[D] (what the benchmark
-    compares). Returns out."""
+    """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128, the last dim contiguous; out:
+    contiguous (B,H,Nq,D) in q's dtype, its grouped rows written. q_groups: int32 contiguous (B,H,G,128); lists:
+    int32 (B,H,G,max_k) sorted token ids with seg_ends None, or the compact int16 (B,H,G,W) with int32 seg_ends
+    (B,H,G,S) of ``segment``-token segments; kv_counts int32 (B,H,G); all contiguous. residual: None or a checked
+    (data, scale) pair (made contiguous here, as the epilogue indexes it) ((B,H,Nq,D) in q's dtype with scale
+    None, or float8_e4m3fn data with fp32 (B,H,Nq,1) scale), added in the epilogue. tiles: (BLOCK_N, STAGES)
+    instead of TILES[D] (what the benchmark compares). Returns out."""
     b, h, nq, d = q.shape
     g = q_groups.shape[2]
     bn, stages = tiles or TILES[d]
     warps, regs, consumer_regs = LOADER
-    mode = RES_NONE
-    r_data = r_scale = out
-    if residual is not None:
-        r_data, r_scale = residual
-        mode = RES_MODEL if r_scale is None else RES_FP8
-        r_scale = out if r_scale is None else r_scale
+    mode, r_data, r_scale = residual_args(residual, out)
     seg = kv_counts if seg_ends is None else seg_ends
     n_seg = 0 if seg_ends is None else seg_ends.shape[-1]
     _token_fwd[(g, b * h)](

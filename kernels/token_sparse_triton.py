@@ -169,7 +169,7 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
         from . import token_sparse_gluon
         done = _hopper.attempt("gluon_token", path == "auto", lambda: token_sparse_gluon.attention(
             q, k, v, out, qg, tok, None if seg_ends is None else seg, cnt, scale=scale, segment=SEGMENT,
-            residual=None if res is None else (res[0].contiguous(), None if res[1] is None else res[1].contiguous())))
+            residual=res))
         if done is not None:
             return out
     if g > 0:

@@ -203,3 +203,18 @@ def test_the_persistent_gluon_kernel_is_asked_for_by_name_and_takes_block_lists_
                                                    path="gluon_persistent")
     with pytest.raises(ValueError, match="block-sparse lists"):
         attention_gluon.attention(q, q, q, torch.empty_like(q), scale=0.125, persistent=True)
+
+
+def test_residual_args_hand_the_epilogue_contiguous_rows():
+    """Both Gluon launchers' residual arguments: the mode, and the data and fp8 scale made contiguous (the epilogue
+    indexes them as the output's rows), the output standing in for what is absent."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+    from comfyui_sparse_attention.kernels import attention_gluon as ag
+    out = torch.zeros(1, 2, 8, 4)
+    data = torch.randn(1, 8, 2, 4).transpose(1, 2)  # a (B, N, H, D) view
+    scale = torch.rand(1, 8, 2, 1).transpose(1, 2)
+    mode, d, s = ag.residual_args((data, scale), out)
+    assert mode == ag.RES_FP8 and d.is_contiguous() and s.is_contiguous() and torch.equal(d, data)
+    assert ag.residual_args((data, None), out)[0] == ag.RES_MODEL and ag.residual_args((data, None), out)[2] is out
+    assert ag.residual_args(None, out) == (ag.RES_NONE, out, out)
