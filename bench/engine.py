@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import yaml
 from _pack import load
 
 log = logging.getLogger("bench.engine")
@@ -135,6 +136,8 @@ def main():
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
+    ap.add_argument("--config", default="", help="more SparseConfig fields for every method, KEY=VALUE,... (values "
+                    "read as YAML: grouping=cuboid,mass_queries=16)")
     ap.add_argument("--launch-ab", type=int, default=0, metavar="PAIRS",
                     help="also time reuse and bare calls with kernels/fast_launch.py's direct relaunch on and off, "
                     "alternating PAIRS times in this process")
@@ -162,9 +165,11 @@ def main():
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
     res["cudnn_dense_ms"] = cudnn
+    extra = {kv.split("=", 1)[0].strip(): yaml.safe_load(kv.split("=", 1)[1]) for kv in args.config.split(",") if kv}
+    res["config"] = extra
     for method in args.methods.split(","):
         cfg = eng.SparseConfig(method=method, density=args.density, residual=True, residual_precision="fp8",
-                               min_tokens=0, cache_budget_mb=1e6, offload=False)
+                               min_tokens=0, cache_budget_mb=1e6, offload=False, **extra)
         engine = eng.SparseEngine(cfg)
         layout = problem.layout
 
@@ -238,6 +243,8 @@ def main():
             phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
             phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
             groups = kern.group_queries(q0, cfg.group_size)
+            if cfg.mass_queries:  # pass 2 on the subset of each group's queries the selection reads
+                groups = groups[..., ::cfg.group_size // cfg.mass_queries].contiguous()
             phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
                                                                   groups[:, i:i + 5], validate=False)
                                                for i in range(0, args.heads, 5)], 3)

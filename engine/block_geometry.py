@@ -274,6 +274,14 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
         above = scores > torch.exp(hi)  # at most k entries (or every forced one)
         tied = (scores > torch.exp(lo)) & ~above  # the band the bisection could not split: equal values
     room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
+    if length > 4 * SAMPLE:
+        # the sampled threshold ties with itself (and with any equal masses, e.g. underflowed zeros): where every
+        # row's ties fit its room, or it has none, no prefix count over the (rows, L) mask is needed. That count
+        # and its int32 copy were ~25 ms of mc_sparse's anchor at Wan 14B (docs/kernel_notes.md, "v20"); the
+        # check costs one host synchronisation, on long rows only (small calls stay sync-free)
+        fits = tied.sum(-1, keepdim=True) <= room
+        if not bool((~fits & (room > 0)).any()):
+            return above | (tied & fits)
     return above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
 
 

@@ -51,13 +51,15 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         parts_g.append(g_seg.expand(b, h, -1, -1))
     groups = torch.cat(parts_g, dim=2).contiguous()
     g = groups.shape[2]
+    # pass 2 ranks each group's keys by the mass of an evenly spaced subset of its queries (mass_queries)
+    ranking = groups if not cfg.mass_queries else groups[..., ::cfg.group_size // cfg.mass_queries].contiguous()
     budgets = {(i, j): (None if dens[i][j] >= 1.0 else max(1, round(dens[i][j] * sp.length)))
                for i, _, _ in ranges for j, sp in enumerate(spans) if sp.length}
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
     step = max(1, MASS_CHUNK_BYTES // max(1, g * n * 4))
     for h0 in range(0, h, step):
         sl = slice(h0, h0 + step)
-        mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], groups[:, sl],
+        mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], ranking[:, sl],
                                      scale=scale, backend=backend, validate=False)
         keep = torch.empty(mass.shape, dtype=torch.bool, device=dev)
         for i, g0, gn in ranges:
@@ -67,7 +69,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                     continue
                 cols = slice(sp.start, sp.stop)
                 budget = budgets[(i, j)]
-                keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget)
+                if budget is None:
+                    keep[:, :, rows, cols] = True
+                elif cfg.token_allocation == "group":
+                    keep[:, :, rows, cols] = keep_top(mass[:, :, rows, cols], budget)
+                else:
+                    keep[:, :, rows, cols] = keep_shared(mass[:, :, rows, cols], budget, cfg.token_allocation)
         del mass
         parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
         del keep
@@ -82,6 +89,21 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     density = pairs / (b * h * n * n)
     # every span is grouped whole (segment_groups partitions it) or listed in dense_rows: every row is written
     return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density, covers_all=True)
+
+
+def keep_shared(mass: torch.Tensor, budget: int, scope: str) -> torch.Tensor:
+    """The largest group masses of each head ("head") or of all heads ("layer") together: mass fp32 (B, H, G, L)
+    -> bool (B, H, G, L) keeping budget * G entries per head (per chunk of heads for "layer"), every group at least
+    max(1, budget // 8) of its largest (so no group is left without keys)."""
+    b, h, g, length = mass.shape
+    floor = keep_top(mass, max(1, budget // 8))
+    scores = torch.where(floor, torch.full_like(mass, float("inf")), mass)
+    flat = scores.reshape(b, h, -1) if scope == "head" else scores.reshape(b, 1, -1)
+    k = min(flat.shape[-1], budget * g * (1 if scope == "head" else h))
+    thresh = torch.topk(flat, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    above, tied = flat > thresh, flat == thresh  # ties (masses that underflowed to 0) fill up to k in order
+    room = k - above.sum(-1, keepdim=True)
+    return (above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int64) <= room))).view(b, h, g, length)
 
 
 def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tensor:

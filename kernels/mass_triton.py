@@ -31,13 +31,18 @@ def _cfg(bn, w, s, split=1, poly=0):
     return triton.Config({"BLOCK_N": bn, "SPLIT": split, "POLY": poly}, num_warps=w, num_stages=s)
 
 
+PACK_GROUPS = 4  # groups of 16 queries one program takes together (see group_kv_mass)
 CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1)]
 INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
 
 
 def _prune(configs_, named_args, **kwargs):
-    """Parts are at least 16 queries wide (the smallest dot tile)."""
+    """Parts are at least 16 queries wide (the smallest dot tile); packed groups take the 4-part configs."""
     group = kwargs.get("GROUP", named_args.get("GROUP"))
+    if kwargs.get("PACK", named_args.get("PACK")):  # each part a group of its own: PACK_GROUPS parts
+        packed = {(c.kwargs["BLOCK_N"], c.kwargs["POLY"], c.num_warps, c.num_stages): c for c in configs_}
+        return [triton.Config({**c.kwargs, "SPLIT": PACK_GROUPS}, num_warps=c.num_warps, num_stages=c.num_stages)
+                for c in packed.values()]
     kept = [c for c in configs_ if group // c.kwargs["SPLIT"] >= 16]
     first = configs_[0]
     return kept or [triton.Config({**first.kwargs, "SPLIT": 1, "POLY": 0}, num_warps=first.num_warps,
@@ -97,7 +102,29 @@ def _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT: tl.constexpr,
     return m
 
 
-@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA"],
+@triton.jit
+def _store(ptr, m, n_ok, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, m, mask=n_ok)
+    else:
+        tl.store(ptr, m)
+
+
+@triton.jit
+def _emit(out_base, offs_n, n_ok, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale,
+          SPLIT: tl.constexpr, POLY: tl.constexpr, PACK: tl.constexpr, MASKED: tl.constexpr):
+    """Store one K tile's mass: the parts summed into the group's row, or (PACK) each part, a group of its own,
+    into its own row (rows ``N_KV`` apart). MASKED: the ragged last tile (keys from ``n_ok``)."""
+    if PACK:
+        _store(out_base + offs_n, _part_mass(k, q0, l0, qk_scale, SPLIT - POLY <= 0), n_ok, MASKED)
+        _store(out_base + N_KV + offs_n, _part_mass(k, q1, l1, qk_scale, SPLIT - POLY <= 1), n_ok, MASKED)
+        _store(out_base + 2 * N_KV + offs_n, _part_mass(k, q2, l2, qk_scale, SPLIT - POLY <= 2), n_ok, MASKED)
+        _store(out_base + 3 * N_KV + offs_n, _part_mass(k, q3, l3, qk_scale, SPLIT - POLY <= 3), n_ok, MASKED)
+    else:
+        _store(out_base + offs_n, _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY), n_ok, MASKED)
+
+
+@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA", "PACK"],
                  prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
@@ -105,48 +132,51 @@ def _mass_fwd(Q, K, LSE, QG, OUT,
               sqb, sqh, sqn, skb, skh, skn,
               H, N_Q, N_KV, G, qk_scale, N_BUCKET,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, USE_TMA: tl.constexpr,
-              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, POLY: tl.constexpr, EVEN_N: tl.constexpr):
+              PACK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, POLY: tl.constexpr,
+              EVEN_N: tl.constexpr):
     gid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     row = pid_bh.to(tl.int64) * G + gid
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    q0, l0 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, GROUP, SPLIT)
+    # packed: always PACK_GROUPS (4) parts, whatever the config says (an autotuner with one config, as under the
+    # interpreter, does not prune)
+    PARTS: tl.constexpr = 4 if PACK else SPLIT
+    q0, l0 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, GROUP, PARTS)
     q1, l1 = q0, l0
     q2, l2 = q0, l0
     q3, l3 = q0, l0
-    if SPLIT >= 2:
-        q1, l1 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, GROUP, SPLIT)
-    if SPLIT == 4:
-        q2, l2 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 2, HEAD_DIM, D_PAD, GROUP, SPLIT)
-        q3, l3 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 3, HEAD_DIM, D_PAD, GROUP, SPLIT)
+    if PARTS >= 2:
+        q1, l1 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, GROUP, PARTS)
+    if PARTS == 4:
+        q2, l2 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 2, HEAD_DIM, D_PAD, GROUP, PARTS)
+        q3, l3 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 3, HEAD_DIM, D_PAD, GROUP, PARTS)
     k_base = K + b * skb + h * skh
-    out_base = OUT + row * N_KV
+    out_base = OUT + row * (PARTS if PACK else 1) * N_KV  # a packed program writes PARTS rows
     n_full = (N_KV // BLOCK_N) * BLOCK_N
     if USE_TMA:
         k_desc = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
                                            block_shape=[BLOCK_N, D_PAD])
         for start in tl.range(0, n_full, BLOCK_N):
-            k = k_desc.load([start, 0])
-            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
-            tl.store(out_base + start + tl.arange(0, BLOCK_N), m)
+            offs_n = start + tl.arange(0, BLOCK_N)
+            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k_desc.load([start, 0]), q0, l0, q1, l1, q2, l2, q3, l3,
+                  qk_scale, PARTS, POLY, PACK, False)
         if not EVEN_N:  # zero-filled rows past N_KV are computed, not stored
             offs_n = n_full + tl.arange(0, BLOCK_N)
-            m = _tile_mass(k_desc.load([n_full, 0]), q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
-            tl.store(out_base + offs_n, m, mask=offs_n < N_KV)
+            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k_desc.load([n_full, 0]), q0, l0, q1, l1, q2, l2, q3, l3,
+                  qk_scale, PARTS, POLY, PACK, True)
     else:
         for start in tl.range(0, n_full, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k = load_rows(k_base, offs_n, skn, offs_n < N_KV, d, HEAD_DIM, D_PAD, False)
-            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
-            tl.store(out_base + offs_n, m)
+            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, PARTS, POLY,
+                  PACK, False)
         if not EVEN_N:
             offs_n = n_full + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N_KV
             k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
-            m = _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY)
-            tl.store(out_base + offs_n, m, mask=n_ok)
+            _emit(out_base, offs_n, n_ok, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, PARTS, POLY, PACK, True)
 
 
 PATHS = ("auto", "pointer", "tma")
@@ -170,15 +200,24 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
         return out
     auto = path == "auto"
     use_tma = _hopper.use_tma("mass", k) if auto else path == "tma"
-    args = (q, k, lse.float().contiguous(), q_groups.to(torch.int32).contiguous(), out,
-            *q.stride()[:3], *k.stride()[:3], h, nq, nk, g, scale * LOG2E, seq_bucket(nk))
-    meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
+    groups = q_groups.to(torch.int32).contiguous()
+    pack = c == 16  # groups of 16 (mc_sparse's mass_queries): PACK_GROUPS of them per program, one K tile read
+    if pack:  # for all (docs/kernel_notes.md, "v20"); the padding groups (-1) write rows past g, cut off below
+        g_pad = -(-g // PACK_GROUPS) * PACK_GROUPS
+        groups = torch.nn.functional.pad(groups, (0, 0, 0, g_pad - g), value=-1).view(b, h, g_pad // PACK_GROUPS,
+                                                                                       PACK_GROUPS * c)
+        out = torch.empty((b, h, g_pad, nk), dtype=torch.float32, device=q.device)
+    args = (q, k, lse.float().contiguous(), groups, out,
+            *q.stride()[:3], *k.stride()[:3], h, nq, nk, groups.shape[2], scale * LOG2E, seq_bucket(nk))
+    meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=groups.shape[3], PACK=pack)
+    result = out[:, :, :g] if pack else out
+    grid = (groups.shape[2], b * h)
     if use_tma:
         def launch():
             _hopper.set_allocator(q.device)
-            _mass_fwd[(g, b * h)](*args, USE_TMA=True, **meta)
-            return out
+            _mass_fwd[grid](*args, USE_TMA=True, **meta)
+            return result
         if _hopper.attempt("mass", auto, launch) is not None:
-            return out
-    _mass_fwd[(g, b * h)](*args, USE_TMA=False, **meta)
-    return out
+            return result
+    _mass_fwd[grid](*args, USE_TMA=False, **meta)
+    return result

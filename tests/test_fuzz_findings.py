@@ -102,6 +102,24 @@ def test_tied_scores_fill_the_budget_instead_of_emptying_it():
     assert (cnt > 0).all() and (cnt <= 400).all()
 
 
+def test_sampled_threshold_skips_the_tie_count_only_where_ties_fit():
+    """keep_top on long rows takes every tie without a prefix count when each row's ties fit its room (or it has
+    no room); one row whose ties overflow makes the whole call fill ties in index order, exactly k."""
+    from comfyui_sparse_attention.engine.block_geometry import keep_top
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.rand(4, 70_000, generator=gen)  # distinct values: the sampled threshold ties only with itself
+    keep = keep_top(rows, 7000)
+    thresh = torch.where(keep, rows, torch.full_like(rows, 2.0)).amin(-1, keepdim=True)
+    assert torch.equal(keep, rows >= thresh)  # a threshold cut, no holes
+    assert ((keep.sum(-1) - 7000).abs() <= 700).all()  # k up to sampling noise
+    zeros = rows.clone()
+    zeros[1] = 0.0
+    zeros[1, :50] = 1.0  # 50 above, 69 950 tied at 0: the ties must fill up to k in order
+    keep = keep_top(zeros, 7000)
+    assert int(keep[1].sum()) == 7000 and bool(keep[1, :7000].all()) and not bool(keep[1, 7000:].any())
+    assert torch.equal(keep[0], keep_top(rows, 7000)[0])  # the other rows keep their cut
+
+
 def test_mc_sparse_keeps_tied_keys_that_hold_all_the_attention():
     n, d = 512, 32
     g = torch.Generator().manual_seed(0)

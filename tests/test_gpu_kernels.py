@@ -409,6 +409,25 @@ def test_group_kv_mass_paths_match_twin(path):
     assert torch.allclose(out.sum(-1), real, rtol=2e-2)
 
 
+@pytest.mark.parametrize("path", ["pointer", "tma"])
+@pytest.mark.parametrize("n", [32760, 75600])
+def test_packed_groups_of_16_match_twin(path, n):
+    """mass_queries: groups of 16 queries, four to a program (a group count not a multiple of four: padding)."""
+    from comfyui_sparse_attention.kernels import mass_triton
+    if path == "tma" and not _is_hopper():
+        pytest.skip("needs a Hopper GPU (TMA kernels)")
+    q, k, v = qkv(2, n, 128, seed=9)
+    _, lse = K.attention_dense(q, k, v, return_lse=True)
+    sub = K.group_queries(q, 128)[..., ::8].contiguous()
+    out = mass_triton.group_kv_mass(q, k, lse, sub, path=path)
+    assert out.shape == (1, 2, sub.shape[2], n) and not torch.isnan(out).any()
+    last = sub.shape[2] - 3
+    for rows in (slice(0, 6), slice(last, None)):
+        assert rel(out[:, :, rows], K.group_kv_mass(q, k, lse, sub[:, :, rows], backend="torch")) <= 1e-2
+    real = (sub >= 0).sum(-1).float()
+    assert torch.allclose(out.sum(-1), real, rtol=2e-2)
+
+
 @needs_hopper
 def test_dispatch_takes_tma_only_when_aligned():
     from comfyui_sparse_attention.kernels import _hopper

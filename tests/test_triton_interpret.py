@@ -102,13 +102,16 @@ for dtype in (torch.float16, torch.float32):
         lse[0, 0, :5] = float("-inf")
         cmp("mass-" + tag, K.group_kv_mass(q, k, lse, groups, backend="triton"),
             K.group_kv_mass(q, k, lse, groups, backend="torch"))
+        sub = groups[..., ::4].contiguous()  # groups of 16 (mass_queries): packed four to a program, padded
+        cmp("mass16-" + tag, K.group_kv_mass(q, k, lse, sub, backend="triton"),
+            K.group_kv_mass(q, k, lse, sub, backend="torch"))
 print("RESULT:" + json.dumps(results))
 """
 
 
 def test_triton_kernels_match_twins_in_interpreter(child):
     results = child
-    assert len(results) == 2 * 4 * 6
+    assert len(results) == 2 * 4 * 7
     bad = {}
     for name, errs in results.items():
         tol = 2e-3 if "float16" in name else 1e-5
@@ -238,6 +241,9 @@ for dtype in (torch.float16, torch.float32):
         ref = selection_torch.group_kv_mass(q, k, lse, groups)
         for path in ("pointer", "tma"):
             rel(f"mass-{path}-" + tag, mass_triton.group_kv_mass(q, k, lse, groups, path=path), ref)
+            sub = groups[..., ::4].contiguous()
+            rel(f"mass16-{path}-" + tag, mass_triton.group_kv_mass(q, k, lse, sub, path=path),
+                selection_torch.group_kv_mass(q, k, lse, sub))
 
 # dispatch: the TMA kernel runs only where kernels/_hopper.py allows it; failures fall back in auto only
 q, k, v = structured_qkv(1, 2, 130, 64, dtype=torch.float16, seed=5)
@@ -281,8 +287,8 @@ def test_hopper_kernels_residual_anchor_and_mass_in_interpreter(child):
     got = child
     results, flags = got["results"], got["flags"]
     # 2 dtypes x 3 shapes x (3 block configs x (4 paths + 2 precisions x (2 paths x 3 + epilogue residual)) + 2 dense
-    # + 2 token + 2 mass)
-    assert len(results) == 2 * 3 * (3 * (4 + 14) + 6)
+    # + 2 token + 2 mass + 2 mass of packed groups of 16)
+    assert len(results) == 2 * 3 * (3 * (4 + 14) + 8)
     bad = {}
     for name, e in results.items():
         tol = 2e-3 if "float16" in name else 1e-5
