@@ -137,7 +137,7 @@ def main():
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
     ap.add_argument("--config", default="", help="more SparseConfig fields for every method, KEY=VALUE,... (values "
-                    "read as YAML: grouping=cuboid,mass_queries=16)")
+                    "read as YAML, none containing a comma: grouping=cuboid,mass_queries=0)")
     ap.add_argument("--launch-ab", type=int, default=0, metavar="PAIRS",
                     help="also time reuse and bare calls with kernels/fast_launch.py's direct relaunch on and off, "
                     "alternating PAIRS times in this process")
@@ -165,6 +165,9 @@ def main():
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
     res["cudnn_dense_ms"] = cudnn
+    bad = [kv for kv in args.config.split(",") if kv and "=" not in kv]
+    if bad:
+        ap.error(f"--config takes KEY=VALUE,... (no list values), got {bad[0]!r}")
     extra = {kv.split("=", 1)[0].strip(): yaml.safe_load(kv.split("=", 1)[1]) for kv in args.config.split(",") if kv}
     res["config"] = extra
     for method in args.methods.split(","):

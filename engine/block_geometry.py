@@ -276,9 +276,10 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
     room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
     if length > 4 * SAMPLE:
         # the sampled threshold ties with itself (and with any equal masses, e.g. underflowed zeros): where every
-        # row's ties fit its room, or it has none, no prefix count over the (rows, L) mask is needed. That count
-        # and its int32 copy were ~25 ms of mc_sparse's anchor at Wan 14B (docs/kernel_notes.md, "v20"); the
-        # check costs one host synchronisation, on long rows only (small calls stay sync-free)
+        # row's ties fit its room, or it has none, no prefix count over the (rows, L) mask is needed. The count and
+        # the comparison after it were ~17 ms of mc_sparse's anchor at Wan 14B, plus an int32 copy
+        # (docs/kernel_notes.md, "v20"); the check costs one host synchronisation, on long rows only (small calls
+        # stay sync-free)
         fits = tied.sum(-1, keepdim=True) <= room
         if not bool((~fits & (room > 0)).any()):
             return above | (tied & fits)

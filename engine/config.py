@@ -21,7 +21,6 @@ from .schedule import AnchorSchedule, parse_warmup
 RESIDUAL_PRECISIONS = ("fp8", "int4", "auto", "model")
 RESIDUAL_WEIGHTINGS = ("auto", "mass", "fixed")
 GROUPINGS = ("pca", "cuboid")
-TOKEN_ALLOCATIONS = ("group", "head", "layer")
 
 
 @dataclass(frozen=True)
@@ -35,12 +34,9 @@ class SparseConfig:
     group_size: queries per group for mc_sparse (64 or 128, the kernel's query tile).
     grouping: how mc_sparse forms its query groups: "pca" (similar queries, per head, at each anchor) or
         "cuboid" (neighbouring tiles of the latent grid: free, the same for every head).
-    mass_queries: how many queries of each mc_sparse group pass 2 reads to rank the group's keys: 16 (default) or 32,
-        an evenly spaced subset (1/4 to 1/8 of pass 2's work at the anchor; the same testbed PSNR as all of them,
-        docs/decisions.md, "mc_sparse ranks a group's keys by 16 of its queries"); 0 all of them.
-    token_allocation: how mc_sparse shares a head's key budget between its query groups: "group" (each group keeps
-        the same count), "head" (the largest group masses of the whole head, every group keeping at least an
-        eighth of its count) or "layer" (the same across the heads of one pass-2 chunk).
+    mass_queries: how many queries of each mc_sparse group pass 2 reads to rank the group's keys: 16 (default), 32 or
+        (groups of 128) 64, an evenly spaced subset (16: 1/4 to 1/8 of pass 2's work at the anchor, the same testbed
+        PSNR as all of them, docs/decisions.md, "mc_sparse ranks a group's keys by 16 of its queries"); 0 all of them.
     warmup_steps: dense steps at the start of the run: a step count, or a fraction of the run (0.1 or "10%").
     warmup_layers / dense_layers: computed densely (layers numbered in model order).
     anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
@@ -81,7 +77,6 @@ class SparseConfig:
     group_size: int = 128
     grouping: str = "pca"
     mass_queries: int = 16
-    token_allocation: str = "group"
     warmup_steps: int | float = 0
     warmup_layers: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -139,9 +134,10 @@ class SparseConfig:
             alt = " or 'auto'" if name == "cache_budget_mb" else ""
             _check(_is_number(v) and v >= 0, name, f"must be a finite number >= 0{alt}, got {shown(v)}")
         _choice("grouping", self.grouping, GROUPINGS)
-        _check(self.mass_queries in (0, 16, 32, 64) and self.mass_queries < max(self.group_size, 17), "mass_queries",
-               f"must be 0 (all) or 16, 32 or 64 below group_size, got {shown(self.mass_queries)}")
-        _choice("token_allocation", self.token_allocation, TOKEN_ALLOCATIONS)
+        # group_size is checked above (64 or 128)
+        _check(_is_int(self.mass_queries) and self.mass_queries in (0, 16, 32, 64)
+               and self.mass_queries < self.group_size, "mass_queries",
+               f"must be 0 (all) or 16, 32 or 64 below group_size (an integer), got {shown(self.mass_queries)}")
         _choice("residual_precision", self.residual_precision, RESIDUAL_PRECISIONS)
         _choice("residual_weighting", self.residual_weighting, RESIDUAL_WEIGHTINGS)
         _choice("backend", self.backend, BACKENDS)

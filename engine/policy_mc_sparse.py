@@ -69,12 +69,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                     continue
                 cols = slice(sp.start, sp.stop)
                 budget = budgets[(i, j)]
-                if budget is None:
-                    keep[:, :, rows, cols] = True
-                elif cfg.token_allocation == "group":
-                    keep[:, :, rows, cols] = keep_top(mass[:, :, rows, cols], budget)
-                else:
-                    keep[:, :, rows, cols] = keep_shared(mass[:, :, rows, cols], budget, cfg.token_allocation)
+                keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget)
         del mass
         parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
         del keep
@@ -89,21 +84,6 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     density = pairs / (b * h * n * n)
     # every span is grouped whole (segment_groups partitions it) or listed in dense_rows: every row is written
     return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density, covers_all=True)
-
-
-def keep_shared(mass: torch.Tensor, budget: int, scope: str) -> torch.Tensor:
-    """The largest group masses of each head ("head") or of all heads ("layer") together: mass fp32 (B, H, G, L)
-    -> bool (B, H, G, L) keeping budget * G entries per head (per chunk of heads for "layer"), every group at least
-    max(1, budget // 8) of its largest (so no group is left without keys)."""
-    b, h, g, length = mass.shape
-    floor = keep_top(mass, max(1, budget // 8))
-    scores = torch.where(floor, torch.full_like(mass, float("inf")), mass)
-    flat = scores.reshape(b, h, -1) if scope == "head" else scores.reshape(b, 1, -1)
-    k = min(flat.shape[-1], budget * g * (1 if scope == "head" else h))
-    thresh = torch.topk(flat, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-    above, tied = flat > thresh, flat == thresh  # ties (masses that underflowed to 0) fill up to k in order
-    room = k - above.sum(-1, keepdim=True)
-    return (above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int64) <= room))).view(b, h, g, length)
 
 
 def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tensor:

@@ -195,18 +195,17 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     q, k = last_dim_contiguous(q, k)
-    out = torch.empty((b, h, g, nk), dtype=torch.float32, device=q.device)
     if g == 0:
-        return out
+        return torch.empty((b, h, 0, nk), dtype=torch.float32, device=q.device)
     auto = path == "auto"
     use_tma = _hopper.use_tma("mass", k) if auto else path == "tma"
     groups = q_groups.to(torch.int32).contiguous()
     pack = c == 16  # groups of 16 (mc_sparse's mass_queries): PACK_GROUPS of them per program, one K tile read
+    g_pad = -(-g // PACK_GROUPS) * PACK_GROUPS if pack else g
     if pack:  # for all (docs/kernel_notes.md, "v20"); the padding groups (-1) write rows past g, cut off below
-        g_pad = -(-g // PACK_GROUPS) * PACK_GROUPS
         groups = torch.nn.functional.pad(groups, (0, 0, 0, g_pad - g), value=-1).view(b, h, g_pad // PACK_GROUPS,
                                                                                        PACK_GROUPS * c)
-        out = torch.empty((b, h, g_pad, nk), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, h, g_pad, nk), dtype=torch.float32, device=q.device)
     args = (q, k, lse.float().contiguous(), groups, out,
             *q.stride()[:3], *k.stride()[:3], h, nq, nk, groups.shape[2], scale * LOG2E, seq_bucket(nk))
     meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=groups.shape[3], PACK=pack)

@@ -412,7 +412,8 @@ def test_group_kv_mass_paths_match_twin(path):
 @pytest.mark.parametrize("path", ["pointer", "tma"])
 @pytest.mark.parametrize("n", [32760, 75600])
 def test_packed_groups_of_16_match_twin(path, n):
-    """mass_queries: groups of 16 queries, four to a program (a group count not a multiple of four: padding)."""
+    """mass_queries: groups of 16 queries, four to a program (75 600 tokens: 591 groups, not a multiple of four, so
+    the last program is padded; 32 760: 256, none)."""
     from comfyui_sparse_attention.kernels import mass_triton
     if path == "tma" and not _is_hopper():
         pytest.skip("needs a Hopper GPU (TMA kernels)")

@@ -65,42 +65,6 @@ def test_the_grouping_products_are_einsums_batched_matmuls_bit_for_bit():
     assert torch.equal(g._back(x, w), torch.einsum("sld,sl->sd", x, w))
 
 
-def test_shared_token_budget_follows_the_mass():
-    """token_allocation "head": a head's key budget goes to the groups whose mass is spread (a peaked group keeps
-    its floor), the head's total stays budget x groups; "layer": the same across heads, so the peaked head gives
-    keys to the diffuse one, and every group keeps at least an eighth of the budget."""
-    from comfyui_sparse_attention.engine.policy_mc_sparse import keep_shared
-    g, length, budget = 4, 400, 40
-    mass = torch.full((1, 2, g, length), 1e-6)
-    mass[0, 0, 0, :5] = 1.0  # head 0, group 0: five keys hold everything
-    mass[0, 0, 1:] = torch.rand(3, length, generator=torch.Generator().manual_seed(0)) + 0.5  # diffuse
-    mass[0, 1, :, :3] = 1.0  # head 1: every group peaked on three keys
-    head = keep_shared(mass, budget, "head").sum(-1)[0]
-    assert head.sum(-1).tolist() == [budget * g, budget * g]
-    assert int(head[0, 0]) < budget and int(head[0, 1:].min()) > budget  # keys move to the spread groups
-    layer = keep_shared(mass, budget, "layer").sum(-1)[0]
-    assert int(layer.sum()) == 2 * budget * g
-    assert int(layer[1].sum()) < budget * g < int(layer[0].sum())  # the peaked head gives keys away
-    assert int(layer.min()) >= budget // 8
-
-
-def test_token_allocation_keeps_the_density_and_runs():
-    pr = SyntheticVideoAttention(frames=4, height=16, width=16, text=32, heads=2, head_dim=64, steps=2, seed=5)
-    q, k, v = pr.qkv(0)
-    densities = {}
-    for alloc in ("group", "head", "layer"):
-        eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.2, min_tokens=0, backend="torch",
-                                        group_size=64, token_allocation=alloc))
-        eng.begin_run()
-        for s in range(2):
-            out = eng.attend(*pr.qkv(s), CallContext(layer=0, step=s, layout=pr.layout))
-            assert torch.isfinite(out).all()
-        densities[alloc] = eng.end_run().totals()["density"]
-    assert abs(densities["head"] - densities["group"]) < 0.01 and abs(densities["layer"] - densities["group"]) < 0.01
-    with pytest.raises(ValueError, match="token_allocation"):
-        SparseConfig(method="mc_sparse", token_allocation="rows")
-
-
 def test_pass_two_ranks_keys_by_a_subset_of_each_group(monkeypatch):
     """mass_queries: pass 2 gets every (group_size / mass_queries)-th query of each group (0: all of them); the
     selection still covers every query of the group."""
@@ -123,3 +87,5 @@ def test_pass_two_ranks_keys_by_a_subset_of_each_group(monkeypatch):
         SparseConfig(method="mc_sparse", mass_queries=8)
     with pytest.raises(ValueError, match="mass_queries"):
         SparseConfig(method="mc_sparse", group_size=64, mass_queries=64)
+    with pytest.raises(ValueError, match="mass_queries"):
+        SparseConfig(method="mc_sparse", mass_queries=16.0)
