@@ -185,7 +185,8 @@ PATHS = ("auto", "pointer", "tma")
 def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"):
     """Exact group KV mass on the Triton kernel; arguments as in the PyTorch twin.
 
-    q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C). Returns fp32 (B,H,G,Nk).
+    q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C). Returns fp32 (B,H,G,Nk) (for groups
+    of 16, C = 16, a view of the first G rows of a buffer padded to a multiple of four groups).
     path: "auto" (K through TMA on Hopper when kernels/_hopper.py allows), "pointer" or "tma".
     """
     b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, scale, validate)
