@@ -160,6 +160,15 @@ def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log, sweep=()):
             "token")
     _, lse = K.attention_dense(q, k, v, return_lse=True, backend="torch")
     add("group KV mass C=128", 1.0, t(lambda: K.group_kv_mass(q, k, lse, groups, backend="torch", validate=False)))
+    sub = groups[..., ::8].contiguous()  # mc_sparse's mass_queries 16: pass 2 on 16 of each group's 128 queries
+    add("group KV mass, 16 of C=128", 1.0, t(lambda: K.group_kv_mass(q, k, lse, sub, backend="torch",
+                                                                      validate=False)))
+    mc = load("engine.policy_mc_sparse")
+    eng = load("engine")
+    for mq in (0, 16):  # the whole mc_sparse selection (grouping, pass 2, top-k, compaction) at d 0.15
+        cfg = eng.SparseConfig(method="mc_sparse", density=0.15, group_size=c, mass_queries=mq, backend="torch")
+        add(f"mc_sparse selection C=128, mass_queries {mq}", 0.15,
+            t(lambda: mc.build_mc_sparse(q, k, lse, eng.TokenLayout(), cfg, backend="torch")))
     add("pooled block scores 128", 1.0, t(lambda: K.pooled_block_scores(q, k, block_q=bs, block_k=bs,
                                                                          backend="torch")))
     add("group queries C=128", 1.0, t(lambda: K.group_queries(q, c, backend="torch")))
