@@ -245,9 +245,7 @@ def main():
             lse = kern.attention_dense(q0, k0, v0, return_lse=True)[1]
             phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
             phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
-            groups = kern.group_queries(q0, cfg.group_size)
-            if cfg.mass_queries:  # pass 2 on the subset of each group's queries the selection reads
-                groups = groups[..., ::cfg.group_size // cfg.mass_queries].contiguous()
+            groups = mc.ranking_queries(kern.group_queries(q0, cfg.group_size), cfg)  # what pass 2 reads
             phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
                                                                   groups[:, i:i + 5], validate=False)
                                                for i in range(0, args.heads, 5)], 3)

@@ -51,8 +51,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         parts_g.append(g_seg.expand(b, h, -1, -1))
     groups = torch.cat(parts_g, dim=2).contiguous()
     g = groups.shape[2]
-    # pass 2 ranks each group's keys by the mass of an evenly spaced subset of its queries (mass_queries)
-    ranking = groups if not cfg.mass_queries else groups[..., ::cfg.group_size // cfg.mass_queries].contiguous()
+    ranking = ranking_queries(groups, cfg)
     budgets = {(i, j): (None if dens[i][j] >= 1.0 else max(1, round(dens[i][j] * sp.length)))
                for i, _, _ in ranges for j, sp in enumerate(spans) if sp.length}
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
@@ -84,6 +83,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     density = pairs / (b * h * n * n)
     # every span is grouped whole (segment_groups partitions it) or listed in dense_rows: every row is written
     return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density, covers_all=True)
+
+
+def ranking_queries(groups: torch.Tensor, cfg: SparseConfig) -> torch.Tensor:
+    """The queries pass 2 sums to rank each group's keys: int32 (B, H, G, C) groups -> every (C / mass_queries)-th
+    query of each group, int32 (B, H, G, mass_queries) (the groups themselves for mass_queries 0)."""
+    return groups if not cfg.mass_queries else groups[..., ::cfg.group_size // cfg.mass_queries].contiguous()
 
 
 def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tensor:

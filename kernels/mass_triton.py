@@ -37,12 +37,11 @@ INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
 
 
 def _prune(configs_, named_args, **kwargs):
-    """Parts are at least 16 queries wide (the smallest dot tile); packed groups take the 4-part configs."""
+    """Parts are at least 16 queries wide (the smallest dot tile). Packed groups always run PACK_GROUPS parts (the
+    kernel ignores SPLIT there): configs that differ only in SPLIT are one config."""
     group = kwargs.get("GROUP", named_args.get("GROUP"))
-    if kwargs.get("PACK", named_args.get("PACK")):  # each part a group of its own: PACK_GROUPS parts
-        packed = {(c.kwargs["BLOCK_N"], c.kwargs["POLY"], c.num_warps, c.num_stages): c for c in configs_}
-        return [triton.Config({**c.kwargs, "SPLIT": PACK_GROUPS}, num_warps=c.num_warps, num_stages=c.num_stages)
-                for c in packed.values()]
+    if kwargs.get("PACK", named_args.get("PACK")):
+        return list({(c.kwargs["BLOCK_N"], c.kwargs["POLY"], c.num_warps, c.num_stages): c for c in configs_}.values())
     kept = [c for c in configs_ if group // c.kwargs["SPLIT"] >= 16]
     first = configs_[0]
     return kept or [triton.Config({**first.kwargs, "SPLIT": 1, "POLY": 0}, num_warps=first.num_warps,
