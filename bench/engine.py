@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -243,16 +244,17 @@ def main():
             mc = load("engine.policy_mc_sparse")
             phases["dense_lse_ms"] = timed(lambda: kern.attention_dense(q0, k0, v0, return_lse=True), 3)
             lse = kern.attention_dense(q0, k0, v0, return_lse=True)[1]
-            phases["grouping_ms"] = timed(lambda: kern.group_queries(q0, cfg.group_size), 3)
+            grouped = functools.partial(kern.group_queries, q0, cfg.group_size, dims=cfg.grouping_dims)
+            phases["grouping_ms"] = timed(grouped, 3)
             phases["selection_total_ms"] = timed(lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg), 3)
-            groups = mc.ranking_queries(kern.group_queries(q0, cfg.group_size), cfg)  # what pass 2 reads
+            groups = mc.ranking_queries(grouped(), cfg)  # what pass 2 reads
             phases["mass_ms"] = timed(lambda: [kern.group_kv_mass(q0[:, i:i + 5], k0[:, i:i + 5], lse[:, i:i + 5],
                                                                   groups[:, i:i + 5], validate=False)
                                                for i in range(0, args.heads, 5)], 3)
             if args.profile:
                 out_dir = Path(args.out)
                 out_dir.mkdir(parents=True, exist_ok=True)
-                profile_to(out_dir / "profile-grouping.txt", lambda: kern.group_queries(q0, cfg.group_size))
+                profile_to(out_dir / "profile-grouping.txt", grouped)
                 profile_to(out_dir / "profile-selection.txt", lambda: mc.build_mc_sparse(q0, k0, lse, layout, cfg))
             del lse, groups
             toks = selection.kv_tokens()

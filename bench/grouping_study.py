@@ -16,13 +16,15 @@ For each variant and recorded layer: the mc_sparse selection (the engine's own p
 - the grouping's own time on one layer's queries (best of 5).
 
 Variants: "pca" (the product's grouping), "pca_rR" (the same median splits on each head's queries projected on
-their R leading directions, found once from a subsample: an experiment, not in the engine), "cuboid".
+their R leading directions, eigenvectors of a subsample's covariance: the first experiment), "dimsR" (the engine's
+``grouping_dims`` R: the same with the directions from subspace iteration), "cuboid".
 Recording format: the testbed's ``--dump`` file (fp16, keys "layerLL.stepSS.q|k|v", each (H, N, D)).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import time
@@ -77,9 +79,14 @@ def main():
     product = kernels.group_queries
     results = {}
     for name in args.variants.split(","):
-        if name not in ("pca", "cuboid") and not (name.startswith("pca_r") and name[5:].isdigit()):
+        if name.startswith("dims") and name[4:].isdigit():  # the engine's own grouping_dims
+            grouping = functools.partial(product, dims=int(name[4:]))
+        elif name.startswith("pca_r") and name[5:].isdigit():
+            grouping = leading_direction_grouping(product, int(name[5:]))
+        elif name in ("pca", "cuboid"):
+            grouping = product
+        else:
             ap.error(f"unknown variant {name!r}")
-        grouping = product if name in ("pca", "cuboid") else leading_direction_grouping(product, int(name[5:]))
         cfg = eng.SparseConfig(method="mc_sparse", density=args.density, group_size=args.group_size, backend="torch",
                                grouping="cuboid" if name == "cuboid" else "pca")
         kernels.group_queries = grouping  # the policy calls kernels.group_queries

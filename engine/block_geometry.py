@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .context import Span, TokenLayout
 from .modalities import MODALITIES
 
@@ -239,7 +240,7 @@ def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor,
 SAMPLE = 4096
 
 
-def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
+def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "auto") -> torch.Tensor:
     """About the ``k`` largest entries of each row, as a mask, without a full top-k.
 
     scores: float (..., L) >= 0, any strides (+inf marks forced entries). Returns bool (..., L). Each row keeps
@@ -247,7 +248,8 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
     count is exactly k; for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
     largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %).
     Entries tied at the threshold fill the row up to k in index order (k equal keys beyond the budget keep k
-    of them, never none).
+    of them, never none). backend: where long rows apply their threshold (``kernels.keep_at_threshold``: on CUDA
+    one Triton pass per row with no host synchronisation, docs/kernel_notes.md, "v21").
     """
     length = scores.shape[-1]
     k = max(0, min(k, length))
@@ -260,29 +262,19 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
         cols = (torch.arange(SAMPLE, device=scores.device, dtype=torch.float64) * step + step / 2).long()
         rank = max(1, min(SAMPLE, round(k * SAMPLE / length)))
         thresh = torch.topk(scores[..., cols], rank, dim=-1).values[..., -1:]
-        above, tied = scores > thresh, scores == thresh
-    else:
-        finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
-        top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
-        lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
-        hi = torch.log(top)
-        for _ in range(iters):
-            mid = (lo + hi) / 2
-            over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
-            lo = torch.where(over, mid, lo)
-            hi = torch.where(over, hi, mid)
-        above = scores > torch.exp(hi)  # at most k entries (or every forced one)
-        tied = (scores > torch.exp(lo)) & ~above  # the band the bisection could not split: equal values
+        return kernels.keep_at_threshold(scores, thresh, k, backend=backend)
+    finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
+    top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
+    lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value
+    hi = torch.log(top)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        over = (scores > torch.exp(mid)).sum(-1, keepdim=True) > k
+        lo = torch.where(over, mid, lo)
+        hi = torch.where(over, hi, mid)
+    above = scores > torch.exp(hi)  # at most k entries (or every forced one)
+    tied = (scores > torch.exp(lo)) & ~above  # the band the bisection could not split: equal values
     room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
-    if length > 4 * SAMPLE:
-        # the sampled threshold ties with itself (and with any equal masses, e.g. underflowed zeros): where every
-        # row's ties fit its room, or it has none, no prefix count over the (rows, L) mask is needed. The count and
-        # the comparison after it were ~17 ms of mc_sparse's anchor at Wan 14B, plus an int32 copy
-        # (docs/kernel_notes.md, "v20"); the check costs one host synchronisation, on long rows only (small calls
-        # stay sync-free)
-        fits = tied.sum(-1, keepdim=True) <= room
-        if not bool((~fits & (room > 0)).any()):
-            return above | (tied & fits)
     return above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
 
 

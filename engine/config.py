@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.backend import BACKENDS
+from ..kernels.grouping_torch import GROUPING_DIMS
 from .messages import MAX_TEXT, shown
 from .modalities import Densities
 from .layer_density import parse_layer_densities
@@ -37,6 +38,9 @@ class SparseConfig:
     mass_queries: how many queries of each mc_sparse group pass 2 reads to rank the group's keys: 16 (default), 32 or
         (groups of 128) 64, an evenly spaced subset (16: 1/4 to 1/8 of pass 2's work at the anchor, the same testbed
         PSNR as all of them, docs/decisions.md, "mc_sparse ranks a group's keys by 16 of its queries"); 0 all of them.
+    grouping_dims: "pca" grouping on each head's queries projected on their 16, 32 or 64 leading principal
+        directions (fewer values read per query at every level of the partition, docs/kernel_notes.md, "v21");
+        0 (default) on the queries themselves. A value of at least the head dimension means 0.
     warmup_steps: dense steps at the start of the run: a step count, or a fraction of the run (0.1 or "10%").
     warmup_layers / dense_layers: computed densely (layers numbered in model order).
     anchor_steps: when selection (and residual) are recomputed; steps or fractions of the run, or every N
@@ -77,6 +81,7 @@ class SparseConfig:
     group_size: int = 128
     grouping: str = "pca"
     mass_queries: int = 16
+    grouping_dims: int = 0
     warmup_steps: int | float = 0
     warmup_layers: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -138,6 +143,8 @@ class SparseConfig:
         _check(_is_int(self.mass_queries) and self.mass_queries in (0, 16, 32, 64)
                and self.mass_queries < self.group_size, "mass_queries",
                f"must be 0 (all) or 16, 32 or 64 below group_size (an integer), got {shown(self.mass_queries)}")
+        _check(_is_int(self.grouping_dims) and self.grouping_dims in GROUPING_DIMS, "grouping_dims",
+               f"must be 0 (every coordinate), 16, 32 or 64 (an integer), got {shown(self.grouping_dims)}")
         _choice("residual_precision", self.residual_precision, RESIDUAL_PRECISIONS)
         _choice("residual_weighting", self.residual_weighting, RESIDUAL_WEIGHTINGS)
         _choice("backend", self.backend, BACKENDS)

@@ -68,7 +68,8 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                     continue
                 cols = slice(sp.start, sp.stop)
                 budget = budgets[(i, j)]
-                keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget)
+                keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget,
+                                                                               backend=backend)
         del mass
         parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
         del keep
@@ -98,7 +99,7 @@ def segment_groups(q, span: Span, cfg: SparseConfig, backend: str) -> torch.Tens
     if cfg.grouping == "cuboid":
         local = cuboid_order(span.segment.grid, length, c, q.device)
     else:
-        local = kernels.group_queries(q[:, :, span.start:span.stop], c, backend=backend)
+        local = kernels.group_queries(q[:, :, span.start:span.stop], c, dims=cfg.grouping_dims, backend=backend)
     return torch.where(local >= 0, local + span.start, local).to(torch.int32)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
-               token_sparse_torch)
+               threshold_torch, token_sparse_torch)
 from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
 from ._residual import check_residual, mass_of, refuse_mass, residual_mass
 from .backend import announce, check_backend, choose, triton_problem
@@ -211,15 +211,16 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
                                                return_lse=return_lse, validate=validate, return_mass=return_mass)
 
 
-def group_queries(q, group_size, *, backend="auto"):
-    """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads.
+def group_queries(q, group_size, *, dims=0, backend="auto"):
+    """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads; dims 16/32/64: on each head's
+    queries projected on that many leading principal directions (grouping_torch.group_queries).
 
     Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are: there
     is no separate Triton kernel, so every backend runs the same code on q's device.
     """
     check_backend(backend)
     announce("group_queries", q, "torch", "one PyTorch implementation for every backend")
-    return grouping_torch.group_queries(q, group_size)
+    return grouping_torch.group_queries(q, group_size, dims)
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):
@@ -236,6 +237,17 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, backend="auto", validate=T
         q, k = _addressable(q, k)
         return mass_triton.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
     return selection_torch.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
+
+
+def keep_at_threshold(scores, thresh, k, *, backend="auto"):
+    """A row threshold applied with a budget: scores float (..., L), thresh float (..., 1), k int -> bool (..., L),
+    the entries above the threshold plus ties in index order up to k a row (threshold_torch.keep_at_threshold)."""
+    threshold_torch.check_threshold_args(scores, thresh, k)
+    why = None if scores.dtype in FLOAT_DTYPES else f"dtype {scores.dtype} is not supported"
+    if choose(backend, scores, why, "keep_at_threshold") == "triton":
+        from . import threshold_triton
+        return threshold_triton.keep_at_threshold(scores, thresh, k)
+    return threshold_torch.keep_at_threshold(scores, thresh, k)
 
 
 def compact_keep(keep, *, segment=compact_torch.SEGMENT, backend="auto"):

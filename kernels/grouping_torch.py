@@ -11,6 +11,9 @@ from ._torch_softmax import CHUNK_ELEMS
 
 POWER_ITERS = 4  # started from the farthest point, a few iterations find the leading direction
 SUBSAMPLE = 1024  # points a long segment's direction is estimated from (see _principal_order)
+SUBSPACE_SAMPLE = 4096  # queries per head the leading subspace of group_queries(dims=...) is estimated from
+SUBSPACE_ITERS = 6  # subspace iterations from the largest-variance axes (see leading_subspace)
+GROUPING_DIMS = (0, 16, 32, 64)  # group_queries' dims: 0 = every coordinate
 
 
 def _split_plan(n_pad: int, c: int) -> list[list[tuple[int, int]]]:
@@ -120,23 +123,76 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     return torch.argsort(proj, dim=1, stable=True)
 
 
-def group_queries(q: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_queries(q: torch.Tensor, group_size: int, dims: int = 0) -> torch.Tensor:
     """Partition each head's queries into groups of exactly ``group_size`` similar queries.
 
     Recursively projects every group on its leading principal direction (power iteration) and
     splits the sorted queries at a multiple of ``group_size`` next to the median, until each group
     holds ``group_size`` queries. Batched over B*H; deterministic; only the last group is padded.
-    q: (B, H, N, D) any float dtype. Returns int32 (B, H, ceil(N/group_size), group_size): query
+    q: (B, H, N, D) any float dtype. dims: 0 partitions the queries themselves; 16, 32 or 64 (below D)
+    partitions each head's queries projected on their ``dims`` leading principal directions
+    (``project_leading``): every level of the partition then reads ``dims`` values per query instead of D
+    (docs/kernel_notes.md, "v21"). Returns int32 (B, H, ceil(N/group_size), group_size): query
     indices per group, -1 padding the last group.
-    Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment — on q's device
+    Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a floating tensor of layout (B, H, N, D)")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(dims, int) or isinstance(dims, bool) or dims not in GROUPING_DIMS:
+        raise ValueError(f"dims must be one of {GROUPING_DIMS}, got {dims!r}")
     with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
+        if dims and dims < q.shape[-1]:
+            q = project_leading(q, dims)
         return _group(q, group_size)
+
+
+def _orthonormal(v: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of the columns of v fp64 (S, D, r), r <= D, by Cholesky QR: columns scaled to unit norm,
+    G = v^T v = L L^T, v L^-T. Batched LAPACK / cuSOLVER calls that never wait for the GPU (cholesky_ex checks
+    nothing on the host); a tiny diagonal shift keeps G positive definite when two columns are near parallel."""
+    v = v / torch.linalg.vector_norm(v, dim=1, keepdim=True).clamp(min=1e-300)
+    g = v.transpose(1, 2) @ v
+    g = g + 1e-10 * torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
+    lower = torch.linalg.cholesky_ex(g)[0]
+    return torch.linalg.solve_triangular(lower, v.transpose(1, 2), upper=False).transpose(1, 2)
+
+
+def leading_subspace(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and covariance of each head's points, the inputs of ``project_leading``: x fp32 (S, N, D) -> mean fp32
+    (S, 1, D) and covariance fp64 (S, D, D) of an even subsample of about SUBSPACE_SAMPLE points."""
+    sub = x[:, ::max(1, x.shape[1] // SUBSPACE_SAMPLE)]
+    mean = sub.mean(1, keepdim=True)
+    c = sub - mean
+    return mean, (c.transpose(1, 2) @ c).double()
+
+
+def project_leading(q: torch.Tensor, dims: int) -> torch.Tensor:
+    """Each head's queries, centred, in an orthonormal basis of their ``dims`` leading principal directions.
+
+    q: (B, H, N, D) any float dtype, dims < D. Returns fp32 (B, H, N, dims). The basis comes from subspace
+    iteration on the covariance of an even subsample of SUBSPACE_SAMPLE queries per head, started from the
+    columns of the ``dims`` largest variances: SUBSPACE_ITERS products of a D x D matrix and Cholesky QRs in fp64,
+    no eigendecomposition (batched eigh of 128 x 128 matrices is a loop of solver calls on CUDA) and no host
+    synchronisation. Distances inside the projection do not depend on which orthonormal basis of the subspace
+    comes out, only on how well it holds the leading directions (docs/kernel_notes.md, "v21").
+    """
+    b, h, n, d = q.shape
+    out = torch.empty((b * h, n, dims), dtype=torch.float32, device=q.device)
+    qf = q.reshape(b * h, n, d)
+    step = max(1, CHUNK_ELEMS // max(1, n * d))
+    for h0 in range(0, b * h, step):
+        x = qf[h0:h0 + step].float()
+        mean, cov = leading_subspace(x)
+        idx = cov.diagonal(dim1=1, dim2=2).topk(dims, dim=1).indices  # (S, dims): the largest variances
+        v = torch.gather(cov, 2, idx.unsqueeze(1).expand(-1, d, -1))  # cov's columns there: one product done
+        for _ in range(SUBSPACE_ITERS - 1):
+            v = cov @ _orthonormal(v)
+        basis = _orthonormal(v).float()
+        torch.bmm(x - mean, basis, out=out[h0:h0 + step])
+    return out.view(b, h, n, dims)
 
 
 def _without_autocast(dev: torch.device):

@@ -429,6 +429,54 @@ def test_packed_groups_of_16_match_twin(path, n):
     assert torch.allclose(out.sum(-1), real, rtol=2e-2)
 
 
+def test_keep_at_threshold_kernel_matches_twin_at_real_size():
+    """kernels/threshold_triton.py at Wan 14B's anchor rows: a view of a padded mass buffer (591 of 600 groups,
+    75 600 keys), a sampled threshold with underflowed zeros tied to it in one head (ties overflow the room there),
+    equal to the twin; keep_top through both backends equal; no host synchronisation in the kernel's call."""
+    from comfyui_sparse_attention.engine.block_geometry import keep_top
+    g = torch.Generator(device=DEV).manual_seed(4)
+    buf = torch.rand(1, 3, 600, 75600, device=DEV, generator=g) ** 8
+    buf[0, 1, :, 5000:] = 0.0
+    mass = buf[:, :, :591]
+    k = 11340
+    cols = torch.arange(0, 75600, 75600 // 4096, device=DEV)[:4096]
+    thresh = torch.topk(mass[..., cols], round(k * 4096 / 75600), dim=-1).values[..., -1:]
+    twin = K.keep_at_threshold(mass, thresh, k, backend="torch")
+    out = K.keep_at_threshold(mass, thresh, k, backend="triton")
+    assert torch.equal(out, twin)
+    assert torch.equal(keep_top(mass, k, backend="triton"), keep_top(mass, k, backend="torch"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        K.keep_at_threshold(mass, thresh, k, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_grouping_on_leading_directions_at_real_size():
+    """group_queries(dims=32) at 75 600 tokens, D 128, bf16: an equal partition, groups about as tight in the full
+    space as dims 0 on structured queries, and (after the first call builds the level plan) no host
+    synchronisation."""
+    q, _, _ = qkv(4, 75600, 128, seed=21)
+    full = K.group_queries(q, 128)
+    ours = K.group_queries(q, 128, dims=32)
+    assert ours.shape == full.shape
+    flat = ours[0, 2].reshape(-1)
+    assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(75600, device=DEV, dtype=torch.int32))
+
+    def scatter(groups):
+        idx = groups[0, :, :-1].long()  # the full groups
+        x = torch.gather(q[0].float(), 1, idx.reshape(4, -1, 1).expand(4, -1, 128)).view(4, -1, 128, 128)
+        return float(((x - x.mean(2, keepdim=True)) ** 2).sum())
+    assert scatter(ours) <= 1.1 * scatter(full)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        K.group_queries(q, 128, dims=32)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @needs_hopper
 def test_dispatch_takes_tma_only_when_aligned():
     from comfyui_sparse_attention.kernels import _hopper

@@ -89,3 +89,24 @@ def test_pass_two_ranks_keys_by_a_subset_of_each_group(monkeypatch):
         SparseConfig(method="mc_sparse", group_size=64, mass_queries=64)
     with pytest.raises(ValueError, match="mass_queries"):
         SparseConfig(method="mc_sparse", mass_queries=16.0)
+
+
+def test_grouping_dims_reach_the_grouping(monkeypatch):
+    """grouping_dims: the policy groups each span's queries on that many leading directions; checked values."""
+    from comfyui_sparse_attention import kernels
+    from comfyui_sparse_attention.engine.policy_mc_sparse import build_mc_sparse
+    pr = SyntheticVideoAttention(frames=4, height=16, width=16, text=0, heads=2, head_dim=64, steps=1, seed=2)
+    q, k, v = pr.qkv(0)
+    _, lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")
+    seen, real = [], kernels.group_queries
+    monkeypatch.setattr(kernels, "group_queries", lambda q, c, **kw: seen.append(kw["dims"]) or real(q, c, **kw))
+    for dims in (0, 16, 32):
+        cfg = SparseConfig(method="mc_sparse", density=0.2, group_size=64, grouping_dims=dims)
+        sel = build_mc_sparse(q, k, lse, pr.layout, cfg, backend="torch")
+        assert seen[-1] == dims and sel.q_groups.shape[-1] == 64
+        flat = sel.q_groups[0, 0].reshape(-1)
+        assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(q.shape[2], dtype=torch.int32))
+    assert SparseConfig().grouping_dims == 0
+    for bad in (8, 32.0, True, "32"):
+        with pytest.raises(ValueError, match="grouping_dims"):
+            SparseConfig(method="mc_sparse", grouping_dims=bad)

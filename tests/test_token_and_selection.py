@@ -118,6 +118,70 @@ def within_scatter(q, groups):
     return total
 
 
+def low_rank_queries(n, d, rank, seed, heads=2):
+    """(1, heads, n, d) fp32 queries: a random ``rank``-dimensional subspace per head with decaying variances (20 down
+    to 2 standard deviations), an offset, and isotropic noise of 0.1."""
+    gen = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(heads, d, rank, generator=gen))[0]  # (heads, d, rank) orthonormal
+    coef = torch.randn(heads, n, rank, generator=gen) * torch.linspace(20, 2, rank)
+    return (coef @ basis.transpose(1, 2) + torch.randn(heads, 1, d, generator=gen)
+            + 0.1 * torch.randn(heads, n, d, generator=gen)).unsqueeze(0)
+
+
+@pytest.mark.parametrize("rank,dims", [(24, 32), (12, 16), (100, 32)])
+def test_leading_subspace_holds_as_much_variance_as_the_eigenvectors(rank, dims):
+    """grouping_dims: project_leading's subspace iteration (no eigendecomposition) keeps about as much of each head's
+    variance as its ``dims`` leading eigenvectors, with a clear gap after them (rank < dims) and without (rank 100)."""
+    from comfyui_sparse_attention.kernels.grouping_torch import project_leading
+    q = low_rank_queries(6000, 128, rank, seed=rank)
+    proj = project_leading(q, dims)
+    assert proj.shape == (1, 2, 6000, dims) and proj.dtype == torch.float32
+    for h in range(2):
+        x = q[0, h] - q[0, h].mean(0)
+        eig = torch.linalg.eigh(x.T.double() @ x.double())[0]
+        best = float(eig[-dims:].sum() / eig.sum())  # the largest share any dims directions can hold
+        p = proj[0, h] - proj[0, h].mean(0)
+        ours = float((p.double() ** 2).sum() / (x.double() ** 2).sum())
+        assert ours <= best + 1e-4 and ours >= best - (0.002 if rank < dims else 0.02), (ours, best)
+
+
+def test_grouping_on_leading_directions_is_an_equal_partition_as_tight_as_all_of_them():
+    """group_queries(dims=32) partitions exactly like dims 0 (ragged N, deterministic) and its groups are as tight in
+    the full space when the queries' structure lives in a few directions; dims of at least D is D; bad dims raise."""
+    n, c = 5000, 64
+    q = low_rank_queries(n, 128, 24, seed=7)
+    groups = group_queries(q, c, dims=32)
+    g = -(-n // c)
+    assert groups.shape == (1, 2, g, c) and groups.dtype == torch.int32
+    for h in range(2):
+        flat = groups[0, h].reshape(-1)
+        assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(n, dtype=torch.int32))
+    assert torch.equal(groups, group_queries(q, c, dims=32))
+    full = group_queries(q, c)
+    assert within_scatter(q, groups) <= 1.05 * within_scatter(q, full)
+    contiguous = torch.arange(g * c).view(1, 1, g, c).expand(1, 2, g, c)
+    assert within_scatter(q, groups) < 0.8 * within_scatter(q, torch.where(contiguous < n, contiguous, -1))
+    small = q[..., :32].to(torch.bfloat16)  # D = 32: dims 32 is every coordinate
+    assert torch.equal(group_queries(small, c, dims=32), group_queries(small, c))
+    assert group_queries(q.to(torch.bfloat16), c, dims=16).shape == (1, 2, g, c)
+    for bad in (8, 32.0, True, -1):
+        with pytest.raises(ValueError, match="dims"):
+            group_queries(q, c, dims=bad)
+
+
+def test_keep_at_threshold_checks_its_arguments():
+    from comfyui_sparse_attention.kernels import keep_at_threshold
+    scores = torch.rand(3, 100)
+    with pytest.raises(ValueError, match="thresh"):
+        keep_at_threshold(scores, torch.rand(3), 10)
+    with pytest.raises(ValueError, match="scores"):
+        keep_at_threshold(scores > 0.5, torch.rand(3, 1), 10)
+    with pytest.raises(ValueError, match="k must"):
+        keep_at_threshold(scores, torch.rand(3, 1), -1)
+    t = torch.full((3, 1), 0.5)
+    assert torch.equal(keep_at_threshold(scores, t, 100), scores > 0.5)
+
+
 @pytest.mark.parametrize("n", [16384, 12345])  # ragged: padding slots inside the subsampled segments
 def test_subsampled_directions_group_as_tightly_as_exact_ones(monkeypatch, n):
     """Segments longer than 2 x SUBSAMPLE take their direction from a subsample (kernels/grouping_torch.py)."""

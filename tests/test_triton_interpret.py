@@ -808,6 +808,52 @@ def test_fp8_residual_store_rounds_as_torch(child):
     assert r["finite_elsewhere"], r
 
 
+THRESHOLD_CHILD = PREAMBLE + r"""
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.engine.block_geometry import keep_top
+
+def reference(scores, thresh, k):  # the definition: above, then ties in index order up to k
+    above, tied = scores > thresh, scores == thresh
+    room = (k - above.sum(-1, keepdim=True)).clamp(min=0)
+    return above | (tied & (torch.cumsum(tied, -1) <= room))
+
+g = torch.Generator().manual_seed(0)
+same = {}
+base = torch.randint(0, 6, (2, 4, 6, 500), generator=g).float()  # few distinct values: many ties
+base[0, 1, 2, :40] = float("inf")  # forced entries
+base[1, 2, 3, 7] = float("nan")
+views = {"contiguous": base[0, 0], "4-d slice": base[:, 1:3, 2:4, 10:410], "one row": base[1, 0, 0],
+         "fp16": base[:, :2, :2].half(), "strided last": base[0].transpose(-1, -2)[:2, :, :300]}
+cases = [(name, k, "value") for name in views for k in (0, 3, 250, 1000)]
+cases += [(name, k, pick) for name in ("4-d slice", "fp16") for k in (3, 250) for pick in ("inf", "between")]
+for name, k, pick in cases:
+    scores = views[name]
+    if pick == "value":
+        thresh = scores[..., 5:6].clone()
+    else:
+        thresh = torch.full_like(scores[..., :1], float("inf") if pick == "inf" else 2.5)
+    ref = reference(scores, thresh, k)
+    a = K.keep_at_threshold(scores, thresh, k, backend="torch")
+    b = K.keep_at_threshold(scores, thresh, k, backend="triton")
+    same[f"{name}-{k}-{pick}"] = bool(torch.equal(a, ref) and torch.equal(b, ref) and b.dtype == torch.bool)
+# keep_top's long rows (L > 4 * SAMPLE), sampled threshold, through both backends
+long = torch.rand(2, 17000, generator=g)
+long[0, :9000] = 0.0  # ties at a zero threshold that overflow the room
+for k in (100, 12000):
+    same[f"keep_top-{k}"] = bool(torch.equal(keep_top(long, k, backend="torch"), keep_top(long, k, backend="triton")))
+print("RESULT:" + json.dumps(same))
+"""
+
+
+def test_keep_at_threshold_kernel_matches_twin_in_interpreter(child):
+    """kernels/threshold_triton.py keeps what its twin and the definition keep (entries above each row's threshold,
+    ties in index order up to k): ties, forced +inf entries, NaN, an infinite threshold, k of 0 and beyond the row,
+    fp16, 4-d slices whose rows no single stride describes, a strided last dimension; and keep_top's long rows
+    (the sampled threshold) give the same mask through both backends."""
+    same = child
+    assert len(same) == 5 * 4 + 8 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
+
+
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
@@ -822,6 +868,8 @@ CHILDREN = {
         (CHILD, 900, {}),
     "test_compact_keep_kernel_matches_twin_in_interpreter":
         (COMPACT_CHILD, 300, {}),
+    "test_keep_at_threshold_kernel_matches_twin_in_interpreter":
+        (THRESHOLD_CHILD, 600, {}),
     "test_compact_token_kernel_decodes_lists_in_the_interpreter":
         (COMPACT_TOKEN_CHILD, 600, {}),
     "test_block_sparse_triton_path_under_inference_mode_in_interpreter":
