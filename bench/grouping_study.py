@@ -42,7 +42,7 @@ def leading_direction_grouping(group_queries, r: int):
     int32 (B, H, ceil(N / c), c) as ``group_queries``. The directions come from the eigenvectors of the covariance
     of an even subsample of about 4 096 queries per head; every later level of the partition then reads r values
     per query instead of D."""
-    def grouped(q, c, backend="auto"):
+    def grouped(q, c, dims=0, backend="auto"):  # the policy passes its grouping_dims (0 for these variants)
         x = q.float()
         sub = x[:, :, ::max(1, x.shape[2] // 4096)]
         mean = sub.mean(2, keepdim=True)
@@ -79,7 +79,7 @@ def main():
     product = kernels.group_queries
     results = {}
     for name in args.variants.split(","):
-        if name.startswith("dims") and name[4:].isdigit():  # the engine's own grouping_dims
+        if name.startswith("dims") and name[4:].isdigit():  # the engine's own grouping_dims (cfg below)
             grouping = functools.partial(product, dims=int(name[4:]))
         elif name.startswith("pca_r") and name[5:].isdigit():
             grouping = leading_direction_grouping(product, int(name[5:]))
@@ -88,7 +88,8 @@ def main():
         else:
             ap.error(f"unknown variant {name!r}")
         cfg = eng.SparseConfig(method="mc_sparse", density=args.density, group_size=args.group_size, backend="torch",
-                               grouping="cuboid" if name == "cuboid" else "pca")
+                               grouping="cuboid" if name == "cuboid" else "pca",
+                               grouping_dims=int(name[4:]) if name.startswith("dims") else 0)
         kernels.group_queries = grouping  # the policy calls kernels.group_queries
         try:
             fresh, reuse = [], []

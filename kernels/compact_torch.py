@@ -39,12 +39,14 @@ class CompactLists:
     outputs kv_low (filled with LOW_PAD) and seg_ends (zeros), which the caller fills; ``result()`` shapes them back
     to the mask's leading dims."""
 
-    def __init__(self, keep: torch.Tensor, segment: int):
+    def __init__(self, keep: torch.Tensor, segment: int, count=None):
         check_compact_args(keep, segment)
         self.lead, self.length = keep.shape[:-1], keep.shape[-1]
         self.rows = keep.reshape(-1, self.length)
         self.r = self.rows.shape[0]
-        self.counts = self.rows.sum(-1, dtype=torch.int32)
+        # count: rows (R, L) bool -> int32 (R,) kept per row; the Triton path passes a kernel that reads the mask
+        # once instead of the sum's int32 copy of it (docs/kernel_notes.md, "v21")
+        self.counts = self.rows.sum(-1, dtype=torch.int32) if count is None else count(self.rows)
         self.width = aligned_width(int(self.counts.max())) if self.r else 0
         self.n_seg = max(1, -(-self.length // segment))
         self.low = torch.full((self.r, self.width), LOW_PAD, dtype=torch.int16, device=keep.device)

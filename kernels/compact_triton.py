@@ -31,10 +31,32 @@ def _compact_fwd(keep_ptr, low_ptr, seg_ptr, L, W, S, SEGMENT: tl.constexpr, BLO
     tl.store(seg_ptr + row * S + S - 1, base)  # the last segment ends at L
 
 
+@triton.jit
+def _count_fwd(keep_ptr, count_ptr, L, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    total = tl.full([], 0, tl.int32)
+    for start in range(0, L, BLOCK):
+        cols = start + offs
+        total += tl.sum(tl.load(keep_ptr + row * L + cols, mask=cols < L, other=0).to(tl.int32), 0)
+    tl.store(count_ptr + row, total)
+
+
+def count_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Kept entries per row: rows bool (R, L) -> int32 (R,), one program per row reading the mask once (a bool
+    tensor's sum converts it to int32 first: ~7 ms of the mc_sparse anchor at Wan 14B, docs/kernel_notes.md, "v21")."""
+    r, length = rows.shape
+    counts = torch.zeros(r, dtype=torch.int32, device=rows.device)
+    if r and length:
+        _count_fwd[(r,)](rows.contiguous().view(torch.uint8), counts, length,
+                         BLOCK=128 if interpreting() else 4096, num_warps=4)
+    return counts
+
+
 def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as ``compact_torch.compact_keep``: keep bool (..., L) -> (kv_low int16 (..., W), seg_ends
     int32 (..., S), counts int32 (...)). The width W is the largest count, read back once (as the twin does)."""
-    lists = CompactLists(keep, segment)
+    lists = CompactLists(keep, segment, count=count_rows)
     if lists.r and lists.length and lists.width:
         block = min(segment, 64 if interpreting() else 2048)
         rows = lists.rows.contiguous().view(torch.uint8)

@@ -65,6 +65,25 @@ def test_the_grouping_products_are_einsums_batched_matmuls_bit_for_bit():
     assert torch.equal(g._back(x, w), torch.einsum("sld,sl->sd", x, w))
 
 
+def test_narrow_points_iterate_on_their_covariance(monkeypatch):
+    """Points of at most COVARIANCE_DIMS coordinates find their leading direction by multiplying with the covariance:
+    the vector of the two-product iteration up to rounding, and group_queries(dims=16) keeps its groups as tight."""
+    from comfyui_sparse_attention.kernels import grouping_torch as g
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 700, 16, generator=gen) * torch.linspace(3, 0.5, 16)
+    x[:, 600:] = 0.0  # zeroed padding slots, as the grouping passes them
+    xc = x - x.mean(1, keepdim=True)
+    cov = g._leading_direction(xc)
+    monkeypatch.setattr(g, "COVARIANCE_DIMS", 0)
+    products = g._leading_direction(xc)
+    assert torch.allclose(cov, products, atol=1e-5)
+    from test_token_and_selection import low_rank_queries, within_scatter
+    q = low_rank_queries(5000, 128, 24, seed=9)
+    two = g.group_queries(q, 64, dims=16)
+    monkeypatch.undo()
+    assert within_scatter(q, g.group_queries(q, 64, dims=16)) <= 1.02 * within_scatter(q, two)
+
+
 def test_pass_two_ranks_keys_by_a_subset_of_each_group(monkeypatch):
     """mass_queries: pass 2 gets every (group_size / mass_queries)-th query of each group (0: all of them); the
     selection still covers every query of the group."""
@@ -106,7 +125,7 @@ def test_grouping_dims_reach_the_grouping(monkeypatch):
         assert seen[-1] == dims and sel.q_groups.shape[-1] == 64
         flat = sel.q_groups[0, 0].reshape(-1)
         assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(q.shape[2], dtype=torch.int32))
-    assert SparseConfig().grouping_dims == 0
+    assert SparseConfig().grouping_dims == 16
     for bad in (8, 32.0, True, "32"):
         with pytest.raises(ValueError, match="grouping_dims"):
             SparseConfig(method="mc_sparse", grouping_dims=bad)
