@@ -225,6 +225,12 @@ def _without_autocast(dev: torch.device):
         return contextlib.nullcontext()
 
 
+def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows fp32 (R, D), index int64 (M,) -> rows[index] (M, D): a row gather (index_select) rather than an
+    element-wise gather with an expanded index."""
+    return rows.index_select(0, index)
+
+
 def _group(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """group_queries after its checks."""
     b, h, n, d = q.shape
@@ -240,17 +246,36 @@ def _group(q: torch.Tensor, group_size: int) -> torch.Tensor:
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
         nh = x.shape[0]
-        rows = x.reshape(nh * n, d)
-        head_base = (torch.arange(nh, device=dev) * n).view(nh, 1, 1)
+        # the points in the order of perm (a padding slot holds a copy of the last query, which the masks ignore), so
+        # that each level reorders points inside their own segment: a gather from the original order reads rows
+        # scattered over the whole head at every level, and random rows cost the same whether 64 or 512 bytes wide
+        # (docs/kernel_notes.md, "v21")
+        if n_pad > n:
+            cur = torch.cat([x, x[:, -1:].expand(nh, n_pad - n, d)], 1)
+        else:
+            # .float() of fp32 is q itself, which must not change; either way rows laid out densely for the views below
+            cur = x.clone(memory_format=torch.contiguous_format) if x.dtype == q.dtype else x.contiguous()
         perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
-        for level in levels:
+        for li, level in enumerate(levels):
+            last = li == len(levels) - 1  # the points are not needed after the last level
             for length, pos, n_segs in level:
-                ids = perm[:, pos].view(nh, n_segs, length)
-                # row gather (index_select) rather than an element-wise gather with an expanded index
-                pts = rows.index_select(0, (ids.clamp(max=n - 1) + head_base).view(-1))
-                real = (ids < n).view(-1, length) if n_pad > n else None  # only a ragged N has padding slots
-                order = _principal_order(pts.view(nh * n_segs, length, d), real)
-                perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(nh, -1)
+                whole = n_segs * length == n_pad  # one bucket holding all segments in order: pos is arange(n_pad)
+                ids = (perm if whole else perm[:, pos]).view(nh * n_segs, length)
+                pts = (cur if whole else cur[:, pos]).view(nh * n_segs, length, d)
+                real = ids < n if n_pad > n else None  # only a ragged N has padding slots
+                order = _principal_order(pts, real)
+                new_ids = torch.gather(ids, 1, order).view(nh, -1)
+                moved = None
+                if not last:
+                    local = order + (torch.arange(nh * n_segs, device=dev) * length).view(-1, 1)
+                    moved = _gather_rows(pts.reshape(-1, d), local.view(-1)).view(nh, -1, d)
+                if whole:
+                    perm = new_ids
+                    cur = moved if moved is not None else cur
+                else:
+                    perm[:, pos] = new_ids
+                    if moved is not None:
+                        cur[:, pos] = moved
         perm_all[h0:h0 + nh] = perm
     perm_all = torch.where(perm_all < n, perm_all, torch.full_like(perm_all, -1))
     return perm_all.view(b, h, g, c).to(torch.int32)

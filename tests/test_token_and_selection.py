@@ -169,6 +169,40 @@ def test_grouping_on_leading_directions_is_an_equal_partition_as_tight_as_all_of
             group_queries(q, c, dims=bad)
 
 
+def _group_from_original_order(q, c):
+    """The grouping as it was before the points followed the permutation (kernels/grouping_torch.py, _group): every
+    level gathers its points from the queries' original order. int32 (B, H, G, c)."""
+    import math
+    from comfyui_sparse_attention.kernels import grouping_torch as gt
+    b, h, n, d = q.shape
+    g = math.ceil(n / c)
+    n_pad = g * c
+    rows = q.reshape(b * h * n, d).float()
+    base = (torch.arange(b * h) * n).view(b * h, 1, 1)
+    perm = torch.arange(n_pad).expand(b * h, n_pad).clone()
+    for level in gt._level_positions(n_pad, c, q.device):
+        for length, pos, n_segs in level:
+            ids = perm[:, pos].view(b * h, n_segs, length)
+            pts = rows.index_select(0, (ids.clamp(max=n - 1) + base).view(-1))
+            real = (ids < n).view(-1, length) if n_pad > n else None
+            order = gt._principal_order(pts.view(b * h * n_segs, length, d), real)
+            perm[:, pos] = torch.gather(ids.view(-1, length), 1, order).view(b * h, -1)
+    return torch.where(perm < n, perm, -1).view(b, h, g, c).to(torch.int32)
+
+
+@pytest.mark.parametrize("n,c,sliced", [(1000, 64, False), (4097, 128, False), (9000, 64, True), (8192, 128, True)])
+def test_points_following_the_permutation_give_the_same_groups(n, c, sliced):
+    """The grouping reorders each level's points inside their segment (kernels/grouping_torch.py, kernel_notes "v21")
+    instead of gathering them from the original order: the same groups bit for bit, fp32 q (contiguous, or a slice
+    along N as the policy passes a segment) left untouched."""
+    gen = torch.Generator().manual_seed(n)
+    full = torch.randn(2, 2, n + (500 if sliced else 0), 64, generator=gen)
+    q = full[:, :, 250:250 + n] if sliced else full
+    before = q.clone()
+    assert torch.equal(group_queries(q, c), _group_from_original_order(q, c))
+    assert torch.equal(q, before)
+
+
 def test_keep_at_threshold_checks_its_arguments():
     from comfyui_sparse_attention.kernels import keep_at_threshold
     scores = torch.rand(3, 100)
