@@ -5,8 +5,8 @@
 
 For each row width: the gather of every row of ``heads`` blocks of ``tokens`` rows by a random permutation inside each
 block (what a level of the grouping reads), as index_select, advanced indexing, an element-wise gather with an
-expanded index, and a Triton-free float64 view (two fp32 values a lane); then ``group_queries(q, 128, dims=16)`` with
-the grouping's gather replaced by each form. CUDA events, median of 10 after 3 warm-ups.
+expanded index, a float64 view (two fp32 values a lane) and the pack's Triton kernel (kernels/gather_triton.py); then
+``group_queries(q, 128, dims=16)`` (kernels/grouping_torch.py) with the grouping's gather replaced by each form. CUDA events, median of 10 after 3 warm-ups.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ FORMS = {
     "indexing": lambda rows, idx: rows[idx],
     "gather": lambda rows, idx: torch.gather(rows, 0, idx.unsqueeze(-1).expand(-1, rows.shape[1])),
     "float64_view": lambda rows, idx: rows.view(torch.float64).index_select(0, idx).view(torch.float32),
+    "triton": lambda rows, idx: load("kernels.gather_triton").gather_rows(rows, idx),
 }
 
 
@@ -68,17 +69,12 @@ def main():
             result["gather_ms"][f"{name} d{d}"] = ms
             log.info("gather %-13s d %3d: %.3f ms (%.0f GB/s)", name, d, ms, 2 * rows.numel() * 4 / ms / 1e6)
     q = torch.randn(1, h, n, 128, device=dev, generator=g).to(torch.bfloat16)
-    real = grouping._gather_rows
     base = grouping.group_queries(q, 128, 16)
-    try:
-        for name, fn in FORMS.items():
-            grouping._gather_rows = fn
-            assert torch.equal(grouping.group_queries(q, 128, 16), base), name
-            ms = timed(lambda: grouping.group_queries(q, 128, 16), reps=5)
-            result["group_queries_ms"][name] = ms
-            log.info("group_queries(dims=16) with %-13s %.2f ms", name, ms)
-    finally:
-        grouping._gather_rows = real
+    for name, fn in FORMS.items():
+        assert torch.equal(grouping.group_queries(q, 128, 16, gather=fn), base), name
+        ms = timed(lambda: grouping.group_queries(q, 128, 16, gather=fn), reps=5)
+        result["group_queries_ms"][name] = ms
+        log.info("group_queries(dims=16) with %-13s %.2f ms", name, ms)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -12,6 +12,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK_SIZES = (64, 128)
 TRITON_HEAD_DIMS = (64, 80, 96, 128)  # head dims the Triton kernels take (80, 96 padded in-kernel)
+GATHER_WIDTHS = (16, 32, 64, 128)  # row widths of gather_triton (a power of two: one tl.arange across the row)
 
 
 def triton_group_problem(c: int) -> str | None:

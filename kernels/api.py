@@ -15,7 +15,7 @@ import torch
 
 from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
                threshold_torch, token_sparse_torch)
-from ._checks import FLOAT_DTYPES, TRITON_HEAD_DIMS, triton_group_problem
+from ._checks import FLOAT_DTYPES, GATHER_WIDTHS, TRITON_HEAD_DIMS, triton_group_problem
 from ._residual import check_residual, mass_of, refuse_mass, residual_mass
 from .backend import announce, check_backend, choose, triton_problem
 
@@ -215,10 +215,17 @@ def group_queries(q, group_size, *, dims=0, backend="auto"):
     """Principal-direction median-split grouping -> int32 (B,H,ceil(N/C),C), -1 pads; dims 16/32/64: on each head's
     queries projected on that many leading principal directions (grouping_torch.group_queries).
 
-    Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are: there
-    is no separate Triton kernel, so every backend runs the same code on q's device.
+    Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are; where Triton can run
+    (never raising: an explicit "triton" that cannot falls back as "auto" does), each level's row gather is
+    ``gather_triton.gather_rows``, which gives the same rows as the twin's ``index_select``.
     """
     check_backend(backend)
+    width = dims if dims and dims < q.shape[-1] else q.shape[-1]
+    why = None if width in GATHER_WIDTHS else f"row width {width} is not one of {GATHER_WIDTHS}"
+    if backend != "torch" and isinstance(q, torch.Tensor) and triton_problem(backend, q, why) is None:
+        from . import gather_triton
+        announce("group_queries", q, "torch", "PyTorch operations, the row gathers on a Triton kernel")
+        return grouping_torch.group_queries(q, group_size, dims, gather=gather_triton.gather_rows)
     announce("group_queries", q, "torch", "one PyTorch implementation for every backend")
     return grouping_torch.group_queries(q, group_size, dims)
 

@@ -130,7 +130,7 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     return torch.argsort(proj, dim=1, stable=True)
 
 
-def group_queries(q: torch.Tensor, group_size: int, dims: int = 0) -> torch.Tensor:
+def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) -> torch.Tensor:
     """Partition each head's queries into groups of exactly ``group_size`` similar queries.
 
     Recursively projects every group on its leading principal direction (power iteration) and
@@ -139,8 +139,9 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0) -> torch.Tens
     q: (B, H, N, D) any float dtype. dims: 0 partitions the queries themselves; 16, 32 or 64 (below D)
     partitions each head's queries projected on their ``dims`` leading principal directions
     (``project_leading``): every level of the partition then reads ``dims`` values per query instead of D
-    (docs/kernel_notes.md, "v21"). Returns int32 (B, H, ceil(N/group_size), group_size): query
-    indices per group, -1 padding the last group.
+    (docs/kernel_notes.md, "v21"). gather: the row gather of each level, (rows fp32 (R, W), index int64 (M,)) ->
+    rows[index] (``kernels.gather_triton.gather_rows`` on CUDA), None for ``index_select``. Returns int32
+    (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group.
     Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
@@ -153,7 +154,7 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0) -> torch.Tens
     with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
         if dims and dims < q.shape[-1]:
             q = project_leading(q, dims)
-        return _group(q, group_size)
+        return _group(q, group_size, gather or _gather_rows)
 
 
 def _orthonormal(v: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, index)
 
 
-def _group(q: torch.Tensor, group_size: int) -> torch.Tensor:
+def _group(q: torch.Tensor, group_size: int, gather=_gather_rows) -> torch.Tensor:
     """group_queries after its checks."""
     b, h, n, d = q.shape
     c = group_size
@@ -268,7 +269,7 @@ def _group(q: torch.Tensor, group_size: int) -> torch.Tensor:
                 moved = None
                 if not last:
                     local = order + (torch.arange(nh * n_segs, device=dev) * length).view(-1, 1)
-                    moved = _gather_rows(pts.reshape(-1, d), local.view(-1)).view(nh, -1, d)
+                    moved = gather(pts.reshape(-1, d), local.view(-1)).view(nh, -1, d)
                 if whole:
                     perm = new_ids
                     cur = moved if moved is not None else cur

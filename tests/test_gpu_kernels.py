@@ -454,13 +454,16 @@ def test_keep_at_threshold_kernel_matches_twin_at_real_size():
 
 
 def test_grouping_on_leading_directions_at_real_size():
-    """group_queries(dims=32) at 75 600 tokens, D 128, bf16: an equal partition, groups about as tight in the full
-    space as dims 0 on structured queries, and (after the first call builds the level plan) no host
-    synchronisation."""
+    """group_queries(dims=32) at 75 600 tokens, D 128, bf16: an equal partition, the same groups with the Triton row
+    gather as with index_select, groups about as tight in the full space as dims 0 on structured queries, and
+    (after the first call builds the level plan) no host synchronisation."""
     q, _, _ = qkv(4, 75600, 128, seed=21)
     full = K.group_queries(q, 128)
     ours = K.group_queries(q, 128, dims=32)
     assert ours.shape == full.shape
+    # the row gathers on the Triton kernel (auto) or index_select (torch): the same rows, the same groups
+    assert torch.equal(ours, K.group_queries(q, 128, dims=32, backend="torch"))
+    assert torch.equal(full, K.group_queries(q, 128, backend="torch"))
     flat = ours[0, 2].reshape(-1)
     assert torch.equal(torch.sort(flat[flat >= 0]).values, torch.arange(75600, device=DEV, dtype=torch.int32))
 

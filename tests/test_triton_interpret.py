@@ -854,6 +854,31 @@ def test_keep_at_threshold_kernel_matches_twin_in_interpreter(child):
     assert len(same) == 5 * 4 + 8 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
 
 
+GATHER_CHILD = PREAMBLE + r"""
+from comfyui_sparse_attention import kernels as K
+from comfyui_sparse_attention.kernels.gather_triton import gather_rows
+g = torch.Generator().manual_seed(0)
+same = {}
+for d in (16, 64, 128):
+    rows = torch.randn(300, d, generator=g)
+    idx = torch.randint(0, 300, (450,), generator=g)  # repeats, and a count that no block divides
+    same[f"rows-{d}"] = bool(torch.equal(gather_rows(rows, idx), rows.index_select(0, idx)))
+same["empty"] = gather_rows(torch.randn(5, 16), torch.zeros(0, dtype=torch.int64)).shape == (0, 16)
+for d, dims in ((64, 16), (64, 0), (96, 0)):  # D 96 has no Triton gather: the same PyTorch path
+    q = torch.randn(1, 2, 1000, d, generator=g)
+    same[f"groups-{d}-{dims}"] = bool(torch.equal(K.group_queries(q, 64, dims=dims, backend="triton"),
+                                                  K.group_queries(q, 64, dims=dims, backend="torch")))
+print("RESULT:" + json.dumps(same))
+"""
+
+
+def test_row_gather_kernel_matches_index_select_in_interpreter(child):
+    """kernels/gather_triton.py gives index_select's rows (widths 16, 64, 128, repeated indices, a ragged last
+    block, no rows); the grouping with it gives the twin's groups, and a width it does not take falls back."""
+    same = child
+    assert len(same) == 7 and all(same.values()), same
+
+
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
@@ -870,6 +895,8 @@ CHILDREN = {
         (COMPACT_CHILD, 300, {}),
     "test_keep_at_threshold_kernel_matches_twin_in_interpreter":
         (THRESHOLD_CHILD, 600, {}),
+    "test_row_gather_kernel_matches_index_select_in_interpreter":
+        (GATHER_CHILD, 600, {}),
     "test_compact_token_kernel_decodes_lists_in_the_interpreter":
         (COMPACT_TOKEN_CHILD, 600, {}),
     "test_block_sparse_triton_path_under_inference_mode_in_interpreter":
