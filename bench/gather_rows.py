@@ -6,7 +6,8 @@
 For each row width: the gather of every row of ``heads`` blocks of ``tokens`` rows by a random permutation inside each
 block (what a level of the grouping reads), as index_select, advanced indexing, an element-wise gather with an
 expanded index, a float64 view (two fp32 values a lane) and the pack's Triton kernel (kernels/gather_triton.py); then
-``group_queries(q, 128, dims=16)`` (kernels/grouping_torch.py) with the grouping's gather replaced by each form. CUDA events, median of 10 after 3 warm-ups.
+``group_queries(q, 128, dims=16)`` (kernels/grouping_torch.py) with the grouping's gather replaced by each form.
+CUDA events, median of 10 after 3 warm-ups.
 """
 
 from __future__ import annotations
