@@ -672,9 +672,9 @@ def main():
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16", help="weight dtype: bf16, or fp8 "
                     "(float8_e4m3fn computed in bf16, as ComfyUI runs fp8 checkpoints)")
     args = ap.parse_args()
-    bad = [m for m in args.modes.split(",") if m and not re.fullmatch(r"[a-z_]+@[0-9.]+", m)] if args.modes else []
+    bad = [m for m in args.modes.split(",") if not re.fullmatch(r"[a-z_]+@[0-9]*\.?[0-9]+", m)] if args.modes else []
     if bad:
-        ap.error(f"--modes takes method@density entries (dense is always timed first), got {', '.join(bad)}")
+        ap.error(f"--modes takes method@density entries (dense is always timed first), got {bad}")
     if args.pattern and (set(args.pattern) - {"A", "r"} or not args.pattern.startswith("A") or "r" not in args.pattern):
         ap.error("--pattern: letters A (anchor) and r (reuse), starting with A, with at least one r")
     if args.whole_run and (args.pattern or args.anchors_timed != 1):

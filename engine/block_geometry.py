@@ -252,7 +252,7 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "a
     one Triton pass per row with no host synchronisation, docs/kernel_notes.md, "v21").
     """
     length = scores.shape[-1]
-    k = max(0, min(k, length))
+    k = max(0, min(int(k), length))
     if k == 0:
         return torch.isinf(scores)
     if k == length:

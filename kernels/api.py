@@ -220,6 +220,7 @@ def group_queries(q, group_size, *, dims=0, backend="auto"):
     ``gather_triton.gather_rows``, which gives the same rows as the twin's ``index_select``.
     """
     check_backend(backend)
+    grouping_torch.check_grouping_args(q, group_size, dims)
     width = dims if dims and dims < q.shape[-1] else q.shape[-1]
     why = None if width in GATHER_WIDTHS else f"row width {width} is not one of {GATHER_WIDTHS}"
     if backend != "torch" and isinstance(q, torch.Tensor) and triton_problem(backend, q, why) is None:
@@ -247,8 +248,9 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, backend="auto", validate=T
 
 
 def keep_at_threshold(scores, thresh, k, *, backend="auto"):
-    """A row threshold applied with a budget: scores float (..., L), thresh float (..., 1), k int -> bool (..., L),
-    the entries above the threshold plus ties in index order up to k a row (threshold_torch.keep_at_threshold)."""
+    """A row threshold applied with a budget: scores float (..., L), thresh (..., 1) of its dtype, k int -> bool
+    (..., L), the entries above the threshold plus ties in index order up to k a row
+    (threshold_torch.keep_at_threshold)."""
     threshold_torch.check_threshold_args(scores, thresh, k)
     why = None if scores.dtype in FLOAT_DTYPES else f"dtype {scores.dtype} is not supported"
     if choose(backend, scores, why, "keep_at_threshold") == "triton":

@@ -145,16 +145,21 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) 
     Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
+    check_grouping_args(q, group_size, dims)
+    with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
+        if dims and dims < q.shape[-1]:  # a fresh fp32 tensor: _group may reorder it in place
+            return _group(project_leading(q, dims), group_size, gather or _gather_rows, owned=True)
+        return _group(q, group_size, gather or _gather_rows)
+
+
+def check_grouping_args(q, group_size, dims) -> None:
+    """ValueError unless q is a floating (B, H, N, D) tensor, group_size a positive int and dims in GROUPING_DIMS."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
         raise ValueError("q must be a floating tensor of layout (B, H, N, D)")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not isinstance(dims, int) or isinstance(dims, bool) or dims not in GROUPING_DIMS:
         raise ValueError(f"dims must be one of {GROUPING_DIMS}, got {dims!r}")
-    with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
-        if dims and dims < q.shape[-1]:
-            q = project_leading(q, dims)
-        return _group(q, group_size, gather or _gather_rows)
 
 
 def _orthonormal(v: torch.Tensor) -> torch.Tensor:
@@ -168,13 +173,20 @@ def _orthonormal(v: torch.Tensor) -> torch.Tensor:
     return torch.linalg.solve_triangular(lower, v.transpose(1, 2), upper=False).transpose(1, 2)
 
 
+def subspace_device(dev: torch.device) -> torch.device:
+    """Where the subspace iteration runs for queries on dev: there on CPU and CUDA; on the CPU for devices without
+    float64 or batched Cholesky (Apple MPS), one small (S, D, D) copy each way and a wait for the device."""
+    return dev if dev.type in ("cpu", "cuda") else torch.device("cpu")
+
+
 def leading_subspace(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and covariance of each head's points, the inputs of ``project_leading``: x fp32 (S, N, D) -> mean fp32
-    (S, 1, D) and covariance fp64 (S, D, D) of an even subsample of about SUBSPACE_SAMPLE points."""
+    (S, 1, D) and covariance fp64 (S, D, D) on ``subspace_device`` of an even subsample of about SUBSPACE_SAMPLE
+    points (the product in fp32, then widened)."""
     sub = x[:, ::max(1, x.shape[1] // SUBSPACE_SAMPLE)]
     mean = sub.mean(1, keepdim=True)
     c = sub - mean
-    return mean, (c.transpose(1, 2) @ c).double()
+    return mean, (c.transpose(1, 2) @ c).to(subspace_device(x.device), torch.float64)
 
 
 _STARTS: dict = {}  # (D, dims, device) -> the fixed start of the subspace iteration
@@ -198,7 +210,8 @@ def project_leading(q: torch.Tensor, dims: int) -> torch.Tensor:
 
     q: (B, H, N, D) any float dtype, dims < D. Returns fp32 (B, H, N, dims). The basis comes from subspace
     iteration on the covariance of an even subsample of SUBSPACE_SAMPLE queries per head, started from a fixed
-    random matrix (``_start``): SUBSPACE_ITERS products of a D x D matrix and Cholesky QRs in fp64,
+    random matrix (``_start``): SUBSPACE_ITERS products of a D x D matrix and Cholesky QRs in fp64 (on the CPU for
+    devices without fp64, ``subspace_device``),
     no eigendecomposition (batched eigh of 128 x 128 matrices is a loop of solver calls on CUDA) and no host
     synchronisation. Distances inside the projection do not depend on which orthonormal basis of the subspace
     comes out, only on how well it holds the leading directions (docs/kernel_notes.md, "v21").
@@ -210,10 +223,10 @@ def project_leading(q: torch.Tensor, dims: int) -> torch.Tensor:
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
         mean, cov = leading_subspace(x)
-        v = cov @ _start(d, dims, q.device)
+        v = cov @ _start(d, dims, cov.device)
         for _ in range(SUBSPACE_ITERS - 1):
             v = cov @ _orthonormal(v)
-        basis = _orthonormal(v).float()
+        basis = _orthonormal(v).to(q.device, torch.float32)
         torch.bmm(x - mean, basis, out=out[h0:h0 + step])
     return out.view(b, h, n, dims)
 
@@ -232,8 +245,8 @@ def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, index)
 
 
-def _group(q: torch.Tensor, group_size: int, gather=_gather_rows) -> torch.Tensor:
-    """group_queries after its checks."""
+def _group(q: torch.Tensor, group_size: int, gather=_gather_rows, owned: bool = False) -> torch.Tensor:
+    """group_queries after its checks; owned: q is the caller's own scratch (the projection), which may change."""
     b, h, n, d = q.shape
     c = group_size
     g = math.ceil(n / c)
@@ -255,7 +268,8 @@ def _group(q: torch.Tensor, group_size: int, gather=_gather_rows) -> torch.Tenso
             cur = torch.cat([x, x[:, -1:].expand(nh, n_pad - n, d)], 1)
         else:
             # .float() of fp32 is q itself, which must not change; either way rows laid out densely for the views below
-            cur = x.clone(memory_format=torch.contiguous_format) if x.dtype == q.dtype else x.contiguous()
+            cur = x.clone(memory_format=torch.contiguous_format) if x.dtype == q.dtype and not owned \
+                else x.contiguous()
         perm = torch.arange(n_pad, device=dev).expand(nh, n_pad).clone()
         for li, level in enumerate(levels):
             last = li == len(levels) - 1  # the points are not needed after the last level

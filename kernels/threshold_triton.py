@@ -55,7 +55,7 @@ def _rows_view(scores: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 def keep_at_threshold(scores: torch.Tensor, thresh: torch.Tensor, k: int) -> torch.Tensor:
     """Same contract as ``threshold_torch.keep_at_threshold``: scores float (..., L) (fp32/fp16/bf16, any leading
-    strides), thresh float (..., 1), k int >= 0 -> bool (..., L), contiguous."""
+    strides), thresh (..., 1) of scores' dtype, k int >= 0 -> bool (..., L), contiguous."""
     length = scores.shape[-1]
     out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
     rows = out.numel() // length if length else 0
@@ -64,7 +64,7 @@ def keep_at_threshold(scores: torch.Tensor, thresh: torch.Tensor, k: int) -> tor
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     three, inner, s_outer, s_inner = _rows_view(scores)
-    t = thresh.reshape(rows).to(scores.dtype).contiguous()
+    t = thresh.reshape(rows).contiguous()  # scores' dtype (check_threshold_args)
     block = 128 if interpreting() else 2048  # several blocks a row in the interpreter's tests too
     _keep_fwd[(rows,)](three, t, out.view(torch.uint8), inner, length, s_outer, s_inner, min(k, 2**31 - 1),
                        BLOCK=block, num_warps=8)

@@ -71,8 +71,8 @@ def test_narrow_points_iterate_on_their_covariance(monkeypatch):
     from comfyui_sparse_attention.kernels import grouping_torch as g
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 700, 16, generator=gen) * torch.linspace(3, 0.5, 16)
-    x[:, 600:] = 0.0  # zeroed padding slots, as the grouping passes them
     xc = x - x.mean(1, keepdim=True)
+    xc[:, 600:] = 0.0  # zeroed padding slots, as _principal_order passes them
     cov = g._leading_direction(xc)
     monkeypatch.setattr(g, "COVARIANCE_DIMS", 0)
     products = g._leading_direction(xc)

@@ -164,9 +164,14 @@ def test_grouping_on_leading_directions_is_an_equal_partition_as_tight_as_all_of
     small = q[..., :32].to(torch.bfloat16)  # D = 32: dims 32 is every coordinate
     assert torch.equal(group_queries(small, c, dims=32), group_queries(small, c))
     assert group_queries(q.to(torch.bfloat16), c, dims=16).shape == (1, 2, g, c)
-    for bad in (8, 32.0, True, -1):
+    for bad in (8, 32.0, True, -1, "16"):
         with pytest.raises(ValueError, match="dims"):
             group_queries(q, c, dims=bad)
+    with pytest.raises(ValueError, match="q must"):
+        group_queries(None, c)
+    from comfyui_sparse_attention.kernels.grouping_torch import subspace_device
+    assert subspace_device(torch.device("mps")) == torch.device("cpu")  # no float64 there: the iteration on the CPU
+    assert subspace_device(torch.device("cpu")) == torch.device("cpu")
 
 
 def _group_from_original_order(q, c):
@@ -212,6 +217,8 @@ def test_keep_at_threshold_checks_its_arguments():
         keep_at_threshold(scores > 0.5, torch.rand(3, 1), 10)
     with pytest.raises(ValueError, match="k must"):
         keep_at_threshold(scores, torch.rand(3, 1), -1)
+    with pytest.raises(ValueError, match="thresh"):  # another precision would compare differently in the kernel
+        keep_at_threshold(scores, torch.rand(3, 1, dtype=torch.float64), 10)
     t = torch.full((3, 1), 0.5)
     assert torch.equal(keep_at_threshold(scores, t, 100), scores > 0.5)
 

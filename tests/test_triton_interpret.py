@@ -823,7 +823,9 @@ base = torch.randint(0, 6, (2, 4, 6, 500), generator=g).float()  # few distinct 
 base[0, 1, 2, :40] = float("inf")  # forced entries
 base[1, 2, 3, 7] = float("nan")
 views = {"contiguous": base[0, 0], "4-d slice": base[:, 1:3, 2:4, 10:410], "one row": base[1, 0, 0],
-         "fp16": base[:, :2, :2].half(), "strided last": base[0].transpose(-1, -2)[:2, :, :300]}
+         "fp16": base[:, :2, :2].half(), "strided last": base[0].transpose(-1, -2)[:2, :, :300],
+         "rows sliced": base[:, :, 2:4, 10:410], "heads sliced": base[:, 1:3, :, 10:410],  # two strides, no copy
+         "bf16": base[:, :2, :2].bfloat16()}
 cases = [(name, k, "value") for name in views for k in (0, 3, 250, 1000)]
 cases += [(name, k, pick) for name in ("4-d slice", "fp16") for k in (3, 250) for pick in ("inf", "between")]
 for name, k, pick in cases:
@@ -836,6 +838,9 @@ for name, k, pick in cases:
     a = K.keep_at_threshold(scores, thresh, k, backend="torch")
     b = K.keep_at_threshold(scores, thresh, k, backend="triton")
     same[f"{name}-{k}-{pick}"] = bool(torch.equal(a, ref) and torch.equal(b, ref) and b.dtype == torch.bool)
+from comfyui_sparse_attention.kernels.threshold_triton import _rows_view
+for name in ("rows sliced", "heads sliced"):  # the policy's mass[:, :, rows, cols] with B > 1: read in place
+    same[f"{name} in place"] = _rows_view(views[name])[0].data_ptr() == views[name].data_ptr()
 # keep_top's long rows (L > 4 * SAMPLE), sampled threshold, through both backends
 long = torch.rand(2, 17000, generator=g)
 long[0, :9000] = 0.0  # ties at a zero threshold that overflow the room
@@ -848,10 +853,10 @@ print("RESULT:" + json.dumps(same))
 def test_keep_at_threshold_kernel_matches_twin_in_interpreter(child):
     """kernels/threshold_triton.py keeps what its twin and the definition keep (entries above each row's threshold,
     ties in index order up to k): ties, forced +inf entries, NaN, an infinite threshold, k of 0 and beyond the row,
-    fp16, 4-d slices whose rows no single stride describes, a strided last dimension; and keep_top's long rows
-    (the sampled threshold) give the same mask through both backends."""
+    fp16, bf16, 4-d slices read in place through two strides and one that needs a copy, a strided last dimension;
+    and keep_top's long rows (the sampled threshold) give the same mask through both backends."""
     same = child
-    assert len(same) == 5 * 4 + 8 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
+    assert len(same) == 8 * 4 + 8 + 2 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
 
 
 GATHER_CHILD = PREAMBLE + r"""
