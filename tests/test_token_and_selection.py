@@ -206,6 +206,10 @@ def test_points_following_the_permutation_give_the_same_groups(n, c, sliced):
     before = q.clone()
     assert torch.equal(group_queries(q, c), _group_from_original_order(q, c))
     assert torch.equal(q, before)
+    # on 16 leading directions the projection is the grouping's own scratch, reordered in place
+    from comfyui_sparse_attention.kernels.grouping_torch import project_leading
+    assert torch.equal(group_queries(q, c, dims=16), _group_from_original_order(project_leading(q, 16), c))
+    assert torch.equal(q, before)
 
 
 def test_keep_at_threshold_checks_its_arguments():
