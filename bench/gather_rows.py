@@ -1,4 +1,4 @@
-"""The query grouping's row gather timed in several forms (kernels/grouping_torch.py, ``_gather_rows``; kernel_notes
+"""The query grouping's row gather timed in several forms (kernels/gather_torch.py and gather_triton.py; kernel_notes
 "v21": at 16 coordinates a row the grouping's index_select took ~17 of its ~35 ms of GPU time at Wan 14B).
 
     python bench/gather_rows.py [--heads 40] [--tokens 75600] [--dims 16,128] [--out FILE.json]

@@ -1,7 +1,7 @@
-"""A row gather in Triton for the query grouping: ``rows[index]``, many rows a program. Twin: ``index_select``
-(``grouping_torch._gather_rows``), which it replaces on CUDA: PyTorch's gathers took ~1.85 ms for the 3 M rows of
-one grouping level at Wan 14B whether a row held 16 or 128 values, local indices or not (bench/gather_rows.py;
-docs/kernel_notes.md, "v21"), ~17 ms of the grouping's ~39."""
+"""A row gather in Triton for the query grouping: ``rows[index]``, many rows a program. Twin:
+``gather_torch.gather_rows`` (``index_select``), which it replaces on CUDA: PyTorch's gathers took ~1.85 ms for the
+3 M rows of one grouping level at Wan 14B whether a row held 16 or 128 values, local indices or not
+(bench/gather_rows.py; docs/kernel_notes.md, "v21"), ~17 ms of the grouping's ~39."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ._torch_softmax import CHUNK_ELEMS
+from .gather_torch import gather_rows
 
 POWER_ITERS = 4  # started from the farthest point, a few iterations find the leading direction
 SUBSAMPLE = 1024  # points a long segment's direction is estimated from (see _principal_order)
@@ -139,17 +140,17 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) 
     q: (B, H, N, D) any float dtype. dims: 0 partitions the queries themselves; 16, 32 or 64 (below D)
     partitions each head's queries projected on their ``dims`` leading principal directions
     (``project_leading``): every level of the partition then reads ``dims`` values per query instead of D
-    (docs/kernel_notes.md, "v21"). gather: the row gather of each level, (rows fp32 (R, W), index int64 (M,)) ->
-    rows[index] (``kernels.gather_triton.gather_rows`` on CUDA), None for ``index_select``. Returns int32
-    (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group.
+    (docs/kernel_notes.md, "v21"). gather: the row gather of each level, (rows fp32 (R, W), index int64 (M,))
+    -> rows[index] (``gather_triton.gather_rows`` on CUDA), None for the twin ``gather_torch.gather_rows``.
+    Returns int32 (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group.
     Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     check_grouping_args(q, group_size, dims)
     with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
         if dims and dims < q.shape[-1]:  # a fresh fp32 tensor: _group may reorder it in place
-            return _group(project_leading(q, dims), group_size, gather or _gather_rows, owned=True)
-        return _group(q, group_size, gather or _gather_rows)
+            return _group(project_leading(q, dims), group_size, gather or gather_rows, owned=True)
+        return _group(q, group_size, gather or gather_rows)
 
 
 def check_grouping_args(q, group_size, dims) -> None:
@@ -239,13 +240,7 @@ def _without_autocast(dev: torch.device):
         return contextlib.nullcontext()
 
 
-def _gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows fp32 (R, D), index int64 (M,) -> rows[index] (M, D): a row gather (index_select) rather than an
-    element-wise gather with an expanded index."""
-    return rows.index_select(0, index)
-
-
-def _group(q: torch.Tensor, group_size: int, gather=_gather_rows, owned: bool = False) -> torch.Tensor:
+def _group(q: torch.Tensor, group_size: int, gather=gather_rows, owned: bool = False) -> torch.Tensor:
     """group_queries after its checks; owned: q is the caller's own scratch (the projection), which may change."""
     b, h, n, d = q.shape
     c = group_size
