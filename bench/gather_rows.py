@@ -7,7 +7,8 @@ For each row width: the gather of every row of ``heads`` blocks of ``tokens`` ro
 block (what a level of the grouping reads), as index_select, advanced indexing, an element-wise gather with an
 expanded index, a float64 view (two fp32 values a lane) and the pack's Triton kernel (kernels/gather_triton.py); then
 ``group_queries(q, 128, dims=16)`` (kernels/grouping_torch.py) with the grouping's gather replaced by each form.
-CUDA events, median of 10 after 3 warm-ups.
+bench/engine.py's ``timed``: CUDA events, the median of 10 (5 for the grouping) after one warm-up call (the raw runs
+gather-rows-1 and -2 took three warm-ups).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 
 import torch
 from _pack import load
+from engine import timed
 
 log = logging.getLogger("bench.gather_rows")
 
@@ -29,20 +30,6 @@ FORMS = {
     "float64_view": lambda rows, idx: rows.view(torch.float64).index_select(0, idx).view(torch.float32),
     "triton": lambda rows, idx: load("kernels.gather_triton").gather_rows(rows, idx),
 }
-
-
-def timed(fn, reps=10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():
@@ -66,14 +53,14 @@ def main():
         ref = rows.index_select(0, idx)
         for name, fn in FORMS.items():
             assert torch.equal(fn(rows, idx), ref), name
-            ms = timed(lambda: fn(rows, idx))
+            ms = timed(lambda: fn(rows, idx), 10)
             result["gather_ms"][f"{name} d{d}"] = ms
             log.info("gather %-13s d %3d: %.3f ms (%.0f GB/s)", name, d, ms, 2 * rows.numel() * 4 / ms / 1e6)
     q = torch.randn(1, h, n, 128, device=dev, generator=g).to(torch.bfloat16)
     base = grouping.group_queries(q, 128, 16)
     for name, fn in FORMS.items():
         assert torch.equal(grouping.group_queries(q, 128, 16, gather=fn), base), name
-        ms = timed(lambda: grouping.group_queries(q, 128, 16, gather=fn), reps=5)
+        ms = timed(lambda: grouping.group_queries(q, 128, 16, gather=fn), 5)
         result["group_queries_ms"][name] = ms
         log.info("group_queries(dims=16) with %-13s %.2f ms", name, ms)
     if args.out:
