@@ -165,13 +165,17 @@ def run_shape(K, dev, dtype, h, n, d, densities, reps, rows, log, sweep=()):
                                                                       validate=False)))
     mc = load("engine.policy_mc_sparse")
     eng = load("engine")
-    for mq in (0, 16):  # the whole mc_sparse selection (grouping, pass 2, top-k, compaction) at d 0.15
-        cfg = eng.SparseConfig(method="mc_sparse", density=0.15, group_size=c, mass_queries=mq, backend="torch")
-        add(f"mc_sparse selection C=128, mass_queries {mq}", 0.15,
+    # the whole mc_sparse selection (grouping, pass 2, top-k, compaction) at d 0.15: pass 2 on every query or on 16,
+    # the grouping on every coordinate or on 16 leading directions (the defaults: 16 and 16)
+    for mq, dims in ((0, 0), (16, 0), (16, 16)):
+        cfg = eng.SparseConfig(method="mc_sparse", density=0.15, group_size=c, mass_queries=mq, grouping_dims=dims,
+                               backend="torch")
+        add(f"mc_sparse selection C=128, mass_queries {mq}, grouping_dims {dims}", 0.15,
             t(lambda: mc.build_mc_sparse(q, k, lse, eng.TokenLayout(), cfg, backend="torch")))
     add("pooled block scores 128", 1.0, t(lambda: K.pooled_block_scores(q, k, block_q=bs, block_k=bs,
                                                                          backend="torch")))
     add("group queries C=128", 1.0, t(lambda: K.group_queries(q, c, backend="torch")))
+    add("group queries C=128, 16 directions", 1.0, t(lambda: K.group_queries(q, c, dims=16, backend="torch")))
     for row in mine:
         row["dense_ms"] = min(dense)
         row["speedup"] = row["dense_ms"] / row["ms"]
