@@ -255,10 +255,10 @@ def _group(q: torch.Tensor, group_size: int, gather=gather_rows, owned: bool = F
     for h0 in range(0, b * h, step):
         x = qf[h0:h0 + step].float()
         nh = x.shape[0]
-        # the points in the order of perm (a padding slot holds a copy of the last query, which the masks ignore), so
-        # that each level reorders points inside their own segment: a gather from the original order reads rows
-        # scattered over the whole head at every level, and random rows cost the same whether 64 or 512 bytes wide
-        # (docs/kernel_notes.md, "v21")
+        # the points in the order of perm (a padding slot holds a copy of the last query, which the masks ignore):
+        # each level reorders points inside their own segment. Alone this measured no gain over gathering from the
+        # original order (PyTorch's gather costs per row, local or not); it is the layout the Triton row gather was
+        # timed with (docs/kernel_notes.md, "v21")
         if n_pad > n:
             cur = torch.cat([x, x[:, -1:].expand(nh, n_pad - n, d)], 1)
         else:
