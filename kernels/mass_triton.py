@@ -31,9 +31,21 @@ def _cfg(bn, w, s, split=1, poly=0):
     return triton.Config({"BLOCK_N": bn, "SPLIT": split, "POLY": poly}, num_warps=w, num_stages=s)
 
 
-PACK_GROUPS = 4  # groups of 16 queries one program takes together (see group_kv_mass)
+PACK_GROUPS = 4  # groups of 16 queries one program of _mass_fwd takes together (PACKED_KERNEL "parts")
 CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1)]
 INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
+
+
+def _packed_cfg(bn, w, pg, poly, s=3):
+    return triton.Config({"BLOCK_N": bn, "PG": pg, "POLY": poly}, num_warps=w, num_stages=s)
+
+
+MAX_PG = 8  # groups of 16 a program of _mass_packed_fwd may take: the group count is padded to a multiple of it
+PACKED_CONFIGS = [_packed_cfg(128, 8, 8, 1), _packed_cfg(64, 4, 4, 1), _packed_cfg(128, 8, 4, 1),
+                  _packed_cfg(64, 4, 8, 1), _packed_cfg(128, 8, 8, 0), _packed_cfg(64, 4, 4, 0)]
+INTERPRET_PACKED_CONFIGS = [_packed_cfg(32, 4, 4, 1)]
+PACKED_KERNELS = ("dot", "parts")
+PACKED_KERNEL = "dot"  # groups of 16: one dot over PG groups (_mass_packed_fwd), or "parts" (_mass_fwd, PACK)
 
 
 def _prune(configs_, named_args, **kwargs):
@@ -178,6 +190,80 @@ def _mass_fwd(Q, K, LSE, QG, OUT,
             _emit(out_base, offs_n, n_ok, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, PARTS, POLY, PACK, True)
 
 
+@triton.jit
+def _group_masses(k, q, lse2, qk_scale, BLOCK_N: tl.constexpr, NG: tl.constexpr, POLY: tl.constexpr):
+    """Per-key mass of NG groups of 16 queries, q [NG * 16, D_PAD]: one dot for all of them (the tensor cores take
+    N = NG * 16 at once, where a dot per group of 16 re-reads the K tile for every 16 columns), then the exponentials
+    and each group's 16 columns summed -> [BLOCK_N, NG]."""
+    x = tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :]
+    if POLY:
+        p = exp2_poly(x)
+    else:
+        p = tl.exp2(x)
+    return tl.sum(tl.reshape(p, (BLOCK_N, NG, 16)), 2)
+
+
+@triton.jit
+def _emit_groups(out_rows, offs_n, n_ok, N_KV, k, qa, la, qb, lb, qk_scale, BLOCK_N: tl.constexpr,
+                 NG: tl.constexpr, POLY: tl.constexpr, MASKED: tl.constexpr):
+    """Store one K tile's mass of the program's groups, a row each (rows N_KV apart from ``out_rows``): the first NG
+    groups by tl.exp2, the next NG (POLY) by exp2_poly, so the special-function and FMA pipes work at once."""
+    j = tl.arange(0, NG)
+    ptrs = out_rows + j[None, :] * N_KV + offs_n[:, None]
+    _store(ptrs, _group_masses(k, qa, la, qk_scale, BLOCK_N, NG, False), n_ok[:, None], MASKED)
+    if POLY:
+        _store(ptrs + NG * N_KV, _group_masses(k, qb, lb, qk_scale, BLOCK_N, NG, True), n_ok[:, None], MASKED)
+
+
+@triton.autotune(configs=pick(PACKED_CONFIGS, INTERPRET_PACKED_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "USE_TMA"],
+                 **tune_options())
+@triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
+@triton.jit
+def _mass_packed_fwd(Q, K, LSE, QG, OUT,
+                     sqb, sqh, sqn, skb, skh, skn,
+                     H, N_Q, N_KV, G_PAD, qk_scale, N_BUCKET,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_TMA: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PG: tl.constexpr, POLY: tl.constexpr, EVEN_N: tl.constexpr):
+    """Groups of 16 queries, PG of them a program (QG int32 (B*H, G_PAD * 16), G_PAD a multiple of MAX_PG): one K
+    tile read serves PG * 16 queries (docs/kernel_notes.md, "v22")."""
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    row = pid_bh.to(tl.int64) * (G_PAD // PG) + pid  # the program's PG * 16 query slots in QG
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    HALVES: tl.constexpr = 2 if POLY else 1
+    NG: tl.constexpr = PG // HALVES
+    qa, la = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, PG * 16, HALVES)
+    qb, lb = qa, la
+    if POLY:
+        qb, lb = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, PG * 16, HALVES)
+    k_base = K + b * skb + h * skh
+    out_rows = OUT + (pid_bh.to(tl.int64) * G_PAD + pid * PG) * N_KV
+    n_full = (N_KV // BLOCK_N) * BLOCK_N
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
+                                           block_shape=[BLOCK_N, D_PAD])
+        for start in tl.range(0, n_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            _emit_groups(out_rows, offs_n, offs_n < N_KV, N_KV, k_desc.load([start, 0]), qa, la, qb, lb, qk_scale,
+                         BLOCK_N, NG, POLY, False)
+        if not EVEN_N:  # zero-filled rows past N_KV are computed, not stored
+            offs_n = n_full + tl.arange(0, BLOCK_N)
+            _emit_groups(out_rows, offs_n, offs_n < N_KV, N_KV, k_desc.load([n_full, 0]), qa, la, qb, lb, qk_scale,
+                         BLOCK_N, NG, POLY, True)
+    else:
+        for start in tl.range(0, n_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            k = load_rows(k_base, offs_n, skn, offs_n < N_KV, d, HEAD_DIM, D_PAD, False)
+            _emit_groups(out_rows, offs_n, offs_n < N_KV, N_KV, k, qa, la, qb, lb, qk_scale, BLOCK_N, NG, POLY, False)
+        if not EVEN_N:
+            offs_n = n_full + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N_KV
+            k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
+            _emit_groups(out_rows, offs_n, n_ok, N_KV, k, qa, la, qb, lb, qk_scale, BLOCK_N, NG, POLY, True)
+
+
 PATHS = ("auto", "pointer", "tma")
 
 
@@ -185,7 +271,7 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
     """Exact group KV mass on the Triton kernel; arguments as in the PyTorch twin.
 
     q: (B,H,Nq,D); k: (B,H,Nk,D); lse fp32 (B,H,Nq); q_groups int32 (B,H,G,C). Returns fp32 (B,H,G,Nk) (for groups
-    of 16, C = 16, a view of the first G rows of a buffer padded to a multiple of four groups).
+    of 16, C = 16, a view of the first G rows of a buffer padded to a multiple of MAX_PG groups).
     path: "auto" (K through TMA on Hopper when kernels/_hopper.py allows), "pointer" or "tma".
     """
     b, h, nq, nk, d, scale, g, c = check_mass_args(q, k, lse, q_groups, scale, validate)
@@ -200,23 +286,36 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
     auto = path == "auto"
     use_tma = _hopper.use_tma("mass", k) if auto else path == "tma"
     groups = q_groups.to(torch.int32).contiguous()
-    pack = c == 16  # groups of 16 (mc_sparse's mass_queries): PACK_GROUPS of them per program, one K tile read
-    g_pad = -(-g // PACK_GROUPS) * PACK_GROUPS if pack else g
-    if pack:  # for all (docs/kernel_notes.md, "v20"); the padding groups (-1) write rows past g, cut off below
-        groups = torch.nn.functional.pad(groups, (0, 0, 0, g_pad - g), value=-1).view(b, h, g_pad // PACK_GROUPS,
-                                                                                       PACK_GROUPS * c)
+    pack = c == 16  # groups of 16 (mc_sparse's mass_queries): several per program, one K tile read for all
+    if pack and PACKED_KERNEL == "dot":
+        kernel, multiple = _mass_packed_fwd, MAX_PG
+    else:
+        kernel, multiple = _mass_fwd, PACK_GROUPS if pack else 1
+    g_pad = -(-g // multiple) * multiple
+    if pack:  # the padding groups (-1) write rows past g, cut off below (docs/kernel_notes.md, "v20", "v22")
+        groups = torch.nn.functional.pad(groups, (0, 0, 0, g_pad - g), value=-1)
     out = torch.empty((b, h, g_pad, nk), dtype=torch.float32, device=q.device)
-    args = (q, k, lse.float().contiguous(), groups, out,
-            *q.stride()[:3], *k.stride()[:3], h, nq, nk, groups.shape[2], scale * LOG2E, seq_bucket(nk))
-    meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=groups.shape[3], PACK=pack)
     result = out[:, :, :g] if pack else out
-    grid = (groups.shape[2], b * h)
+    if kernel is _mass_packed_fwd:
+        args = (q, k, lse.float().contiguous(), groups, out,
+                *q.stride()[:3], *k.stride()[:3], h, nq, nk, g_pad, scale * LOG2E, seq_bucket(nk))
+        meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d))
+
+        def grid(m):
+            return (g_pad // m["PG"], b * h)
+    else:
+        if pack:
+            groups = groups.view(b, h, g_pad // PACK_GROUPS, PACK_GROUPS * c)
+        args = (q, k, lse.float().contiguous(), groups, out,
+                *q.stride()[:3], *k.stride()[:3], h, nq, nk, groups.shape[2], scale * LOG2E, seq_bucket(nk))
+        meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=groups.shape[3], PACK=pack)
+        grid = (groups.shape[2], b * h)
     if use_tma:
         def launch():
             _hopper.set_allocator(q.device)
-            _mass_fwd[grid](*args, USE_TMA=True, **meta)
+            kernel[grid](*args, USE_TMA=True, **meta)
             return result
         if _hopper.attempt("mass", auto, launch) is not None:
             return result
-    _mass_fwd[grid](*args, USE_TMA=False, **meta)
+    kernel[grid](*args, USE_TMA=False, **meta)
     return result

@@ -429,6 +429,32 @@ def test_packed_groups_of_16_match_twin(path, n):
     assert torch.allclose(out.sum(-1), real, rtol=2e-2)
 
 
+
+@pytest.mark.parametrize("cfg", range(6))
+def test_every_packed_mass_config_matches_twin(cfg):
+    """Each configuration of the one-dot packed kernel (kernels/mass_triton.py ``_mass_packed_fwd``, 4 or 8 groups
+    of 16 a program, with and without the polynomial half) at Wan 14B's group count (591 groups: padded to 592), on
+    the TMA path where the GPU has it: the twin's masses on the first and last groups, each group's total mass."""
+    from comfyui_sparse_attention.kernels import mass_triton
+    tuner = mass_triton._mass_packed_fwd
+    every = list(tuner.configs)
+    if cfg >= len(mass_triton.PACKED_CONFIGS):
+        pytest.skip("fewer configurations")
+    q, k, v = qkv(2, 75600, 128, seed=10)
+    _, lse = K.attention_dense(q, k, v, return_lse=True)
+    sub = K.group_queries(q, 128)[..., ::8].contiguous()
+    tuner.configs = [mass_triton.PACKED_CONFIGS[cfg]]
+    tuner.cache.clear()
+    try:
+        out = mass_triton.group_kv_mass(q, k, lse, sub)
+    finally:
+        tuner.configs = every
+        tuner.cache.clear()
+    assert out.shape == (1, 2, sub.shape[2], 75600) and not torch.isnan(out).any()
+    for rows in (slice(0, 6), slice(sub.shape[2] - 3, None)):
+        assert rel(out[:, :, rows], K.group_kv_mass(q, k, lse, sub[:, :, rows], backend="torch")) <= 1e-2
+    assert torch.allclose(out.sum(-1), (sub >= 0).sum(-1).float(), rtol=2e-2)
+
 def test_keep_at_threshold_kernel_matches_twin_at_real_size():
     """kernels/threshold_triton.py at Wan 14B's anchor rows: a view of a padded mass buffer (591 of 600 groups,
     75 600 keys), a sampled threshold with underflowed zeros tied to it in one head (ties overflow the room there),

@@ -884,6 +884,42 @@ def test_row_gather_kernel_matches_index_select_in_interpreter(child):
     assert len(same) == 7 and all(same.values()), same
 
 
+PACKED_MASS_CHILD = PREAMBLE + r"""
+from comfyui_sparse_attention.kernels import mass_triton as MT, selection_torch as ST
+g = torch.Generator().manual_seed(3)
+errs = {}
+for n, d, n_groups in ((220, 64, 13), (90, 80, 5)):  # 13 groups: the last program holds padding groups
+    q, k = (torch.randn(2, 3, n, d, generator=g, dtype=torch.float16) for _ in range(2))
+    lse = torch.logsumexp(q.float() @ k.float().transpose(-1, -2) / d ** 0.5, -1)
+    lse[0, 0, 3] = float("-inf")  # an empty row: no mass
+    groups = torch.stack([torch.randperm(n, generator=g)[:n_groups * 16] for _ in range(6)])
+    groups = groups.view(2, 3, n_groups, 16).int()
+    groups[0, 1, -1, 5:] = -1  # a short group
+    ref = ST.group_kv_mass(q, k, lse, groups)
+    configs = [MT._packed_cfg(32, 4, 4, 1), MT._packed_cfg(32, 4, 8, 0), MT._packed_cfg(16, 4, 8, 1),
+               MT._packed_cfg(64, 4, 4, 0)]
+    for cfg in configs:
+        MT._mass_packed_fwd.configs = [cfg]
+        MT._mass_packed_fwd.cache.clear()
+        for path in ("pointer", "tma"):
+            out = MT.group_kv_mass(q, k, lse, groups, path=path)
+            key = f"dot-{n}-{cfg.kwargs['BLOCK_N']}-{cfg.kwargs['PG']}-{cfg.kwargs['POLY']}-{path}"
+            errs[key] = float((out - ref).abs().max() / ref.abs().max()) if out.shape == ref.shape else 1.0
+    MT.PACKED_KERNEL = "parts"
+    errs[f"parts-{n}"] = float((MT.group_kv_mass(q, k, lse, groups) - ref).abs().max() / ref.abs().max())
+    MT.PACKED_KERNEL = "dot"
+print("RESULT:" + json.dumps(errs))
+"""
+
+
+def test_packed_mass_kernel_configs_match_twin_in_interpreter(child):
+    """Pass 2 on groups of 16 (kernels/mass_triton.py ``_mass_packed_fwd``): each program's one dot over 4 or 8
+    groups, with and without the polynomial half, tiles of 16 to 64 keys, both load paths, give the twin's masses
+    (a padded last program, a short group, an empty row); so does the earlier "parts" kernel."""
+    errs = child
+    assert len(errs) == 2 * (4 * 2 + 1) and max(errs.values()) <= 1e-4, errs
+
+
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
@@ -910,4 +946,6 @@ CHILDREN = {
         (FP8_BYTES_CHILD, 600, {}),
     "test_fp8_residual_store_rounds_as_torch":
         (FP8_STORE_CHILD, 300, {}),
+    "test_packed_mass_kernel_configs_match_twin_in_interpreter":
+        (PACKED_MASS_CHILD, 600, {}),
 }

@@ -12,7 +12,7 @@ import inspect, triton
 from comfyui_sparse_attention.kernels import (attention_hopper, block_sparse_triton, dense_triton, mass_triton,
                                               token_sparse_triton)
 tuners = {"token": token_sparse_triton._token_fwd, "block": block_sparse_triton._bsa_fwd,
-          "dense": dense_triton._dense_fwd, "mass": mass_triton._mass_fwd,
+          "dense": dense_triton._dense_fwd, "mass": mass_triton._mass_fwd, "mass-packed": mass_triton._mass_packed_fwd,
           **{"hopper-" + k: attention_hopper._kernel(k) for k in ("sparse", "dense", "anchor", "persistent",
                                                                   "warp_spec")}}
 supported = "cache_results" in inspect.signature(triton.autotune).parameters
@@ -23,7 +23,7 @@ print("RESULT:" + json.dumps(dict(supported=supported, cached={k: bool(getattr(t
 
 def test_every_autotuned_kernel_keeps_its_tunings_on_disk():
     got = run_child(CHILD, 300, SPARSE_ATTN_TUNE="", TRITON_INTERPRET="0")  # compiled kernels, not the interpreter
-    assert len(got["cached"]) == 9
+    assert len(got["cached"]) == 10
     assert all(v == got["supported"] for v in got["cached"].values()), got
 
 
