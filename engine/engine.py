@@ -77,6 +77,7 @@ class SparseEngine:
         with self.lock:
             stats = self.stats.finish(self.cache.info())
             self._forget()
+            kernels.release_graphs()  # the grouping's CUDA graphs hold memory for their shapes: kept for a run only
             self.last_stats = stats
             self.stats = RunStats()
         if log_summary:
@@ -334,6 +335,7 @@ class SparseEngine:
             except torch.OutOfMemoryError as exc:
                 # room is made after this block: inside it the traceback holds the failed attempt's tensors
                 failed = exc.with_traceback(None)
+            kernels.release_graphs()
             freed = self.cache.spill(share, stop_prefetch=stop_prefetch)
             if not freed:
                 failed.add_note(f"sparse attention: out of memory at {what}, with no cache left on the GPU to move")

@@ -5,8 +5,8 @@ CUDA when it imports and supports the case, else the PyTorch twin (any torch dev
 """
 
 from .api import (attention_dense, block_anchor_attention, block_sparse_attention, block_sparse_on_triton, compact_keep,
-                  group_kv_mass, group_queries, keep_at_threshold, pooled_block_scores, token_sparse_attention,
-                  token_sparse_attention_compact)
+                  group_kv_mass, group_queries, keep_at_threshold, pooled_block_scores, release_graphs,
+                  token_sparse_attention, token_sparse_attention_compact)
 from .backend import BACKENDS, triton_available
 from .replay import CallReplay
 
@@ -14,5 +14,6 @@ __all__ = [
     "BACKENDS", "CallReplay", "attention_dense", "block_anchor_attention", "block_sparse_attention",
     "block_sparse_on_triton", "compact_keep", "group_kv_mass",
     "group_queries", "keep_at_threshold",
-    "pooled_block_scores", "token_sparse_attention", "token_sparse_attention_compact", "triton_available",
+    "pooled_block_scores", "release_graphs", "token_sparse_attention", "token_sparse_attention_compact",
+    "triton_available",
 ]

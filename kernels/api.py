@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_torch, selection_torch,
-               threshold_torch, token_sparse_torch)
+from . import (anchor_torch, block_sparse_torch, compact_torch, dense_torch, grouping_graph, grouping_torch,
+               selection_torch, threshold_torch, token_sparse_torch)
 from ._checks import FLOAT_DTYPES, GATHER_WIDTHS, TRITON_HEAD_DIMS, triton_group_problem
 from ._residual import check_residual, mass_of, refuse_mass, residual_mass
 from .backend import announce, check_backend, choose, triton_problem
@@ -217,7 +217,9 @@ def group_queries(q, group_size, *, dims=0, backend="auto"):
 
     Built from batched PyTorch operations (matmuls and sorts), which run on the GPU as they are; where Triton can run
     (never raising: an explicit "triton" that cannot falls back as "auto" does), each level's row gather is
-    ``gather_triton.gather_rows``, which gives the same rows as the twin's ``index_select``.
+    ``gather_triton.gather_rows``, which gives the same rows as the twin's ``index_select``; on CUDA, with dims, the
+    partition of the projected queries is replayed from a CUDA graph from a shape's second call on
+    (``grouping_graph.group_points``; ``release_graphs`` frees them).
     """
     check_backend(backend)
     grouping_torch.check_grouping_args(q, group_size, dims)
@@ -226,9 +228,17 @@ def group_queries(q, group_size, *, dims=0, backend="auto"):
     if backend != "torch" and isinstance(q, torch.Tensor) and triton_problem(backend, q, why) is None:
         from . import gather_triton
         announce("group_queries", q, "torch", "PyTorch operations, the row gathers on a Triton kernel")
-        return grouping_torch.group_queries(q, group_size, dims, gather=gather_triton.gather_rows)
+        partition = grouping_graph.group_points if q.is_cuda else None
+        return grouping_torch.group_queries(q, group_size, dims, gather=gather_triton.gather_rows,
+                                            partition=partition)
     announce("group_queries", q, "torch", "one PyTorch implementation for every backend")
     return grouping_torch.group_queries(q, group_size, dims)
+
+
+def release_graphs() -> None:
+    """Free the query grouping's CUDA graphs and their memory (grouping_graph.release; the engine calls it at the end
+    of each run and when it makes room after running out of memory). Nothing to do where none was made."""
+    grouping_graph.release()
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):

@@ -131,7 +131,7 @@ def _principal_order(x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     return torch.argsort(proj, dim=1, stable=True)
 
 
-def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) -> torch.Tensor:
+def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None, partition=None) -> torch.Tensor:
     """Partition each head's queries into groups of exactly ``group_size`` similar queries.
 
     Recursively projects every group on its leading principal direction (power iteration) and
@@ -142,6 +142,9 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) 
     (``project_leading``): every level of the partition then reads ``dims`` values per query instead of D
     (docs/kernel_notes.md, "v21"). gather: the row gather of each level, (rows fp32 (R, W), index int64 (M,))
     -> rows[index] (``gather_triton.gather_rows`` on CUDA), None for the twin ``gather_torch.gather_rows``.
+    partition: what partitions the projected queries, (points fp32 (B, H, N, dims), group_size, gather) -> the
+    groups, as ``_group(..., owned=True)`` (``grouping_graph.group_points`` on CUDA: the same operators replayed
+    from a CUDA graph); None for ``_group``.
     Returns int32 (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group.
     Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
@@ -149,7 +152,10 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None) 
     check_grouping_args(q, group_size, dims)
     with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
         if dims and dims < q.shape[-1]:  # a fresh fp32 tensor: _group may reorder it in place
-            return _group(project_leading(q, dims), group_size, gather or gather_rows, owned=True)
+            points = project_leading(q, dims)
+            if partition is not None:
+                return partition(points, group_size, gather or gather_rows)
+            return _group(points, group_size, gather or gather_rows, owned=True)
         return _group(q, group_size, gather or gather_rows)
 
 

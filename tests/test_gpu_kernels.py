@@ -1339,3 +1339,32 @@ def test_gluon_persistent_matches_twin(layout):
     assert torch.equal(rows, torch.zeros_like(rows))
     got, want, _ = gluon_mass_reuse(q, k, v, idx, cnt, bq, path="gluon_persistent")
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+
+
+@pytest.mark.parametrize("b,n", [(1, 75600), (2, 10001)])
+def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
+    """kernels/grouping_graph.py: the first call of a shape runs as it is, the second captures, later calls replay;
+    every call gives the groups of the partition run as it is, for new queries too (a ragged N, B = 2); release()
+    frees the graphs; SPARSE_ATTN_GROUPING_GRAPH=0 captures nothing."""
+    from comfyui_sparse_attention.kernels import gather_triton, grouping_graph, grouping_torch
+    grouping_graph.release()
+    h = 8 if n > 20000 else 3
+    qs = [qkv(h, n, 128, seed=20 + i)[0].expand(b, h, n, 128).contiguous() for i in range(3)]
+    if b == 2:
+        for i, q in enumerate(qs):
+            qs[i] = torch.cat([q[:1], torch.flip(q[1:], dims=[2])])
+
+    def eager(q):
+        return grouping_torch.group_queries(q, 128, 16, gather=gather_triton.gather_rows)
+
+    wants = [eager(q) for q in qs]
+    for i, q in enumerate([qs[0], qs[0], qs[1], qs[2], qs[0]]):
+        got = K.group_queries(q, 128, dims=16)
+        assert torch.equal(got, wants[[0, 0, 1, 2, 0][i]]), f"call {i}"
+        assert len(grouping_graph._graphs) == (0 if i == 0 else 1)
+    grouping_graph.release()
+    assert not grouping_graph._graphs
+    monkeypatch.setenv("SPARSE_ATTN_GROUPING_GRAPH", "0")
+    for _ in range(3):
+        assert torch.equal(K.group_queries(qs[1], 128, dims=16), wants[1])
+    assert not grouping_graph._graphs

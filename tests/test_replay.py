@@ -314,8 +314,10 @@ def test_every_switch_the_kernels_read_at_a_launch_is_a_launch_switch():
     read = set()
     for path in root.glob("*.py"):
         read |= set(re.findall(r'os\.environ\.get\("(SPARSE_ATTN_\w+)"', path.read_text()))
-    # not read at launches: tuning persistence (_triton_common.tune_*), the direct path's own switch, this module's
-    assert read - {"SPARSE_ATTN_TUNE", "SPARSE_ATTN_FAST_LAUNCH", "SPARSE_ATTN_REPLAY"} == set(replay.LAUNCH_ENV)
+    # not read at launches: tuning persistence (_triton_common.tune_*), the direct path's own switch, this module's,
+    # the anchor's grouping graphs (grouping_graph.py: never in a reuse call)
+    assert read - {"SPARSE_ATTN_TUNE", "SPARSE_ATTN_FAST_LAUNCH", "SPARSE_ATTN_REPLAY",
+                   "SPARSE_ATTN_GROUPING_GRAPH"} == set(replay.LAUNCH_ENV)
 
 
 def test_an_output_that_is_not_the_launchs_is_never_replayed(kern):

@@ -1,0 +1,141 @@
+"""The query grouping's partition replayed from a CUDA graph (docs/kernel_notes.md, "v22").
+
+At Wan 14B the partition of ``grouping_torch._group`` is ~600 small operators a call (about 55 a level, 11 levels):
+32-40 ms of wall time for 24 ms of GPU time, the rest the host launching them. It never waits for the GPU, its shapes
+follow only the points' shape, and every layer of an anchor step calls it with the same shape, so from the second call
+of a shape its operators are replayed from one CUDA graph: a copy of the points into the graph's input, one replay,
+a copy of the groups out.
+
+What a graph holds: its input (the points: fp32 (B, H, N, W), 194 MB at Wan 14B with W = 16) and the partition's
+scratch in a memory pool every graph of this module shares (graphs never run at once). ``release()`` frees them all;
+the engine calls it at the end of every run and when it makes room after an out-of-memory error. At most
+``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
+capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+
+import torch
+
+from . import grouping_torch
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' layouts: a run has one or two)
+SCRATCH_FACTOR = 8  # the partition's scratch is at most this many copies of its points (cur, pts, moved, proj, ...)
+
+
+class _Graph:
+    """One captured partition: ``points`` the input the graph reads, ``groups`` the output it writes, ``keep`` the
+    tensors its operators read that live outside it (the level positions)."""
+
+    __slots__ = ("graph", "points", "groups", "keep")
+
+    def __init__(self, graph, points, groups, keep):
+        self.graph, self.points, self.groups, self.keep = graph, points, groups, keep
+
+
+_graphs: OrderedDict = OrderedDict()  # key -> _Graph, oldest first
+_seen: set = set()  # keys called once: the first call of a shape runs as it is (it compiles and caches)
+_refused: set = set()  # keys whose capture failed: they run as they are for the rest of the process
+_pool = None  # the memory pool every graph shares
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1") != "0"
+
+
+def _key(points: torch.Tensor, group_size: int, gather) -> tuple:
+    return tuple(points.shape), str(points.device), group_size, gather
+
+
+def _room(points: torch.Tensor) -> bool:
+    """Whether the device has room for a graph of these points: free memory (the driver's plus what PyTorch holds
+    unused) at least twice the graph's input and scratch."""
+    free, _ = torch.cuda.mem_get_info(points.device)
+    unused = torch.cuda.memory_reserved(points.device) - torch.cuda.memory_allocated(points.device)
+    need = points.numel() * points.element_size() * (1 + SCRATCH_FACTOR)
+    return free + unused >= 2 * need
+
+
+def group_points(points: torch.Tensor, group_size: int, gather) -> torch.Tensor:
+    """``grouping_torch._group(points, group_size, gather, owned=True)``, replayed from a CUDA graph where it can be.
+
+    points: fp32 (B, H, N, W) contiguous, on CUDA, the caller's scratch (it may change); group_size: queries per
+    group; gather: the row gather of each level (as ``_group``'s). Returns int32 (B, H, ceil(N / group_size),
+    group_size), the same groups as ``_group`` (the graph replays its operators). Off CUDA, inside another capture,
+    when disabled, at a shape's first call, where memory is short or after a failed capture: ``_group`` itself.
+    """
+    key = _key(points, group_size, gather)
+    if (not points.is_cuda or not enabled() or not points.is_contiguous()
+            or torch.cuda.is_current_stream_capturing()):
+        return grouping_torch._group(points, group_size, gather, owned=True)
+    # worker threads of a multi-GPU run share this module's graphs (their keys differ by device); a graph is captured
+    # and replayed with its device current
+    with _lock, torch.cuda.device(points.device):
+        entry = None if key in _refused else _graphs.get(key)
+        if entry is None and key in _seen and key not in _refused and _room(points):
+            entry = _capture(points, group_size, gather, key)
+        if entry is not None:
+            # on the device's current stream, in order: the next call's copy into entry.points follows this clone
+            _graphs.move_to_end(key)
+            entry.points.copy_(points)
+            entry.graph.replay()
+            return entry.groups.clone()
+        _seen.add(key)
+    return grouping_torch._group(points, group_size, gather, owned=True)
+
+
+def _capture(points: torch.Tensor, group_size: int, gather, key) -> _Graph | None:
+    """Capture the partition of points' shape: a warm-up on a side stream (as PyTorch asks before a capture), then
+    the capture, reading a copy of the points. None (and the key refused from then on) when the capture fails."""
+    global _pool
+    while len(_graphs) >= MAX_GRAPHS:
+        _graphs.popitem(last=False)
+    b, h, n, _ = points.shape
+    n_pad = -(-n // group_size) * group_size
+    keep = grouping_torch._level_positions(n_pad, group_size, points.device)
+    static = points.clone()
+    side = torch.cuda.Stream(device=points.device)
+    side.wait_stream(torch.cuda.current_stream(points.device))
+    try:
+        with torch.cuda.stream(side):
+            grouping_torch._group(static.clone(), group_size, gather, owned=True)
+        torch.cuda.current_stream(points.device).wait_stream(side)
+        if _pool is None:
+            _pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another worker thread's work on its own GPU during the capture is not an error
+        with torch.cuda.graph(graph, pool=_pool, capture_error_mode="thread_local"):
+            groups = grouping_torch._group(static, group_size, gather, owned=True)
+    except Exception as exc:  # a capture that fails leaves the call to run as it is, never the run to end
+        _refused.add(key)
+        log.warning("sparse attention: the query grouping of shape %s runs without a CUDA graph (%s: %s)",
+                    tuple(points.shape), type(exc).__name__, exc)
+        torch.cuda.synchronize(points.device)
+        return None
+    entry = _Graph(graph, static, groups, keep)
+    _graphs[key] = entry
+    log.debug("sparse attention: the query grouping of shape %s captured in a CUDA graph", tuple(points.shape))
+    return entry
+
+
+def release() -> None:
+    """Free every graph, its input and the shared pool's memory (the next call of a shape runs as it is and captures
+    again at the one after)."""
+    global _pool
+    with _lock:
+        if not _graphs and _pool is None and not _refused:
+            return
+        _graphs.clear()
+        _seen.clear()
+        _refused.clear()  # a capture refused (for want of memory, say) is tried again in the next run
+        _pool = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,65 @@
+"""kernels/grouping_graph.py off the GPU: the partition runs as it is, nothing is kept, and the engine frees the
+graphs at every run's end (the graphs themselves are tested on the GPU: tests/test_gpu_kernels.py)."""
+
+import torch
+
+from comfyui_sparse_attention import kernels
+from comfyui_sparse_attention.engine import SparseConfig, SparseEngine
+from comfyui_sparse_attention.kernels import grouping_graph, grouping_torch
+
+
+def test_off_cuda_the_partition_runs_as_it_is_and_keeps_nothing():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 700, 64, generator=g)
+    points = grouping_torch.project_leading(q, 16)
+    want = grouping_torch._group(points.clone(), 64, owned=True)
+    for _ in range(3):  # a CUDA tensor would be captured at the second call and replayed at the third
+        got = grouping_graph.group_points(points.clone(), 64, grouping_torch.gather_rows)
+        assert torch.equal(got, want)
+    assert not grouping_graph._graphs and not grouping_graph._seen
+    assert torch.equal(kernels.group_queries(q, 64, dims=16, backend="auto"),
+                       grouping_torch.group_queries(q, 64, 16))
+
+
+def test_the_partition_hook_receives_the_projected_points():
+    seen = []
+
+    def partition(points, group_size, gather):
+        seen.append((points.shape, points.dtype, group_size, gather))
+        return grouping_torch._group(points, group_size, gather, owned=True)
+
+    q = torch.randn(2, 3, 300, 64, generator=torch.Generator().manual_seed(1))
+    got = grouping_torch.group_queries(q, 64, 16, partition=partition)
+    assert seen == [((2, 3, 300, 16), torch.float32, 64, grouping_torch.gather_rows)]
+    assert torch.equal(got, grouping_torch.group_queries(q, 64, 16))
+    seen.clear()
+    grouping_torch.group_queries(q, 64, 0, partition=partition)  # every coordinate: the queries' own partition
+    assert seen == []
+
+
+def test_the_engine_frees_the_graphs_at_each_runs_end_and_when_it_makes_room(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "release_graphs", lambda: calls.append("release"))
+    engine = SparseEngine(SparseConfig(method="mc_sparse"))
+    engine.begin_run()
+    assert calls == []  # a run's start keeps them: a bench's anchors, each after begin_run, replay
+    engine.end_run(log_summary=False)
+    assert calls == ["release"]
+    calls.clear()
+    attempts = []
+
+    def fn():
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise torch.OutOfMemoryError("out of memory")
+        return "done"
+
+    monkeypatch.setattr(engine.cache, "spill", lambda share, stop_prefetch=False: 1 << 20)
+    assert engine._with_room(fn, "a test call", torch.zeros(1)) == "done"
+    assert calls == ["release"]
+
+
+def test_release_without_graphs_is_a_no_op():
+    grouping_graph.release()
+    grouping_graph.release()
+    assert not grouping_graph._graphs and grouping_graph._pool is None
