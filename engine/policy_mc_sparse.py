@@ -60,14 +60,13 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         sl = slice(h0, h0 + step)
         mass = kernels.group_kv_mass(q[:, sl], k[:, sl], lse[:, sl], ranking[:, sl],
                                      scale=scale, backend=backend, validate=False)
-        keep = torch.empty(mass.shape, dtype=torch.bool, device=dev)
-        for i, g0, gn in ranges:
-            rows = slice(g0, g0 + gn)
-            for j, sp in enumerate(spans):
-                if not sp.length:
-                    continue
-                cols = slice(sp.start, sp.stop)
-                budget = budgets[(i, j)]
+        regions = [(slice(g0, g0 + gn), slice(sp.start, sp.stop), budgets[(i, j)])
+                   for i, g0, gn in ranges for j, sp in enumerate(spans) if sp.length]
+        if len(regions) == 1 and regions[0][2] is not None:  # one segment (video alone): its mask is the whole
+            keep = keep_top(mass, regions[0][2], backend=backend)  # no copy into a mask of the whole (~1.5 ms)
+        else:
+            keep = torch.empty(mass.shape, dtype=torch.bool, device=dev)
+            for rows, cols, budget in regions:
                 keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget,
                                                                                backend=backend)
         del mass

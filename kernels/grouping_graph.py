@@ -1,13 +1,15 @@
 """The query grouping's partition replayed from a CUDA graph (docs/kernel_notes.md, "v22").
 
-At Wan 14B the partition of ``grouping_torch._group`` is ~600 small operators a call (about 55 a level, 11 levels):
-32-40 ms of wall time for 24 ms of GPU time, the rest the host launching them. It never waits for the GPU, its shapes
-follow only the points' shape, and every layer of an anchor step calls it with the same shape, so from the second call
-of a shape its operators are replayed from one CUDA graph: a copy of the points into the graph's input, one replay,
-a copy of the groups out.
+The partition of ``grouping_torch._group`` is hundreds of small operators a call (~600 at Wan 14B: about 55 a level,
+11 levels), so at moderate lengths the host launching them is its cost: at 16 384 tokens (24 heads) 17.6 ms as it
+is, 5.7 ms replayed. It never waits for the GPU, its shapes follow only the points' shape, and every layer of an
+anchor step calls it with the same shape, so from the second call of a shape its operators are replayed from one CUDA
+graph: a copy of the points into the graph's input, one replay, a copy of the groups out. Up to MAX_TOKENS tokens:
+beyond, the dense call before it hides its launches.
 
-What a graph holds: its input (the points: fp32 (B, H, N, W), 194 MB at Wan 14B with W = 16) and the partition's
-scratch in a memory pool every graph of this module shares (graphs never run at once). ``release()`` frees them all;
+What a graph holds: its input (the points: fp32 (B, H, N, W), 25 MB at 24 heads x 16 384 tokens with W = 16) and the
+partition's scratch in a memory pool every graph of this module shares (graphs never run at once; 336 MB reserved
+there). ``release()`` frees them all;
 the engine calls it at the end of every run and when it makes room after an out-of-memory error. At most
 ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
 capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
@@ -27,6 +29,10 @@ from . import grouping_torch
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' layouts: a run has one or two)
+# longer sequences run as they are: there the anchor's dense call, launched first, runs longer than the grouping takes
+# to launch, so the launches hide behind it (Wan 14B, 75 600 tokens: anchor 298.7 ms with the graph, 298.1 without;
+# 16 384 tokens: 29.9 -> 25.2 ms; docs/kernel_notes.md, "v22"), and the graph would hold ~1.2 GB there for nothing
+MAX_TOKENS = 49152
 SCRATCH_FACTOR = 8  # the partition's scratch is at most this many copies of its points (cur, pts, moved, proj, ...)
 
 
@@ -69,11 +75,12 @@ def group_points(points: torch.Tensor, group_size: int, gather) -> torch.Tensor:
 
     points: fp32 (B, H, N, W) contiguous, on CUDA, the caller's scratch (it may change); group_size: queries per
     group; gather: the row gather of each level (as ``_group``'s). Returns int32 (B, H, ceil(N / group_size),
-    group_size), the same groups as ``_group`` (the graph replays its operators). Off CUDA, inside another capture,
-    when disabled, at a shape's first call, where memory is short or after a failed capture: ``_group`` itself.
+    group_size), the same groups as ``_group`` (the graph replays its operators). Off CUDA, beyond MAX_TOKENS, inside
+    another capture, when disabled, at a shape's first call, where memory is short or after a failed capture:
+    ``_group`` itself.
     """
     key = _key(points, group_size, gather)
-    if (not points.is_cuda or not enabled() or not points.is_contiguous()
+    if (not points.is_cuda or not enabled() or not points.is_contiguous() or points.shape[2] > MAX_TOKENS
             or torch.cuda.is_current_stream_capturing()):
         return grouping_torch._group(points, group_size, gather, owned=True)
     # worker threads of a multi-GPU run share this module's graphs (their keys differ by device); a graph is captured

@@ -13,6 +13,11 @@ so it is written to spend as little as possible around them (docs/kernel_notes.m
   queries are split into SPLIT column parts, and the last POLY of them use ``exp2_poly`` (Cody-Waite
   range reduction and a degree-4 polynomial, relative error 3e-6), so both units work at once;
 - on Hopper, K tiles come through a TMA descriptor (the ragged last tile is zero-filled by the hardware).
+
+Groups of 16 (mc_sparse's ``mass_queries``) run in ``_mass_packed_fwd``: 4 or 8 groups a program in one dot of 64 or
+128 columns, each group's 16 columns summed after the exponentials, so one K tile read serves them all and the tensor
+cores see a wide dot (pass 2 at Wan 14B 29.0 -> 18.4 ms on an H100 against four 16-column dots a program;
+docs/kernel_notes.md, "v22").
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ def _cfg(bn, w, s, split=1, poly=0):
     return triton.Config({"BLOCK_N": bn, "SPLIT": split, "POLY": poly}, num_warps=w, num_stages=s)
 
 
-PACK_GROUPS = 4  # groups of 16 queries one program of _mass_fwd takes together (PACKED_KERNEL "parts")
 CONFIGS = [_cfg(64, 4, 3), _cfg(128, 8, 3), _cfg(64, 4, 3, 4, 1), _cfg(128, 8, 3, 4, 1), _cfg(64, 4, 3, 2, 1)]
 INTERPRET_CONFIGS = [_cfg(32, 4, 1, 2, 1)]
 
@@ -41,19 +45,16 @@ def _packed_cfg(bn, w, pg, poly, s=3):
 
 
 MAX_PG = 8  # groups of 16 a program of _mass_packed_fwd may take: the group count is padded to a multiple of it
-PACKED_CONFIGS = [_packed_cfg(128, 8, 8, 1), _packed_cfg(64, 4, 4, 1), _packed_cfg(128, 8, 4, 1),
-                  _packed_cfg(64, 4, 8, 1), _packed_cfg(128, 8, 8, 0), _packed_cfg(64, 4, 4, 0)]
+# the first measured fastest at Wan 14B on an H100 (18.4-19.0 ms against 24-32 ms for the polynomial half, kernel_notes
+# "v22"); the polynomial half is kept for GPUs whose special-function unit is the narrower pipe
+PACKED_CONFIGS = [_packed_cfg(64, 4, 4, 0), _packed_cfg(128, 8, 8, 0), _packed_cfg(64, 4, 8, 0),
+                  _packed_cfg(128, 8, 4, 0), _packed_cfg(64, 4, 4, 1)]
 INTERPRET_PACKED_CONFIGS = [_packed_cfg(32, 4, 4, 1)]
-PACKED_KERNELS = ("dot", "parts")
-PACKED_KERNEL = "dot"  # groups of 16: one dot over PG groups (_mass_packed_fwd), or "parts" (_mass_fwd, PACK)
 
 
 def _prune(configs_, named_args, **kwargs):
-    """Parts are at least 16 queries wide (the smallest dot tile). Packed groups always run PACK_GROUPS parts (the
-    kernel ignores SPLIT there): configs that differ only in SPLIT are one config."""
+    """Parts are at least 16 queries wide (the smallest dot tile)."""
     group = kwargs.get("GROUP", named_args.get("GROUP"))
-    if kwargs.get("PACK", named_args.get("PACK")):
-        return list({(c.kwargs["BLOCK_N"], c.kwargs["POLY"], c.num_warps, c.num_stages): c for c in configs_}.values())
     kept = [c for c in configs_ if group // c.kwargs["SPLIT"] >= 16]
     first = configs_[0]
     return kept or [triton.Config({**first.kwargs, "SPLIT": 1, "POLY": 0}, num_warps=first.num_warps,
@@ -122,20 +123,14 @@ def _store(ptr, m, n_ok, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _emit(out_base, offs_n, n_ok, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale,
-          SPLIT: tl.constexpr, POLY: tl.constexpr, PACK: tl.constexpr, MASKED: tl.constexpr):
-    """Store one K tile's mass: the parts summed into the group's row, or (PACK) each part, a group of its own,
-    into its own row (rows ``N_KV`` apart). MASKED: the ragged last tile (keys from ``n_ok``)."""
-    if PACK:
-        _store(out_base + offs_n, _part_mass(k, q0, l0, qk_scale, SPLIT - POLY <= 0), n_ok, MASKED)
-        _store(out_base + N_KV + offs_n, _part_mass(k, q1, l1, qk_scale, SPLIT - POLY <= 1), n_ok, MASKED)
-        _store(out_base + 2 * N_KV + offs_n, _part_mass(k, q2, l2, qk_scale, SPLIT - POLY <= 2), n_ok, MASKED)
-        _store(out_base + 3 * N_KV + offs_n, _part_mass(k, q3, l3, qk_scale, SPLIT - POLY <= 3), n_ok, MASKED)
-    else:
-        _store(out_base + offs_n, _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY), n_ok, MASKED)
+def _emit(out_base, offs_n, n_ok, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale,
+          SPLIT: tl.constexpr, POLY: tl.constexpr, MASKED: tl.constexpr):
+    """Store one K tile's mass, the parts summed into the group's row. MASKED: the ragged last tile (keys from
+    ``n_ok``)."""
+    _store(out_base + offs_n, _tile_mass(k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY), n_ok, MASKED)
 
 
-@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA", "PACK"],
+@triton.autotune(configs=pick(CONFIGS, INTERPRET_CONFIGS), key=["N_BUCKET", "HEAD_DIM", "GROUP", "USE_TMA"],
                  prune_configs_by={"early_config_prune": _prune}, **tune_options())
 @triton.heuristics({"EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0})
 @triton.jit
@@ -143,7 +138,7 @@ def _mass_fwd(Q, K, LSE, QG, OUT,
               sqb, sqh, sqn, skb, skh, skn,
               H, N_Q, N_KV, G, qk_scale, N_BUCKET,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, USE_TMA: tl.constexpr,
-              PACK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, POLY: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, POLY: tl.constexpr,
               EVEN_N: tl.constexpr):
     gid = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -151,44 +146,39 @@ def _mass_fwd(Q, K, LSE, QG, OUT,
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    # packed: always PACK_GROUPS (4) parts, whatever the config says (an autotuner with one config, as under the
-    # interpreter, does not prune)
-    PARTS: tl.constexpr = 4 if PACK else SPLIT
-    q0, l0 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, GROUP, PARTS)
+    q0, l0 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 0, HEAD_DIM, D_PAD, GROUP, SPLIT)
     q1, l1 = q0, l0
     q2, l2 = q0, l0
     q3, l3 = q0, l0
-    if PARTS >= 2:
-        q1, l1 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, GROUP, PARTS)
-    if PARTS == 4:
-        q2, l2 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 2, HEAD_DIM, D_PAD, GROUP, PARTS)
-        q3, l3 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 3, HEAD_DIM, D_PAD, GROUP, PARTS)
+    if SPLIT >= 2:
+        q1, l1 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 1, HEAD_DIM, D_PAD, GROUP, SPLIT)
+    if SPLIT == 4:
+        q2, l2 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 2, HEAD_DIM, D_PAD, GROUP, SPLIT)
+        q3, l3 = _load_part(QG, Q, LSE, row, pid_bh, b, h, sqb, sqh, sqn, N_Q, d, 3, HEAD_DIM, D_PAD, GROUP, SPLIT)
     k_base = K + b * skb + h * skh
-    out_base = OUT + row * (PARTS if PACK else 1) * N_KV  # a packed program writes PARTS rows
+    out_base = OUT + row * N_KV
     n_full = (N_KV // BLOCK_N) * BLOCK_N
     if USE_TMA:
         k_desc = tl.make_tensor_descriptor(k_base, shape=[N_KV, HEAD_DIM], strides=[skn, 1],
                                            block_shape=[BLOCK_N, D_PAD])
         for start in tl.range(0, n_full, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k_desc.load([start, 0]), q0, l0, q1, l1, q2, l2, q3, l3,
-                  qk_scale, PARTS, POLY, PACK, False)
+            _emit(out_base, offs_n, offs_n < N_KV, k_desc.load([start, 0]), q0, l0, q1, l1, q2, l2, q3, l3, qk_scale,
+                  SPLIT, POLY, False)
         if not EVEN_N:  # zero-filled rows past N_KV are computed, not stored
             offs_n = n_full + tl.arange(0, BLOCK_N)
-            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k_desc.load([n_full, 0]), q0, l0, q1, l1, q2, l2, q3, l3,
-                  qk_scale, PARTS, POLY, PACK, True)
+            _emit(out_base, offs_n, offs_n < N_KV, k_desc.load([n_full, 0]), q0, l0, q1, l1, q2, l2, q3, l3, qk_scale,
+                  SPLIT, POLY, True)
     else:
         for start in tl.range(0, n_full, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k = load_rows(k_base, offs_n, skn, offs_n < N_KV, d, HEAD_DIM, D_PAD, False)
-            _emit(out_base, offs_n, offs_n < N_KV, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, PARTS, POLY,
-                  PACK, False)
+            _emit(out_base, offs_n, offs_n < N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY, False)
         if not EVEN_N:
             offs_n = n_full + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N_KV
             k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
-            _emit(out_base, offs_n, n_ok, N_KV, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, PARTS, POLY, PACK, True)
-
+            _emit(out_base, offs_n, n_ok, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY, True)
 
 @triton.jit
 def _group_masses(k, q, lse2, qk_scale, BLOCK_N: tl.constexpr, NG: tl.constexpr, POLY: tl.constexpr):
@@ -286,30 +276,22 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, validate=True, path="auto"
     auto = path == "auto"
     use_tma = _hopper.use_tma("mass", k) if auto else path == "tma"
     groups = q_groups.to(torch.int32).contiguous()
-    pack = c == 16  # groups of 16 (mc_sparse's mass_queries): several per program, one K tile read for all
-    if pack and PACKED_KERNEL == "dot":
-        kernel, multiple = _mass_packed_fwd, MAX_PG
-    else:
-        kernel, multiple = _mass_fwd, PACK_GROUPS if pack else 1
-    g_pad = -(-g // multiple) * multiple
-    if pack:  # the padding groups (-1) write rows past g, cut off below (docs/kernel_notes.md, "v20", "v22")
+    pack = c == 16  # groups of 16 (mc_sparse's mass_queries): PG of them a program, one dot for all
+    g_pad = -(-g // MAX_PG) * MAX_PG if pack else g
+    if pack:  # the padding groups (-1) write rows past g, cut off below (docs/kernel_notes.md, "v22")
         groups = torch.nn.functional.pad(groups, (0, 0, 0, g_pad - g), value=-1)
     out = torch.empty((b, h, g_pad, nk), dtype=torch.float32, device=q.device)
     result = out[:, :, :g] if pack else out
-    if kernel is _mass_packed_fwd:
-        args = (q, k, lse.float().contiguous(), groups, out,
-                *q.stride()[:3], *k.stride()[:3], h, nq, nk, g_pad, scale * LOG2E, seq_bucket(nk))
-        meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d))
+    args = (q, k, lse.float().contiguous(), groups, out,
+            *q.stride()[:3], *k.stride()[:3], h, nq, nk, g_pad, scale * LOG2E, seq_bucket(nk))
+    if pack:
+        kernel, meta = _mass_packed_fwd, dict(HEAD_DIM=d, D_PAD=head_dim_pad(d))
 
         def grid(m):
             return (g_pad // m["PG"], b * h)
     else:
-        if pack:
-            groups = groups.view(b, h, g_pad // PACK_GROUPS, PACK_GROUPS * c)
-        args = (q, k, lse.float().contiguous(), groups, out,
-                *q.stride()[:3], *k.stride()[:3], h, nq, nk, groups.shape[2], scale * LOG2E, seq_bucket(nk))
-        meta = dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=groups.shape[3], PACK=pack)
-        grid = (groups.shape[2], b * h)
+        kernel, meta = _mass_fwd, dict(HEAD_DIM=d, D_PAD=head_dim_pad(d), GROUP=c)
+        grid = (g, b * h)
     if use_tma:
         def launch():
             _hopper.set_allocator(q.device)

@@ -412,8 +412,8 @@ def test_group_kv_mass_paths_match_twin(path):
 @pytest.mark.parametrize("path", ["pointer", "tma"])
 @pytest.mark.parametrize("n", [32760, 75600])
 def test_packed_groups_of_16_match_twin(path, n):
-    """mass_queries: groups of 16 queries, four to a program (75 600 tokens: 591 groups, not a multiple of four, so
-    the last program is padded; 32 760: 256, none)."""
+    """mass_queries: groups of 16 queries, several to a program (75 600 tokens: 591 groups, not a multiple of eight,
+    so the last program is padded; 32 760: 256, none)."""
     from comfyui_sparse_attention.kernels import mass_triton
     if path == "tma" and not _is_hopper():
         pytest.skip("needs a Hopper GPU (TMA kernels)")
@@ -430,7 +430,7 @@ def test_packed_groups_of_16_match_twin(path, n):
 
 
 
-@pytest.mark.parametrize("cfg", range(6))
+@pytest.mark.parametrize("cfg", range(5))
 def test_every_packed_mass_config_matches_twin(cfg):
     """Each configuration of the one-dot packed kernel (kernels/mass_triton.py ``_mass_packed_fwd``, 4 or 8 groups
     of 16 a program, with and without the polynomial half) at Wan 14B's group count (591 groups: padded to 592), on
@@ -1341,13 +1341,14 @@ def test_gluon_persistent_matches_twin(layout):
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
 
 
-@pytest.mark.parametrize("b,n", [(1, 75600), (2, 10001)])
+@pytest.mark.parametrize("b,n", [(1, 32760), (2, 10001), (1, 75600)])
 def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     """kernels/grouping_graph.py: the first call of a shape runs as it is, the second captures, later calls replay;
     every call gives the groups of the partition run as it is, for new queries too (a ragged N, B = 2); release()
-    frees the graphs; SPARSE_ATTN_GROUPING_GRAPH=0 captures nothing."""
+    frees the graphs; SPARSE_ATTN_GROUPING_GRAPH=0 captures nothing, nor does a sequence beyond MAX_TOKENS."""
     from comfyui_sparse_attention.kernels import gather_triton, grouping_graph, grouping_torch
     grouping_graph.release()
+    graphed = n <= grouping_graph.MAX_TOKENS
     h = 8 if n > 20000 else 3
     qs = [qkv(h, n, 128, seed=20 + i)[0].expand(b, h, n, 128).contiguous() for i in range(3)]
     if b == 2:
@@ -1361,7 +1362,7 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     for i, q in enumerate([qs[0], qs[0], qs[1], qs[2], qs[0]]):
         got = K.group_queries(q, 128, dims=16)
         assert torch.equal(got, wants[[0, 0, 1, 2, 0][i]]), f"call {i}"
-        assert len(grouping_graph._graphs) == (0 if i == 0 else 1)
+        assert len(grouping_graph._graphs) == (0 if i == 0 or not graphed else 1)
     grouping_graph.release()
     assert not grouping_graph._graphs
     monkeypatch.setenv("SPARSE_ATTN_GROUPING_GRAPH", "0")
