@@ -1369,3 +1369,14 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     for _ in range(3):
         assert torch.equal(K.group_queries(qs[1], 128, dims=16), wants[1])
     assert not grouping_graph._graphs
+
+
+@pytest.mark.parametrize("n", [16384, 75600])
+def test_cond_and_uncond_group_alike_batched_or_apart(n):
+    """The grouping on 16 leading directions on the GPU (batched cuBLAS and cuSOLVER calls, the Triton row gather, the
+    graph up to its MAX_TOKENS): cond and uncond in one call group their queries as each does alone."""
+    q = torch.cat([qkv(4, n, 128, seed=30)[0], qkv(4, n, 128, seed=31)[0]])
+    for _ in range(3):  # as it is, captured, replayed (below MAX_TOKENS)
+        both = K.group_queries(q, 128, dims=16)
+        apart = torch.cat([K.group_queries(q[:1], 128, dims=16), K.group_queries(q[1:], 128, dims=16)])
+        assert torch.equal(both, apart)
