@@ -7,9 +7,8 @@ The raw run mass-pack-1 also timed the earlier kernel (four groups a program, a 
 Wan 2.1 14B's self-attention by default: 40 heads x 75 600 tokens, D 128, bf16, groups of 128 queries ranked by every
 8th (mass_queries 16, the default). The groups are consecutive queries (the kernel's time does not depend on which
 queries a group holds); the LSE is the dense call's. Each result is checked against the twin's on the first and last
-eight groups (max_rel_err). bench/
-engine.py's ``timed``: CUDA events, the median of 10 after one warm-up call. Also reported: the tensor-core rate
-(QK^T only) each time implies.
+eight groups (max_rel_err). bench/engine.py's ``timed``: CUDA events, the median of 10 after one warm-up call. Also
+reported: the tensor-core rate (QK^T only) each time implies.
 """
 
 from __future__ import annotations

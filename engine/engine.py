@@ -335,9 +335,9 @@ class SparseEngine:
             except torch.OutOfMemoryError as exc:
                 # room is made after this block: inside it the traceback holds the failed attempt's tensors
                 failed = exc.with_traceback(None)
-            kernels.release_graphs()
+            released = kernels.release_graphs()  # the grouping's graphs: their memory comes back first
             freed = self.cache.spill(share, stop_prefetch=stop_prefetch)
-            if not freed:
+            if not freed and not released:
                 failed.add_note(f"sparse attention: out of memory at {what}, with no cache left on the GPU to move")
                 raise failed
             level = logging.DEBUG if what in self._spill_warned else logging.WARNING

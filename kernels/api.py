@@ -235,10 +235,10 @@ def group_queries(q, group_size, *, dims=0, backend="auto"):
     return grouping_torch.group_queries(q, group_size, dims)
 
 
-def release_graphs() -> None:
+def release_graphs() -> bool:
     """Free the query grouping's CUDA graphs and their memory (grouping_graph.release; the engine calls it at the end
-    of each run and when it makes room after running out of memory). Nothing to do where none was made."""
-    grouping_graph.release()
+    of each run and when it makes room after running out of memory). Returns whether any was dropped."""
+    return grouping_graph.release()
 
 
 def pooled_block_scores(q, k, *, block_q, block_k, scale=None, backend="auto"):

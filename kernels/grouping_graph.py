@@ -9,8 +9,10 @@ beyond, the dense call before it hides its launches.
 
 What a graph holds: its input (the points: fp32 (B, H, N, W), 25 MB at 24 heads x 16 384 tokens with W = 16) and the
 partition's scratch in a memory pool every graph of this module shares (graphs never run at once; 336 MB reserved
-there). ``release()`` frees them all;
-the engine calls it at the end of every run and when it makes room after an out-of-memory error. At most
+there). ``release()`` frees them all; the engine calls it at the end of every run and when it makes room after an
+out-of-memory error. A capture costs what PyTorch's ``torch.cuda.graph`` does on entry (a device synchronisation and
+an ``empty_cache``) once a shape a run, under this module's lock. Graphs assume the callers of one device use its
+current stream, as the engine does (a replay and the next call's copy into its input are ordered on it). At most
 ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
 capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
 """
@@ -54,6 +56,7 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
+    """Whether graphs may be made: SPARSE_ATTN_GROUPING_GRAPH is not "0" (read at each call)."""
     return os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1") != "0"
 
 
@@ -133,16 +136,16 @@ def _capture(points: torch.Tensor, group_size: int, gather, key) -> _Graph | Non
     return entry
 
 
-def release() -> None:
+def release() -> bool:
     """Free every graph, its input and the shared pool's memory (the next call of a shape runs as it is and captures
-    again at the one after)."""
+    again at the one after). Returns whether any graph or pool was dropped (memory may have come back)."""
     global _pool
     with _lock:
-        if not _graphs and _pool is None and not _refused:
-            return
+        dropped = bool(_graphs) or _pool is not None
         _graphs.clear()
         _seen.clear()
         _refused.clear()  # a capture refused (for want of memory, say) is tried again in the next run
         _pool = None
-    if torch.cuda.is_available():
+    if dropped and torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return dropped

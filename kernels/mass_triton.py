@@ -50,6 +50,8 @@ MAX_PG = 8  # groups of 16 a program of _mass_packed_fwd may take: the group cou
 PACKED_CONFIGS = [_packed_cfg(64, 4, 4, 0), _packed_cfg(128, 8, 8, 0), _packed_cfg(64, 4, 8, 0),
                   _packed_cfg(128, 8, 4, 0), _packed_cfg(64, 4, 4, 1)]
 INTERPRET_PACKED_CONFIGS = [_packed_cfg(32, 4, 4, 1)]
+# the grid is G_PAD // PG with G_PAD a multiple of MAX_PG: a PG that does not divide it would drop groups
+assert all(MAX_PG % c.kwargs["PG"] == 0 for c in PACKED_CONFIGS + INTERPRET_PACKED_CONFIGS)
 
 
 def _prune(configs_, named_args, **kwargs):
@@ -214,8 +216,8 @@ def _mass_packed_fwd(Q, K, LSE, QG, OUT,
                      H, N_Q, N_KV, G_PAD, qk_scale, N_BUCKET,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, USE_TMA: tl.constexpr,
                      BLOCK_N: tl.constexpr, PG: tl.constexpr, POLY: tl.constexpr, EVEN_N: tl.constexpr):
-    """Groups of 16 queries, PG of them a program (QG int32 (B*H, G_PAD * 16), G_PAD a multiple of MAX_PG): one K
-    tile read serves PG * 16 queries (docs/kernel_notes.md, "v22")."""
+    """Groups of 16 queries, PG of them a program (QG int32 (B*H, G_PAD * 16), G_PAD a multiple of MAX_PG; OUT fp32
+    (B*H, G_PAD, N_KV)): one K tile read serves PG * 16 queries (docs/kernel_notes.md, "v22")."""
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
     row = pid_bh.to(tl.int64) * (G_PAD // PG) + pid  # the program's PG * 16 query slots in QG

@@ -39,7 +39,7 @@ def test_the_partition_hook_receives_the_projected_points():
 
 def test_the_engine_frees_the_graphs_at_each_runs_end_and_when_it_makes_room(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "release_graphs", lambda: calls.append("release"))
+    monkeypatch.setattr(kernels, "release_graphs", lambda: calls.append("release") or False)
     engine = SparseEngine(SparseConfig(method="mc_sparse"))
     engine.begin_run()
     assert calls == []  # a run's start keeps them: a bench's anchors, each after begin_run, replay
@@ -57,9 +57,14 @@ def test_the_engine_frees_the_graphs_at_each_runs_end_and_when_it_makes_room(mon
     monkeypatch.setattr(engine.cache, "spill", lambda share, stop_prefetch=False: 1 << 20)
     assert engine._with_room(fn, "a test call", torch.zeros(1)) == "done"
     assert calls == ["release"]
+    # no cache to move, but the graphs gave memory back: tried again rather than raised
+    attempts.clear()
+    monkeypatch.setattr(kernels, "release_graphs", lambda: True)
+    monkeypatch.setattr(engine.cache, "spill", lambda share, stop_prefetch=False: 0)
+    assert engine._with_room(fn, "a test call", torch.zeros(1)) == "done" and len(attempts) == 2
 
 
-def test_release_without_graphs_is_a_no_op():
-    grouping_graph.release()
-    grouping_graph.release()
-    assert not grouping_graph._graphs and grouping_graph._pool is None
+def test_release_forgets_every_shape_and_says_whether_it_dropped_a_graph():
+    grouping_graph._seen.add(("a shape seen once",))
+    assert grouping_graph.release() is False  # nothing was captured: no memory came back
+    assert not grouping_graph._graphs and grouping_graph._pool is None and not grouping_graph._seen

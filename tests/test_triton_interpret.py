@@ -102,7 +102,7 @@ for dtype in (torch.float16, torch.float32):
         lse[0, 0, :5] = float("-inf")
         cmp("mass-" + tag, K.group_kv_mass(q, k, lse, groups, backend="triton"),
             K.group_kv_mass(q, k, lse, groups, backend="torch"))
-        sub = groups[..., ::4].contiguous()  # groups of 16 (mass_queries): packed four to a program, padded
+        sub = groups[..., ::4].contiguous()  # groups of 16 (mass_queries): 4 or 8 a program, padded to 8
         cmp("mass16-" + tag, K.group_kv_mass(q, k, lse, sub, backend="triton"),
             K.group_kv_mass(q, k, lse, sub, backend="torch"))
 print("RESULT:" + json.dumps(results))

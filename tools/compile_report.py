@@ -170,7 +170,7 @@ def cases(kinds, head_dims, loops=("plain",), mass=False, arch=90):
                            {**ptr, "TOK": tok, "SEG": "*i32", "R": res_type}, ce, div + ["SEG"], c)
         if "mass" in kinds and loop == "plain":  # pass 2 has one loop
             for c in mt.CONFIGS:
-                ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=arch == 90, EVEN_N=False, PACK=False, **c.kwargs)
+                ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=arch == 90, EVEN_N=False, **c.kwargs)
                 yield f"mass D{d}", jit_of(mt._mass_fwd), ptr, ce, div, c
             for c in mt.PACKED_CONFIGS:  # groups of 16 (mass_queries), one dot over PG of them
                 ce = dict(HEAD_DIM=d, D_PAD=pad, USE_TMA=arch == 90, EVEN_N=False, **c.kwargs)
