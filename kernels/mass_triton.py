@@ -45,9 +45,10 @@ def _packed_cfg(bn, w, pg, poly, s=3):
 
 
 MAX_PG = 8  # groups of 16 a program of _mass_packed_fwd may take: the group count is padded to a multiple of it
-# the first measured fastest at Wan 14B on an H100 (18.4-19.0 ms against 24-32 ms for the polynomial half, kernel_notes
-# "v22"); the polynomial half is kept for GPUs whose special-function unit is the narrower pipe
-PACKED_CONFIGS = [_packed_cfg(64, 4, 4, 0), _packed_cfg(128, 8, 8, 0), _packed_cfg(64, 4, 8, 0),
+# the first measured fastest at Wan 14B on an H100 (16.5 ms; 17.5-21.6 for the other tl.exp2 ones, 24.2 for the
+# polynomial half, kernel_notes "v22"); the polynomial half is kept for GPUs whose special-function unit is the
+# narrower pipe
+PACKED_CONFIGS = [_packed_cfg(64, 4, 8, 0), _packed_cfg(64, 4, 4, 0), _packed_cfg(128, 8, 8, 0),
                   _packed_cfg(128, 8, 4, 0), _packed_cfg(64, 4, 4, 1)]
 INTERPRET_PACKED_CONFIGS = [_packed_cfg(32, 4, 4, 1)]
 # the grid is G_PAD // PG with G_PAD a multiple of MAX_PG: a PG that does not divide it would drop groups
