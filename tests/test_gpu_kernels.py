@@ -1383,3 +1383,50 @@ def test_cond_and_uncond_group_alike_batched_or_apart(n):
         both = K.group_queries(q, 128, dims=16)
         apart = torch.cat([K.group_queries(q[:1], 128, dims=16), K.group_queries(q[1:], 128, dims=16)])
         assert torch.equal(both, apart)
+
+
+def test_grouping_graph_failed_capture_no_room_and_eviction_run_as_they_are(monkeypatch, caplog):
+    """kernels/grouping_graph.py's other paths: a capture that fails logs a warning, refuses the shape for the run and
+    gives the eager groups (a new run tries again); no room for a graph: the call runs as it is; beyond MAX_GRAPHS
+    shapes the oldest graph goes and its shape captures again at its next call. Every call gives the eager groups."""
+    import logging
+
+    from comfyui_sparse_attention.kernels import gather_triton, grouping_graph, grouping_torch
+    grouping_graph.release()
+    qa, qb = qkv(3, 10001, 128, seed=40)[0], qkv(2, 9000, 128, seed=41)[0]
+    want = {id(q): grouping_torch.group_queries(q, 128, 16, gather=gather_triton.gather_rows) for q in (qa, qb)}
+
+    def check(q):
+        assert torch.equal(K.group_queries(q, 128, dims=16), want[id(q)])
+
+    real = grouping_torch._group
+
+    def failing(*a, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a capture that fails")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(grouping_torch, "_group", failing)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            check(qa)
+    assert not grouping_graph._graphs and len(grouping_graph._refused) == 1
+    assert "runs without a CUDA graph" in caplog.text
+    monkeypatch.setattr(grouping_torch, "_group", real)
+    grouping_graph.release()  # the next run tries again
+    for _ in range(3):
+        check(qa)
+    assert len(grouping_graph._graphs) == 1
+    grouping_graph.release()
+    monkeypatch.setattr(grouping_graph, "_room", lambda points: False)
+    for _ in range(3):
+        check(qa)
+    assert not grouping_graph._graphs
+    monkeypatch.undo()
+    grouping_graph.release()
+    monkeypatch.setattr(grouping_graph, "MAX_GRAPHS", 1)
+    for q in (qa, qa, qb, qb, qa, qb):  # a captures, b captures (a goes), a captures again (b goes), b again
+        check(q)
+        assert len(grouping_graph._graphs) <= 1
+    assert len(grouping_graph._graphs) == 1
+    grouping_graph.release()
