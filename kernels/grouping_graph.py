@@ -50,7 +50,7 @@ class _Graph:
 
 _graphs: OrderedDict = OrderedDict()  # key -> _Graph, oldest first
 _seen: set = set()  # keys called once: the first call of a shape runs as it is (it compiles and caches)
-_refused: set = set()  # keys whose capture failed: they run as they are for the rest of the process
+_refused: set = set()  # keys whose capture failed: they run as they are until release() (the run's end)
 _pool = None  # the memory pool every graph shares
 _lock = threading.Lock()
 

@@ -16,7 +16,7 @@ so it is written to spend as little as possible around them (docs/kernel_notes.m
 
 Groups of 16 (mc_sparse's ``mass_queries``) run in ``_mass_packed_fwd``: 4 or 8 groups a program in one dot of 64 or
 128 columns, each group's 16 columns summed after the exponentials, so one K tile read serves them all and the tensor
-cores see a wide dot (pass 2 at Wan 14B 29.0 -> 18.4 ms on an H100 against four 16-column dots a program;
+cores see a wide dot (pass 2 at Wan 14B 16.5-18.4 ms on an H100 against 29.0 for four 16-column dots a program;
 docs/kernel_notes.md, "v22").
 """
 
