@@ -145,11 +145,16 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None, 
     partition: what partitions the projected queries, (points fp32 (B, H, N, dims), group_size, gather) -> the
     groups, as ``_group(..., owned=True)`` (``grouping_graph.group_points`` on CUDA: the same operators replayed
     from a CUDA graph); None for ``_group``.
-    Returns int32 (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group.
+    Returns int32 (B, H, ceil(N/group_size), group_size): query indices per group, -1 padding the last group. Each
+    sample of the batch is grouped alone, so its groups never depend on the samples beside it.
     Ops: gather, batched matmuls, norm, argsort(stable=True), index assignment, Cholesky — on q's device
     (CPU, CUDA, MPS); fp32 work (autocast off) in chunks of heads bounded by ``CHUNK_ELEMS``.
     """
     check_grouping_args(q, group_size, dims)
+    if q.shape[0] > 1:
+        # each sample alone: on the GPU the batched products and reductions round with the whole tensor's shape, so
+        # cond and uncond batched grouped 32-66 % of their queries as each alone did (docs/kernel_notes.md, "v22")
+        return torch.cat([group_queries(q[i:i + 1], group_size, dims, gather, partition) for i in range(q.shape[0])])
     with _without_autocast(q.device):  # fp32 products and projections even inside an autocast region
         if dims and dims < q.shape[-1]:  # a fresh fp32 tensor: _group may reorder it in place
             points = project_leading(q, dims)

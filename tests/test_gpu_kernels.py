@@ -1370,14 +1370,12 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     assert not grouping_graph._graphs
 
 
-@pytest.mark.xfail(strict=True, reason="on the GPU the partition's batched operators round differently with the "
-                   "number of heads in a call: 32-66 % of groups identical batched or apart (docs/bench-runs/"
-                   "mass-pack-2/grouping-batched.json); the projection itself is identical (docs/kernel_notes.md, v22)")
 @pytest.mark.parametrize("n", [16384, 75600])
 def test_cond_and_uncond_group_alike_batched_or_apart(n):
     """The grouping on 16 leading directions on the GPU (batched cuBLAS and cuSOLVER calls, the Triton row gather, the
-    graph up to its MAX_TOKENS): cond and uncond in one call group their queries as each does alone. Known to fail
-    (strict: a fix makes it pass and the mark must go): bench/grouping_batched.py shows where."""
+    graph up to its MAX_TOKENS): cond and uncond in one call group their queries as each does alone. Batched, the
+    partition's operators rounded with the number of heads in the call and 32-66 % of groups matched
+    (docs/bench-runs/mass-pack-2/grouping-batched.json); each sample is now grouped alone."""
     q = torch.cat([qkv(4, n, 128, seed=30)[0], qkv(4, n, 128, seed=31)[0]])
     for _ in range(3):  # as it is, captured, replayed (below MAX_TOKENS)
         both = K.group_queries(q, 128, dims=16)

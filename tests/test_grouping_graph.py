@@ -30,7 +30,7 @@ def test_the_partition_hook_receives_the_projected_points():
 
     q = torch.randn(2, 3, 300, 64, generator=torch.Generator().manual_seed(1))
     got = grouping_torch.group_queries(q, 64, 16, partition=partition)
-    assert seen == [((2, 3, 300, 16), torch.float32, 64, grouping_torch.gather_rows)]
+    assert seen == [((1, 3, 300, 16), torch.float32, 64, grouping_torch.gather_rows)] * 2  # a sample at a time
     assert torch.equal(got, grouping_torch.group_queries(q, 64, 16))
     seen.clear()
     grouping_torch.group_queries(q, 64, 0, partition=partition)  # every coordinate: the queries' own partition

@@ -129,3 +129,24 @@ def test_grouping_dims_reach_the_grouping(monkeypatch):
     for bad in (8, 32.0, True, "32"):
         with pytest.raises(ValueError, match="grouping_dims"):
             SparseConfig(method="mc_sparse", grouping_dims=bad)
+
+
+def test_each_sample_is_grouped_alone(monkeypatch):
+    """A batch of samples (cond and uncond) is grouped one sample at a time, the same calls a separate call makes, so
+    its groups never depend on the samples beside it (on the GPU batched operators round with the whole shape:
+    docs/kernel_notes.md, "v22")."""
+    from comfyui_sparse_attention import kernels
+    from comfyui_sparse_attention.kernels import grouping_torch
+    q = torch.randn(3, 2, 500, 64, generator=torch.Generator().manual_seed(5))
+    shapes = []
+    real = grouping_torch.project_leading
+
+    def spy(x, dims):
+        shapes.append(tuple(x.shape))
+        return real(x, dims)
+
+    monkeypatch.setattr(grouping_torch, "project_leading", spy)
+    both = kernels.group_queries(q, 64, dims=16, backend="torch")
+    assert shapes == [(1, 2, 500, 64)] * 3
+    apart = torch.cat([kernels.group_queries(q[i:i + 1], 64, dims=16, backend="torch") for i in range(3)])
+    assert torch.equal(both, apart) and both.shape == (3, 2, 8, 64)
