@@ -1361,7 +1361,8 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     for i, q in enumerate([qs[0], qs[0], qs[1], qs[2], qs[0]]):
         got = K.group_queries(q, 128, dims=16)
         assert torch.equal(got, wants[[0, 0, 1, 2, 0][i]]), f"call {i}"
-        assert len(grouping_graph._graphs) == (0 if i == 0 or not graphed else 1)
+        # a batch of two is grouped a sample at a time: its second sample is the shape's second call (a capture)
+        assert len(grouping_graph._graphs) == (0 if (i == 0 and b == 1) or not graphed else 1)
     grouping_graph.release()
     assert not grouping_graph._graphs
     monkeypatch.setenv("SPARSE_ATTN_GROUPING_GRAPH", "0")
