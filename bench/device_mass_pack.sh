@@ -36,11 +36,11 @@ for g in 1 0; do  # where the dense call no longer hides the grouping's launches
     | tr '\n' ' '
   echo " (graph $g)"
 done
-OUT=$res VARIANTS="${VARIANTS:--}" timeout 200 bash bench/device_mc_anchor.sh
+OUT=$res VARIANTS="${VARIANTS:--}" TESTS_K= timeout 200 bash bench/device_mc_anchor.sh
 if [ -n "${NOGRAPH-1}" ]; then
   SPARSE_ATTN_GROUPING_GRAPH=0 OUT=$res/nograph VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
 fi
-if [ -n "${PROFILE:-1}" ]; then
+if [ -n "${PROFILE-1}" ]; then
   timeout 120 python3 bench/engine.py --out "$res/profile" --methods mc_sparse --overhead-reps 3 --profile \
     > "$res/profile.log" 2>&1 || tail -5 "$res/profile.log"
 fi
