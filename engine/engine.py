@@ -370,13 +370,16 @@ class SparseEngine:
                 with self.stats.timed(ctx.layer, "store", dev):
                     self._store_residual(key, selection, out_d, Residual(*res), ctx)
                 return out_d
+        # what the selection needs of q alone (mc_sparse's query groups) runs beside the dense call: a side stream
+        # (docs/kernel_notes.md, "v23")
+        prepared = policy.prepare(q, ctx.layout, cfg, backend=cfg.backend)
         with self.stats.timed(ctx.layer, "attention", dev):
             if policy.needs_lse:
                 out_d, lse = kernels.attention_dense(q, k, v, scale=scale, return_lse=True, backend=cfg.backend)
             else:
                 out_d, lse = self._dense(q, k, v, scale, dense_fn), None
         with self.stats.timed(ctx.layer, "selection", dev):
-            selection = self._select(policy, q, k, lse, ctx, scale)
+            selection = self._select(policy, q, k, lse, ctx, scale, prepared)
         with self.stats.timed(ctx.layer, "attention", dev):
             out_s = selection.run(q, k, v, scale=scale, backend=cfg.backend)
         with self.stats.timed(ctx.layer, "store", dev):
@@ -402,15 +405,18 @@ class SparseEngine:
         return where
 
     def _store(self, key, selection, out_d, out_s, ctx) -> str:
-        diff = out_d - out_s
-        # norms accumulate in fp32 inside the reduction (no fp32 copies of two (B, H, N, D) tensors)
-        nd, no = torch.stack([torch.linalg.vector_norm(diff), torch.linalg.vector_norm(out_d)]).float().tolist()
-        fidelity = nd / max(no, 1e-30)
-        residual = Residual.encode(diff, self.cfg.residual_precision) if self.cfg.residual else None
-        del diff
-        return self.cache_entry(key, selection, residual, fidelity, ctx)
+        # R = out_d - out_s formed in fp32, encoded, and the squares of R and out_d summed, in one pass over the two
+        # outputs on CUDA (kernels/residual_encode_triton.py; ~10 fp32 passes before: docs/kernel_notes.md, "v23");
+        # without a residual kept, R is still formed for its norm (the fidelity) in the model's dtype
+        cfg = self.cfg
+        precision = residual_precision(cfg.residual_precision, out_d.device) if cfg.residual else "model"
+        pair, sums = kernels.residual_of(out_d, out_s, precision=precision, return_sums=True, backend=cfg.backend)
+        nd, no = sums.sqrt().tolist()
+        residual = Residual(*pair).stored_as(cfg.residual_precision) if cfg.residual else None
+        del pair
+        return self.cache_entry(key, selection, residual, nd / max(no, 1e-30), ctx)
 
-    def _select(self, policy, q, k, lse, ctx, scale):
+    def _select(self, policy, q, k, lse, ctx, scale, prepared=None):
         # per-layer / per-head densities: heads grouped by density, one policy call per group
         # (engine/layer_density.py); None = the configured density for every head
         dens = head_densities(self.cfg, ctx.layer, q.shape[1])
@@ -421,7 +427,8 @@ class SparseEngine:
                 self._static[skey] = select_heads(policy, q, k, None, ctx.layout, self.cfg, dens, scale=scale,
                                                   backend=self.cfg.backend)
             return self._static[skey]
-        return select_heads(policy, q, k, lse, ctx.layout, self.cfg, dens, scale=scale, backend=self.cfg.backend)
+        return select_heads(policy, q, k, lse, ctx.layout, self.cfg, dens, scale=scale, backend=self.cfg.backend,
+                            prepared=prepared)
 
 
 def with_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

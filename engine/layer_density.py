@@ -130,26 +130,35 @@ def config_at(cfg, density: float):
                        layer_densities=())
 
 
-def select_heads(policy, q, k, lse, layout, cfg, densities: tuple[float, ...] | None, *, scale, backend):
+def select_heads(policy, q, k, lse, layout, cfg, densities: tuple[float, ...] | None, *, scale, backend,
+                 prepared=None):
     """A selection for q, k: (B, H, N, D) (lse fp32 (B, H, N) or None) where head h keeps ``densities[h]``.
 
     ``densities`` None: the policy's own selection at the configured density. Otherwise the heads are grouped
     by density; the policy selects once per group on the group's head slice and the parts are concatenated
-    along the head dimension in the original head order."""
+    along the head dimension in the original head order. prepared: the policy's ``prepare`` of q (or None),
+    handed to each group as its ``heads(...)``."""
     if densities is None:
-        return policy.select(q, k, lse, layout, cfg, scale=scale, backend=backend)
+        return policy.select(q, k, lse, layout, cfg, scale=scale, backend=backend, **_given(prepared))
     groups: dict[float, list[int]] = {}
     for h, d in enumerate(densities):
         groups.setdefault(d, []).append(h)
     if len(groups) == 1:
-        return policy.select(q, k, lse, layout, config_at(cfg, densities[0]), scale=scale, backend=backend)
+        return policy.select(q, k, lse, layout, config_at(cfg, densities[0]), scale=scale, backend=backend,
+                             **_given(prepared))
     parts, heads = [], []
     for d, idx in groups.items():
         sl = _head_slice(idx, q.device)
         parts.append(policy.select(q[:, sl], k[:, sl], None if lse is None else lse[:, sl], layout,
-                                   config_at(cfg, d), scale=scale, backend=backend))
+                                   config_at(cfg, d), scale=scale, backend=backend,
+                                   **_given(None if prepared is None else prepared.heads(sl))))
         heads.append(idx)
     return type(parts[0]).concat_heads(parts, heads)
+
+
+def _given(prepared) -> dict:
+    """select's ``prepared`` argument when there is one: policies without ``prepare`` need not take it."""
+    return {} if prepared is None else {"prepared": prepared}
 
 
 def _head_slice(idx: list[int], device):

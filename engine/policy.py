@@ -33,9 +33,18 @@ class Policy:
         """True when reuse steps select again from the current q/k (and keep only the anchor's residual)."""
         return False
 
+    def prepare(self, q: "torch.Tensor", layout: "TokenLayout", cfg: "SparseConfig", *, backend: str):
+        """Work of an anchor that reads only q (B, H, N, D), started before the anchor's dense call so that it can
+        run beside it (kernels/side_stream.py); what it returns goes to ``select`` as ``prepared``. None (the
+        default): nothing to prepare. A returned object has ``heads(index)``, the same for a slice or an int64 index
+        tensor of the heads (engine/layer_density.py selects head groups apart)."""
+        return None
+
     def select(self, q: "torch.Tensor", k: "torch.Tensor", lse: "torch.Tensor | None", layout: "TokenLayout",
-               cfg: "SparseConfig", *, scale: float | None, backend: str):
-        """q, k: (B, H, N, D); lse: fp32 (B, H, N) when ``needs_lse``, else None. Returns a Selection."""
+               cfg: "SparseConfig", *, scale: float | None, backend: str, prepared=None):
+        """q, k: (B, H, N, D); lse: fp32 (B, H, N) when ``needs_lse``, else None; prepared: what ``prepare``
+        returned for this q (or its ``heads(...)``), passed only when not None (a policy without ``prepare`` need
+        not take it). Returns a Selection."""
         raise NotImplementedError
 
 

@@ -25,16 +25,24 @@ from .selection import LOW_PAD, SEGMENT, TokenSelection
 MASS_CHUNK_BYTES = 1 << 30  # fp32 group-mass scratch per pass-2 chunk
 
 
-def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=None,
-                    backend="auto") -> TokenSelection:
-    """q, k: (B, H, N, D); lse: fp32 (B, H, N) row LSE of dense attention. Returns a TokenSelection."""
-    b, h, n, _ = q.shape
-    dev = q.device
+def sparse_spans(n: int, layout: TokenLayout, cfg: SparseConfig) -> tuple[list[Span], list[list[float]], list[int]]:
+    """The spans of n tokens, the density of each (query span, key span) pair, and the indices of the query spans
+    that are sparse for some key span (those grouped)."""
     spans = layout.spans(n)
     table = cfg.densities.table(cfg.density)
     dens = [[table[MODALITIES.index(a.segment.modality)][MODALITIES.index(c.segment.modality)] for c in spans]
             for a in spans]  # [query segment][key segment]
-    sparse = [i for i, sp in enumerate(spans) if sp.length and min(dens[i]) < 1.0]
+    return spans, dens, [i for i, sp in enumerate(spans) if sp.length and min(dens[i]) < 1.0]
+
+
+def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=None, backend="auto",
+                    groups: dict | None = None) -> TokenSelection:
+    """q, k: (B, H, N, D); lse: fp32 (B, H, N) row LSE of dense attention; groups: the query groups of sparse spans
+    already made, {(start, stop): int32 (B or 1, H or 1, G, C)} as ``segment_groups`` returns them, or None (spans
+    not in it are grouped here). Returns a TokenSelection."""
+    b, h, n, _ = q.shape
+    dev = q.device
+    spans, dens, sparse = sparse_spans(n, layout, cfg)
     dense_rows = torch.cat([torch.arange(sp.start, sp.stop, device=dev) for i, sp in enumerate(spans)
                             if i not in sparse] or [torch.zeros(0, dtype=torch.long, device=dev)])
     n_dense = dense_rows.numel()
@@ -46,7 +54,9 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                               dense_rows, 1.0, covers_all=True)
     parts_g, ranges = [], []  # groups per sparse query segment, and the group range each one takes
     for i in sparse:
-        g_seg = segment_groups(q, spans[i], cfg, backend)
+        g_seg = (groups or {}).get((spans[i].start, spans[i].stop))
+        if g_seg is None:
+            g_seg = segment_groups(q, spans[i], cfg, backend)
         ranges.append((i, sum(p.shape[2] for p in parts_g), g_seg.shape[2]))
         parts_g.append(g_seg.expand(b, h, -1, -1))
     groups = torch.cat(parts_g, dim=2).contiguous()
@@ -148,5 +158,38 @@ class McSparsePolicy(Policy):
     name = "mc_sparse"
     needs_lse = True
 
-    def select(self, q, k, lse, layout, cfg, *, scale, backend) -> TokenSelection:
-        return build_mc_sparse(q, k, lse, layout, cfg, scale=scale, backend=backend)
+    def prepare(self, q, layout, cfg, *, backend) -> "PreparedGroups | None":
+        """The "pca" query groups of every sparse span, launched on a side stream so that they are made while the
+        anchor's dense call runs (docs/kernel_notes.md, "v23"); None for "cuboid" groups (no work) or no sparse span."""
+        if cfg.grouping != "pca":
+            return None
+        spans, _, sparse = sparse_spans(q.shape[2], layout, cfg)
+        if not sparse:
+            return None
+        return PreparedGroups(kernels.beside(
+            lambda: {(spans[i].start, spans[i].stop): segment_groups(q, spans[i], cfg, backend) for i in sparse}, q))
+
+    def select(self, q, k, lse, layout, cfg, *, scale, backend, prepared=None) -> TokenSelection:
+        return build_mc_sparse(q, k, lse, layout, cfg, scale=scale, backend=backend,
+                               groups=None if prepared is None else prepared.groups())
+
+
+class PreparedGroups:
+    """McSparsePolicy.prepare's query groups: ``groups()`` joins the side stream that makes them
+    (kernels/side_stream.py) and returns {(start, stop): int32 (B, H, G, C)}, of the heads ``heads(index)`` chose
+    (all of them by default)."""
+
+    def __init__(self, pending, heads=None):
+        self._pending, self._heads = pending, heads
+
+    def heads(self, index) -> "PreparedGroups":
+        """The groups of the heads ``index`` (a slice or an int64 index tensor over all the heads)."""
+        if self._heads is not None:
+            raise ValueError("PreparedGroups.heads: already a subset of the heads")
+        return PreparedGroups(self._pending, index)
+
+    def groups(self) -> dict:
+        made = self._pending.result()
+        if self._heads is None:
+            return made
+        return {span: g[:, self._heads] for span, g in made.items()}

@@ -5,15 +5,16 @@ CUDA when it imports and supports the case, else the PyTorch twin (any torch dev
 """
 
 from .api import (attention_dense, block_anchor_attention, block_sparse_attention, block_sparse_on_triton, compact_keep,
-                  group_kv_mass, group_queries, keep_at_threshold, pooled_block_scores, release_graphs,
+                  group_kv_mass, group_queries, keep_at_threshold, pooled_block_scores, release_graphs, residual_of,
                   token_sparse_attention, token_sparse_attention_compact)
 from .backend import BACKENDS, triton_available
 from .replay import CallReplay
+from .side_stream import Pending, beside
 
 __all__ = [
-    "BACKENDS", "CallReplay", "attention_dense", "block_anchor_attention", "block_sparse_attention",
-    "block_sparse_on_triton", "compact_keep", "group_kv_mass",
+    "BACKENDS", "CallReplay", "Pending", "attention_dense", "beside", "block_anchor_attention",
+    "block_sparse_attention", "block_sparse_on_triton", "compact_keep", "group_kv_mass",
     "group_queries", "keep_at_threshold",
-    "pooled_block_scores", "release_graphs", "token_sparse_attention", "token_sparse_attention_compact",
+    "pooled_block_scores", "release_graphs", "residual_of", "token_sparse_attention", "token_sparse_attention_compact",
     "triton_available",
 ]

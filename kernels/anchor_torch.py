@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import block_sparse_torch, dense_torch
-from ._residual import encode_residual, mass_of
+from ._residual import _head_slices, encode_residual, mass_of
 
 
 def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
@@ -56,7 +56,16 @@ def block_residual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices
     return (*res, mass_of(lse, lse_sparse)) if return_mass else res
 
 
-def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str):
+def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str, return_sums: bool = False):
     """Residual pair of dense - sparse ((B, H, N, D) each), formed in fp32 a few heads at a time and encoded as
-    ``precision``, in dense's dtype (the composed anchor's R where no kernel forms it in its epilogue)."""
-    return encode_residual(dense, precision, dense.dtype, minus=sparse)
+    ``precision``, in dense's dtype (the composed anchor's R where no kernel forms it in its epilogue). With
+    ``return_sums``: (pair, fp32 (2,) [sum of R^2, sum of dense^2]) on dense's device, R^2 of R in fp32 before
+    encoding. Twin of ``residual_encode_triton.residual_of``."""
+    pair = encode_residual(dense, precision, dense.dtype, minus=sparse)
+    if not return_sums:
+        return pair
+    sums = torch.zeros(2, dtype=torch.float32, device=dense.device)
+    for sl in _head_slices(dense):
+        a = dense[:, sl].float()
+        sums += torch.stack([(a - sparse[:, sl].float()).square().sum(), a.square().sum()])
+    return pair, sums

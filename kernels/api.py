@@ -202,13 +202,34 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
                                             scale=scale, backend=backend, validate=validate, return_lse=return_mass)
             if return_mass:
                 sparse, lse_sparse = sparse
-            res = anchor_torch.residual_of(out, sparse, residual_precision)
+            res = residual_of(out, sparse, precision=residual_precision, backend=backend)
             if return_mass:
                 res = (*res, mass_of(lse, lse_sparse))
         return (out, lse, res) if return_lse else (out, res)
     return anchor_torch.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k,
                                                scale=scale, residual_precision=residual_precision,
                                                return_lse=return_lse, validate=validate, return_mass=return_mass)
+
+
+def residual_of(dense, sparse, *, precision="model", return_sums=False, backend="auto"):
+    """An anchor's residual R = dense - sparse, formed in fp32 and encoded: dense, sparse (B,H,N,D) of one float
+    dtype -> (R in dense's dtype, None) for precision "model", (float8_e4m3fn R, fp32 (B,H,N,1) row scale) for
+    "fp8" (kernels/_residual.py); with ``return_sums`` (pair, fp32 (2,) [sum of R^2, sum of dense^2]) on the device,
+    read without a synchronisation. On CUDA one Triton pass (kernels/residual_encode_triton.py) where Triton types
+    fp8 (or for "model"); elsewhere the twin ``anchor_torch.residual_of``."""
+    if precision not in ("model", "fp8"):
+        raise ValueError(f"precision must be 'model' or 'fp8', got {precision!r}")
+    if choose(backend, dense, _why_not(dense), "residual_of") == "triton":
+        from . import residual_encode_triton
+        if residual_encode_triton.supported(dense, precision) and sparse.shape == dense.shape \
+                and sparse.dtype == dense.dtype:
+            try:
+                d, s = _addressable(dense, sparse)
+            except ValueError:  # beyond 32-bit offsets even contiguous: the twin works a few heads at a time
+                d = None
+            if d is not None:
+                return residual_encode_triton.residual_of(d, s, precision, return_sums)
+    return anchor_torch.residual_of(dense, sparse, precision, return_sums)
 
 
 def group_queries(q, group_size, *, dims=0, backend="auto"):

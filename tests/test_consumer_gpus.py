@@ -117,3 +117,16 @@ def test_pass_two_compiles_with_a_candidate_that_does_not_spill(report, arch):
         assert r["wgmma"] == (arch == 90) and r["tma"] == (arch == 90), (arch, label, r)
         clean[kind] = clean.get(kind, False) or r["spill"] == 0
     assert clean == {"mass": True, "mass16": True}, clean
+
+
+@pytest.mark.parametrize("arch", [90, 80, 86, 89, 120])
+def test_anchor_residual_kernel_compiles_without_spilling(report, arch):
+    """kernels/residual_encode_triton.py (the anchor's residual in one pass) compiles for Hopper and the consumer
+    cards, writing fp8 where Triton types it (the engine's residual) and the model's dtype elsewhere, at head dims 128
+    and 64, with no spill (64 rows on 4 warps spilled on sm_90: kernel_notes "v23")."""
+    got = list(report.cases(["residual"], [128, 64], ("plain",), arch=arch))
+    assert len(got) == 2
+    for label, fn, types, ce, div, c in got:
+        assert ce["FP8_OUT"] == (arch >= 89), (arch, label)
+        r = report.compile_one(fn, types, ce, div, c, arch)
+        assert "error" not in r and r["spill"] == 0, (arch, label, r)

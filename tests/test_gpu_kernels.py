@@ -1429,3 +1429,59 @@ def test_grouping_graph_failed_capture_no_room_and_eviction_run_as_they_are(monk
         assert len(grouping_graph._graphs) <= 1
     assert len(grouping_graph._graphs) == 1
     grouping_graph.release()
+
+
+@pytest.mark.parametrize("b,n,dens", [(1, 75600, None), (2, 16384, None), (1, 16384, (0.5, 1.5, 1.0, 1.0))])
+def test_side_stream_anchor_as_in_order(b, n, dens, monkeypatch):
+    """kernels/side_stream.py: the query grouping made on a side stream gives the groups made in order, replayed
+    from its graph too (below grouping_graph.MAX_TOKENS); the mc_sparse anchor that makes them beside its dense call
+    (the default) caches the selection and gives the outputs of the anchor made in order (SPARSE_ATTN_SIDE_STREAM=0),
+    for cond and uncond batched and for per-head densities (the prepared groups sliced by head)."""
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.kernels import grouping_graph
+    h = 4
+    grid = (16, 32, 32) if n == 16384 else (21, 45, 80)
+    layout = TokenLayout(text_len=0, grid=grid)
+    q, k, v = (x.expand(b, h, n, 128).contiguous() for x in qkv(h, n, 128, seed=50))
+    q1, k1, v1 = (x.expand(b, h, n, 128).contiguous() for x in qkv(h, n, 128, seed=51))
+    grouping_graph.release()
+    want = K.group_queries(q, 128, dims=16)
+    for _ in range(3):  # as it is, captured, replayed
+        pending = K.beside(lambda: K.group_queries(q, 128, dims=16), q)
+        assert pending.on_side_stream
+        assert torch.equal(pending.result(), want) and not pending.on_side_stream
+    grouping_graph.release()
+    got = {}
+    for side in ("1", "0"):
+        monkeypatch.setenv("SPARSE_ATTN_SIDE_STREAM", side)
+        eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.15, min_tokens=0, residual=True,
+                                        layer_densities=() if dens is None else {0: list(dens)}))
+        eng.begin_run()
+        outs = [eng.attend(q, k, v, CallContext(layer=0, step=0, layout=layout))]
+        sel = eng.cache.on_device[CallContext(layer=0, step=0, layout=layout).key(n)].selection
+        outs += [eng.attend(q1, k1, v1, CallContext(layer=0, step=s, layout=layout)) for s in (1, 2)]
+        torch.cuda.synchronize()
+        got[side] = (outs, sel.q_groups.clone(), sel.kv_counts.clone())
+        eng.end_run()
+    assert torch.equal(got["1"][1], got["0"][1]) and torch.equal(got["1"][2], got["0"][2])
+    for a, b_ in zip(got["1"][0], got["0"][0]):
+        assert torch.equal(a, b_)
+
+
+def test_residual_of_kernel_matches_twin_on_gpu():
+    """kernels/residual_encode_triton.py on the GPU (the hardware's fp8 cast): R in the model's dtype equal to the
+    twin's, the same fp8 bytes and row scales, the sums within rounding (tests/residual_of_check.py), an inf or NaN of
+    the dense output NaN in its own element of R alone; and at Wan 14B's size (40 x 75 600, bf16, (B, N, H, D) views
+    as the attention kernels write them)."""
+    import residual_of_check
+    r = residual_of_check.check("cuda", (torch.float16, torch.bfloat16, torch.float32))
+    nonfinite = r.pop("nonfinite")
+    assert all(nonfinite.values()), nonfinite
+    for case, e in r.items():
+        assert e["triton"] and e["shape_ok"] and e["model_equal"], (case, e)
+        assert e["scale_rel"] <= 1e-6 and e["codes_equal"] == 1.0 and e["max_steps"] == 0, (case, e)
+        assert e["sums_rel"] <= 1e-4, (case, e)
+    big = residual_of_check.check("cuda", (torch.bfloat16,), shapes=((1, 40, 75600, 128),))
+    for case, e in big.items():
+        assert e["triton"] and e["model_equal"] and e["scale_rel"] <= 1e-6 and e["max_steps"] == 0, (case, e)
+        assert e["codes_equal"] == 1.0 and e["sums_rel"] <= 1e-3, (case, e)

@@ -201,3 +201,41 @@ def test_uniform_factors_change_nothing(problem):
         outs.append(eng.attend(*problem.qkv(1), CallContext(layer=0, step=1, layout=problem.layout)))
         eng.end_run()
     assert torch.equal(outs[0], outs[1])
+
+
+def test_mc_sparse_groups_each_span_once_before_the_dense_call(problem, monkeypatch):
+    """McSparsePolicy.prepare groups every sparse span's queries once, before the anchor's dense call (on CUDA on a
+    side stream: kernels/side_stream.py); the head groups of per-head densities take their heads of those groups,
+    and the cuboid grouping (no work) prepares nothing."""
+    from comfyui_sparse_attention.engine import engine as engine_mod
+    from comfyui_sparse_attention.engine import policy_mc_sparse
+    calls, order = [], []
+    real_groups, real_dense = policy_mc_sparse.segment_groups, kernels.attention_dense
+
+    def counted(q, span, cfg, backend):
+        calls.append((q.shape[1], span.start, span.stop))
+        order.append("group")
+        return real_groups(q, span, cfg, backend)
+
+    def dense(*a, **kw):
+        order.append("dense")
+        return real_dense(*a, **kw)
+
+    monkeypatch.setattr(policy_mc_sparse, "segment_groups", counted)
+    monkeypatch.setattr(engine_mod.kernels, "attention_dense", dense)
+    q, k, v = problem.qkv(0)
+    for grouping, want in (("pca", [(4, 64, q.shape[2])]), ("cuboid", [])):
+        calls.clear()
+        order.clear()
+        eng = SparseEngine(base_cfg("mc_sparse", grouping=grouping, layer_densities={0: [0.5, 2.0, 1.0, 1.0]}))
+        eng.begin_run()
+        eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+        eng.end_run()
+        assert [c for c in calls if grouping == "pca"] == want and (order[0] == "group") == (grouping == "pca")
+    prepared = policy_for("mc_sparse").prepare(q, problem.layout, base_cfg("mc_sparse"), backend="torch")
+    full = prepared.groups()[(64, q.shape[2])]
+    assert full.shape[:2] == (1, 4)
+    part = prepared.heads(torch.tensor([3, 1])).groups()[(64, q.shape[2])]
+    assert torch.equal(part, full[:, [3, 1]])
+    with pytest.raises(ValueError, match="already a subset"):
+        prepared.heads(slice(0, 2)).heads(slice(0, 1))

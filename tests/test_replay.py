@@ -315,9 +315,9 @@ def test_every_switch_the_kernels_read_at_a_launch_is_a_launch_switch():
     for path in root.glob("*.py"):
         read |= set(re.findall(r'os\.environ\.get\("(SPARSE_ATTN_\w+)"', path.read_text()))
     # not read at launches: tuning persistence (_triton_common.tune_*), the direct path's own switch, this module's,
-    # the anchor's grouping graphs (grouping_graph.py: never in a reuse call)
+    # the anchor's grouping graphs and side stream (grouping_graph.py, side_stream.py: never in a reuse call)
     assert read - {"SPARSE_ATTN_TUNE", "SPARSE_ATTN_FAST_LAUNCH", "SPARSE_ATTN_REPLAY",
-                   "SPARSE_ATTN_GROUPING_GRAPH"} == set(replay.LAUNCH_ENV)
+                   "SPARSE_ATTN_GROUPING_GRAPH", "SPARSE_ATTN_SIDE_STREAM"} == set(replay.LAUNCH_ENV)
 
 
 def test_an_output_that_is_not_the_launchs_is_never_replayed(kern):

@@ -917,6 +917,24 @@ def test_packed_mass_kernel_configs_match_twin_in_interpreter(child):
     assert len(errs) == 2 * 4 * 2 and max(errs.values()) <= 1e-4, errs
 
 
+RESIDUAL_OF_CHILD = PREAMBLE + r"""
+import residual_of_check
+print("RESULT:" + json.dumps(residual_of_check.check("cpu", (torch.float16, torch.float32))))
+"""
+
+
+def test_residual_of_kernel_matches_twin_in_interpreter(child):
+    """kernels/residual_encode_triton.py, the anchor's residual in one pass: R in the model's dtype equal to the twin's,
+    the same fp8 bytes and row scales, the sums of squares within rounding, for ragged lengths, head dims 64, 80 and
+    128, batch 2 and outputs laid out (B, N, H, D) (tests/residual_of_check.py)."""
+    r = child
+    assert len(r) == 2 * 3 * 2
+    for case, e in r.items():
+        assert e["triton"] and e["shape_ok"] and e["model_equal"], (case, e)
+        assert e["scale_rel"] <= 1e-6 and e["codes_equal"] == 1.0 and e["max_steps"] == 0, (case, e)
+        assert e["sums_rel"] <= 1e-5, (case, e)
+
+
 # test name -> (child code, timeout s, environment): run by the ``children`` fixture, longest first
 CHILDREN = {
     "test_hopper_kernels_residual_anchor_and_mass_in_interpreter":
@@ -945,4 +963,7 @@ CHILDREN = {
         (FP8_STORE_CHILD, 300, {}),
     "test_packed_mass_kernel_configs_match_twin_in_interpreter":
         (PACKED_MASS_CHILD, 600, {}),
+    "test_residual_of_kernel_matches_twin_in_interpreter":
+        (RESIDUAL_OF_CHILD, 600, {}),
 }
+

@@ -1,6 +1,6 @@
 """Compile the kernels' autotune candidates for a GPU architecture without a GPU and report their resources.
 
-    python tools/compile_report.py [--arch 90] [--kernels hopper,pointer,token,mass] [--head-dims 128,64]
+    python tools/compile_report.py [--arch 90] [--kernels hopper,pointer,token,mass,residual] [--head-dims 128,64]
                                    [--loop plain,ahead] [--mass]
 
 For each candidate: registers, spill bytes (ptxas -v), shared memory against the architecture's limit per
@@ -168,6 +168,13 @@ def cases(kinds, head_dims, loops=("plain",), mass=False, arch=90):
                               AHEAD=loop == "ahead")
                     yield (f"token{' compact' if n_seg else ''} D{d}{tag}", jit_of(tt._token_fwd),
                            {**ptr, "TOK": tok, "SEG": "*i32", "R": res_type}, ce, div + ["SEG"], c)
+        if "residual" in kinds and loop == "plain":  # the anchor's residual in one pass: fp8 where Triton types it
+            rt = load("kernels.residual_encode_triton")
+            types = {"A": "*bf16", "S": "*bf16", "RO": "*fp8e4nv" if typed else "*bf16", "ROS": "*fp32",
+                     "SUMS": "*fp32"}
+            ce = dict(HEAD_DIM=d, D_PAD=pad, BLOCK=rt.BLOCK_M, FP8_OUT=typed)
+            yield (f"residual D{d}", jit_of(rt._residual_fwd), types, ce, ["A", "S", "RO", "ROS", "SUMS"],
+                   argparse.Namespace(kwargs={}, num_warps=rt.NUM_WARPS, num_stages=1, maxnreg=None))
         if "mass" in kinds and loop == "plain":  # pass 2 has one loop
             for c in mt.CONFIGS:
                 ce = dict(HEAD_DIM=d, D_PAD=pad, GROUP=128, USE_TMA=arch == 90, EVEN_N=False, **c.kwargs)
