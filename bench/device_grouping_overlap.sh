@@ -3,7 +3,8 @@
 # Wan 14B (batch 1 and 2) and at SMALL ("heads tokens", default "24 16384"), after the GPU tests TESTS_K selects
 # (default "cond_and_uncond or grouping_graph or side_stream or residual_of"; none when empty), the anchor's residual
 # in one pass (bench/residual_of.py), then the Wan 14B anchor's phases (bench/device_mc_anchor.sh) with each setting
-# of SPARSE_ATTN_SIDE_STREAM in OVERLAP (default "1 0").
+# of SPARSE_ATTN_SIDE_STREAM in OVERLAP (default "1 0"), and (unless BATCH2 is empty) the anchor of a batch of two.
+# MICRO: the bench/grouping_overlap.py argument lists (empty: none).
 # Everything lands in $OUT/overlap.tgz (one file comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ if [ -n "${TESTS_K-cond_and_uncond or grouping_graph or side_stream or residual_
   tail -3 "$res/gpu-tests.log"
 fi
 read -r sh sn <<< "${SMALL:-24 16384}"
-for args in "--batch 1" "--batch 2" "--heads $sh --tokens $sn"; do
+for args in ${MICRO-"--batch 1" "--batch 2" "--heads $sh --tokens $sn"}; do
   name=$(echo "$args" | tr -d '-' | tr ' ' '_')
   timeout 150 python3 bench/grouping_overlap.py $args --out "$res/overlap_$name.json" > "$res/overlap_$name.log" 2>&1
   grep "ms\|equal" "$res/overlap_$name.log" | grep -v '^ "' | tail -4
@@ -26,7 +27,11 @@ for args in "--batch 1" "--batch 2" "--heads $sh --tokens $sn"; do
 done
 timeout 100 python3 bench/residual_of.py --out "$res/residual-of.json" > "$res/residual-of.log" 2>&1
 grep '_ms"' "$res/residual-of.log" | tr -d '\n '; echo
-for o in ${OVERLAP-1 0}; do
-  SPARSE_ATTN_SIDE_STREAM=$o OUT=$res/anchor-overlap$o VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
+for o in ${OVERLAP-1 0}; do  # each setting once a word: "1 1 0" times the side stream twice
+  i=$((${i:-0} + 1))
+  SPARSE_ATTN_SIDE_STREAM=$o OUT=$res/anchor-overlap$o-$i VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
 done
+if [ -n "${BATCH2-1}" ]; then  # cond and uncond batched, with the side stream
+  OUT=$res/anchor-batch2 VARIANTS=- TESTS_K= ENGINE_ARGS="--batch 2" timeout 240 bash bench/device_mc_anchor.sh
+fi
 tar czf "$root/overlap.tgz" -C "$root" overlap && rm -rf "$res"

@@ -3,6 +3,7 @@
 # d 0.15, bench/engine.py) with the defaults and the variants of bench/grids/mc_anchor_cost.yaml: pass 2 on all,
 # 16 or 32 queries of each group (mass_queries), cuboid groups (no grouping pass). VARIANTS: space-separated
 # KEY=VALUE,... lists ("-" = the defaults). TESTS_K: first the GPU tests pytest -k selects (none when empty).
+# ENGINE_ARGS: more bench/engine.py arguments (e.g. "--batch 2").
 # Output: $OUT/mc-anchor/<variant>/engine.json and a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ fi
 for v in ${VARIANTS:-- mass_queries=0 mass_queries=32 grouping=cuboid}; do
   name=${v//[=,]/_}
   cfg=$([ "$v" = - ] && echo "" || echo "$v")
-  python3 bench/engine.py --out "$out/$name" --methods mc_sparse --overhead-reps 5 --config "$cfg" \
+  python3 bench/engine.py --out "$out/$name" --methods mc_sparse --overhead-reps 5 --config "$cfg" ${ENGINE_ARGS:-} \
     > "$out/$name.log" 2>&1 || { echo "$v: failed"; tail -5 "$out/$name.log"; continue; }
   python3 - "$out/$name" "$v" <<'PY'
 import json, sys, pathlib

@@ -134,6 +134,8 @@ def main():
     ap.add_argument("--frames", type=int, default=21)
     ap.add_argument("--height", type=int, default=45)
     ap.add_argument("--width", type=int, default=80)
+    ap.add_argument("--batch", type=int, default=1, choices=(1, 2),
+                    help="2: cond and uncond batched (two steps of the synthetic problem side by side)")
     ap.add_argument("--density", type=float, default=0.15)
     ap.add_argument("--overhead-reps", type=int, default=50, help="reuse calls per round of the overhead measure")
     ap.add_argument("--methods", default="mc_sparse,block_topk")
@@ -158,9 +160,12 @@ def main():
                                           dtype=torch.bfloat16)
     q0, k0, v0 = problem.qkv(0)
     q1, k1, v1 = problem.qkv(1)
+    if args.batch == 2:  # the second sample: the problem's last step (the first sample's data as with --batch 1)
+        q0, k0, v0 = (torch.cat(p) for p in zip((q0, k0, v0), problem.qkv(2)))
+        q1, k1, v1 = (torch.cat(p) for p in zip((q1, k1, v1), problem.qkv(2)))
     n = problem.n
-    log.info("shape: %d heads, %d tokens", args.heads, n)
-    res = dict(heads=args.heads, tokens=n, density=args.density, gpu=torch.cuda.get_device_name(),
+    log.info("shape: %d x %d heads, %d tokens", args.batch, args.heads, n)
+    res = dict(batch=args.batch, heads=args.heads, tokens=n, density=args.density, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
