@@ -7,7 +7,8 @@ at Wan 2.1 14B by default (bf16, D 128, the engine's grouping: groups of 128 on 
 the dense call with its LSE alone (``kernels.attention_dense(return_lse=True)``), the grouping alone
 (``kernels.group_queries``), both in order on one stream, and both at once: the grouping on a side stream of high
 or of normal priority, launched after the dense call or before it, the main stream waiting for the side stream at
-the end. Each number is bench/engine.py's ``timed``: the median of CUDA events around each call after a warm-up.
+the end; and ``kernels.beside`` as the engine uses it (kernels/side_stream.py). Each number is bench/engine.py's
+``timed``: the median of CUDA events around each call after a warm-up.
 Also whether the groups made beside the dense call equal those made alone.
 """
 
@@ -74,6 +75,16 @@ def main():
             torch.cuda.synchronize()
             same = same and torch.equal(out["g"], want)
             log.info("%s priority, %s first: %.2f ms", prio_name, first, res[f"overlap_{prio_name}_{first}_first_ms"])
+    got = {}
+
+    def product():  # as the engine does it: the mark, the dense call, then the grouping at select
+        pending = K.beside(group, q)
+        got["d"] = dense()
+        got["g"] = pending.result()
+    res["kernels_beside_ms"] = timed(product, args.reps)
+    torch.cuda.synchronize()
+    same = same and torch.equal(got["g"], want)
+    log.info("kernels.beside: %.2f ms", res["kernels_beside_ms"])
     res["groups_equal"] = same
     log.info(json.dumps(res, indent=1))
     if args.out:

@@ -370,8 +370,8 @@ class SparseEngine:
                 with self.stats.timed(ctx.layer, "store", dev):
                     self._store_residual(key, selection, out_d, Residual(*res), ctx)
                 return out_d
-        # what the selection needs of q alone (mc_sparse's query groups) runs beside the dense call: a side stream
-        # (docs/kernel_notes.md, "v23")
+        # what the selection needs of q alone (mc_sparse's query groups) runs beside the dense call, on a side stream
+        # that waits for this point only; its launches follow the dense call's, at select (docs/kernel_notes.md, "v23")
         prepared = policy.prepare(q, ctx.layout, cfg, backend=cfg.backend)
         with self.stats.timed(ctx.layer, "attention", dev):
             if policy.needs_lse:

@@ -34,10 +34,11 @@ class Policy:
         return False
 
     def prepare(self, q: "torch.Tensor", layout: "TokenLayout", cfg: "SparseConfig", *, backend: str):
-        """Work of an anchor that reads only q (B, H, N, D), started before the anchor's dense call so that it can
-        run beside it (kernels/side_stream.py); what it returns goes to ``select`` as ``prepared``. None (the
-        default): nothing to prepare. A returned object has ``heads(index)``, the same for a slice or an int64 index
-        tensor of the heads (engine/layer_density.py selects head groups apart)."""
+        """Work of an anchor that reads only q (B, H, N, D), set up before the anchor's dense call so that it can
+        run beside it (``kernels.beside``: launched when ``select`` asks for it, on a side stream); what it returns
+        goes to ``select`` as ``prepared``. None (the default): nothing to prepare. A returned object has
+        ``heads(index)``, the same for a slice or an int64 index tensor of the heads (engine/layer_density.py
+        selects head groups apart)."""
         return None
 
     def select(self, q: "torch.Tensor", k: "torch.Tensor", lse: "torch.Tensor | None", layout: "TokenLayout",

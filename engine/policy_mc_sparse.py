@@ -159,8 +159,9 @@ class McSparsePolicy(Policy):
     needs_lse = True
 
     def prepare(self, q, layout, cfg, *, backend) -> "PreparedGroups | None":
-        """The "pca" query groups of every sparse span, launched on a side stream so that they are made while the
-        anchor's dense call runs (docs/kernel_notes.md, "v23"); None for "cuboid" groups (no work) or no sparse span."""
+        """The "pca" query groups of every sparse span, made on a side stream while the anchor's dense call runs:
+        their launches follow the dense call's, at ``select`` (docs/kernel_notes.md, "v23"); None for "cuboid" groups
+        (no work) or no sparse span."""
         if cfg.grouping != "pca":
             return None
         spans, _, sparse = sparse_spans(q.shape[2], layout, cfg)

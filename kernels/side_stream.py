@@ -1,16 +1,20 @@
-"""Work started on a side stream so that it runs beside what the current stream does next (docs/kernel_notes.md,
+"""Work that runs on a side stream beside what the current stream was given in the meantime (docs/kernel_notes.md,
 "v23").
 
 The mc_sparse anchor's query grouping reads only the queries, yet ran after the dense call whose row LSE pass 2
-needs. Its many small operators leave most of the GPU idle; launched on a side stream of the highest priority just
-before the dense call, they take SMs as the dense call's programs finish, and the dense call fills the rest.
+needs. Its many small operators leave SMs idle between and at the tails of its kernels; on a side stream of the
+highest priority, launched just after the dense call, they take SMs as the dense call's programs finish, and the
+dense call fills the rest (Wan 14B: 218.2 ms for the two in order, 212.9 beside each other). The order of launches
+matters: launched before the dense call, the grouping's ~600 launches hold the dense call's back (217.8 ms); with
+normal priority the dense call's queued programs are dispatched first (219.2 ms).
 
-``beside(fn, ref)`` runs ``fn()`` on the side stream of ``ref``'s device, bracketed so that nothing changes for the
-callers of the current stream: the side stream first waits for the current one (the inputs are ready), and
-``Pending.result()`` makes the current stream wait for the side stream and records the result's tensors as used on
-it (the caching allocator then keeps their memory until the current stream is done with them). Between the two the
-caller must not touch what ``fn`` writes. Off CUDA, inside a CUDA graph capture, or under
-SPARSE_ATTN_SIDE_STREAM=0 (read at each call), ``fn()`` runs at once on the current stream.
+``beside(fn, ref)`` marks the current stream of ``ref``'s device where ``fn``'s inputs are ready (an event) and
+returns a ``Pending``. The caller then launches its other work (the dense call) on the current stream; the first
+``Pending.result()`` launches ``fn()`` on the side stream, which waits for the mark only, makes the current stream wait
+for the side stream (the host never waits) and records the result's tensors as used on the current stream (the caching
+allocator keeps their memory until the current stream is done with them). Nothing changes for callers of the current
+stream but the order in which the GPU runs the two. Off CUDA, inside a CUDA graph capture, or under
+SPARSE_ATTN_SIDE_STREAM=0 (read at ``beside``), ``result()`` runs ``fn()`` on the current stream.
 """
 
 from __future__ import annotations
@@ -48,38 +52,48 @@ def _tensors(value):
 
 
 class Pending:
-    """The result of ``beside``: ``result()`` returns it, ordered on the current stream of the call that made it."""
+    """What ``beside`` returns: ``result()`` runs the work once (see the module's docstring) and returns its value,
+    ordered on the stream that was current at ``beside``."""
 
-    __slots__ = ("_value", "_side", "_main")
+    __slots__ = ("_fn", "_value", "_ref", "_ready", "_main")
 
-    def __init__(self, value, side=None, main=None):
-        self._value, self._side, self._main = value, side, main
+    def __init__(self, fn, ref: torch.Tensor | None = None, ready=None, main=None):
+        self._fn, self._value, self._ref, self._ready, self._main = fn, None, ref, ready, main
 
     @property
     def on_side_stream(self) -> bool:
-        """Whether the work went to a side stream and ``result()`` has not yet joined it."""
-        return self._side is not None
+        """Whether the work goes to a side stream (decided at ``beside``)."""
+        return self._ready is not None
 
     def result(self):
-        """The value of ``fn()``; the first call makes the launching stream wait for the side stream."""
-        if self._side is not None:
-            self._main.wait_stream(self._side)
-            for t in _tensors(self._value):
-                if t.is_cuda:
-                    t.record_stream(self._main)
-            self._side = self._main = None
+        """The value of ``fn()``; the first call launches it (on the side stream, after the mark) and joins it."""
+        if self._fn is None:
+            return self._value
+        fn, self._fn = self._fn, None
+        if self._ready is None or torch.cuda.is_current_stream_capturing():  # (a capture begun since the mark)
+            self._ref = self._ready = self._main = None
+            self._value = fn()
+            return self._value
+        side = _side(self._ref.device)
+        side.wait_event(self._ready)
+        self._ref.record_stream(side)  # its memory is not handed out again before the side stream has read it
+        with torch.cuda.stream(side):
+            self._value = fn()
+        self._main.wait_stream(side)
+        for t in _tensors(self._value):
+            if t.is_cuda:
+                t.record_stream(self._main)
+        self._ref = self._ready = self._main = None
         return self._value
 
 
 def beside(fn, ref: torch.Tensor) -> Pending:
-    """Run ``fn()`` (which launches work on the current stream and returns tensors, or a dict, list or tuple of them)
-    on the side stream of ``ref``'s device; see the module's docstring. Returns a Pending."""
+    """Mark where ``fn``'s inputs are ready; ``fn()`` (which launches work on the current stream and returns tensors,
+    or a dict, list or tuple of them) runs at the Pending's first ``result()``, on the side stream of ``ref``'s device
+    after the mark; see the module's docstring."""
     if not (ref.is_cuda and enabled()) or torch.cuda.is_current_stream_capturing():
-        return Pending(fn())
+        return Pending(fn)
     main = torch.cuda.current_stream(ref.device)
-    side = _side(ref.device)
-    side.wait_stream(main)
-    ref.record_stream(side)  # its memory is not handed out again before the side stream has read it
-    with torch.cuda.stream(side):
-        value = fn()
-    return Pending(value, side, main)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    return Pending(fn, ref, ready, main)

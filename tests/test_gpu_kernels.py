@@ -1433,10 +1433,11 @@ def test_grouping_graph_failed_capture_no_room_and_eviction_run_as_they_are(monk
 
 @pytest.mark.parametrize("b,n,dens", [(1, 75600, None), (2, 16384, None), (1, 16384, (0.5, 1.5, 1.0, 1.0))])
 def test_side_stream_anchor_as_in_order(b, n, dens, monkeypatch):
-    """kernels/side_stream.py: the query grouping made on a side stream gives the groups made in order, replayed
-    from its graph too (below grouping_graph.MAX_TOKENS); the mc_sparse anchor that makes them beside its dense call
-    (the default) caches the selection and gives the outputs of the anchor made in order (SPARSE_ATTN_SIDE_STREAM=0),
-    for cond and uncond batched and for per-head densities (the prepared groups sliced by head)."""
+    """kernels/side_stream.py: the query grouping made on a side stream, after a dense call launched between the mark
+    and the launch, gives the groups made in order, replayed from its graph too (below grouping_graph.MAX_TOKENS); the
+    mc_sparse anchor that makes them beside its dense call (the default) caches the selection and gives the outputs of
+    the anchor made in order (SPARSE_ATTN_SIDE_STREAM=0), for cond and uncond batched and for per-head densities (the
+    prepared groups sliced by head)."""
     from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.kernels import grouping_graph
     h = 4
@@ -1448,8 +1449,10 @@ def test_side_stream_anchor_as_in_order(b, n, dens, monkeypatch):
     want = K.group_queries(q, 128, dims=16)
     for _ in range(3):  # as it is, captured, replayed
         pending = K.beside(lambda: K.group_queries(q, 128, dims=16), q)
+        dense = K.attention_dense(q, k, v)
         assert pending.on_side_stream
         assert torch.equal(pending.result(), want) and not pending.on_side_stream
+        del dense
     grouping_graph.release()
     got = {}
     for side in ("1", "0"):

@@ -203,39 +203,50 @@ def test_uniform_factors_change_nothing(problem):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_mc_sparse_groups_each_span_once_before_the_dense_call(problem, monkeypatch):
-    """McSparsePolicy.prepare groups every sparse span's queries once, before the anchor's dense call (on CUDA on a
-    side stream: kernels/side_stream.py); the head groups of per-head densities take their heads of those groups,
-    and the cuboid grouping (no work) prepares nothing."""
+def test_mc_sparse_prepares_its_groups_before_the_dense_call_and_groups_each_span_once(problem, monkeypatch):
+    """The engine asks McSparsePolicy.prepare before the anchor's dense call (on CUDA its side stream waits for that
+    point only: kernels/side_stream.py); the groups are made once per sparse span, at select, after the dense call was
+    launched; the head groups of per-head densities take their heads of those groups; the cuboid grouping (no work)
+    prepares nothing."""
     from comfyui_sparse_attention.engine import engine as engine_mod
     from comfyui_sparse_attention.engine import policy_mc_sparse
-    calls, order = [], []
+    order = []
     real_groups, real_dense = policy_mc_sparse.segment_groups, kernels.attention_dense
+    real_prepare = policy_mc_sparse.McSparsePolicy.prepare
 
     def counted(q, span, cfg, backend):
-        calls.append((q.shape[1], span.start, span.stop))
-        order.append("group")
+        order.append(("group", q.shape[1], span.start, span.stop))
         return real_groups(q, span, cfg, backend)
 
     def dense(*a, **kw):
         order.append("dense")
         return real_dense(*a, **kw)
 
+    def prepare(self, *a, **kw):
+        got = real_prepare(self, *a, **kw)
+        order.append(("prepare", got is not None))
+        return got
+
     monkeypatch.setattr(policy_mc_sparse, "segment_groups", counted)
+    monkeypatch.setattr(policy_mc_sparse.McSparsePolicy, "prepare", prepare)
     monkeypatch.setattr(engine_mod.kernels, "attention_dense", dense)
     q, k, v = problem.qkv(0)
-    for grouping, want in (("pca", [(4, 64, q.shape[2])]), ("cuboid", [])):
-        calls.clear()
+    n = q.shape[2]
+    for grouping in ("pca", "cuboid"):
         order.clear()
         eng = SparseEngine(base_cfg("mc_sparse", grouping=grouping, layer_densities={0: [0.5, 2.0, 1.0, 1.0]}))
         eng.begin_run()
         eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
         eng.end_run()
-        assert [c for c in calls if grouping == "pca"] == want and (order[0] == "group") == (grouping == "pca")
+        grouped = [o for o in order if o[0] == "group"]
+        if grouping == "pca":  # one grouping of all four heads, though three head groups select apart
+            assert order[:3] == [("prepare", True), "dense", ("group", 4, 64, n)] and len(grouped) == 1
+        else:  # each head group makes its own (free) cuboid groups
+            assert order[:2] == [("prepare", False), "dense"] and len(grouped) == 3
     prepared = policy_for("mc_sparse").prepare(q, problem.layout, base_cfg("mc_sparse"), backend="torch")
-    full = prepared.groups()[(64, q.shape[2])]
+    full = prepared.groups()[(64, n)]
     assert full.shape[:2] == (1, 4)
-    part = prepared.heads(torch.tensor([3, 1])).groups()[(64, q.shape[2])]
+    part = prepared.heads(torch.tensor([3, 1])).groups()[(64, n)]
     assert torch.equal(part, full[:, [3, 1]])
     with pytest.raises(ValueError, match="already a subset"):
         prepared.heads(slice(0, 2)).heads(slice(0, 1))
