@@ -4,7 +4,7 @@
 # (default "cond_and_uncond or grouping_graph or side_stream or residual_of"; none when empty), the anchor's residual
 # in one pass (bench/residual_of.py), then the Wan 14B anchor's phases (bench/device_mc_anchor.sh) with each setting
 # of SPARSE_ATTN_SIDE_STREAM in OVERLAP (default "1 0"), and (unless BATCH2 is empty) the anchor of a batch of two.
-# MICRO: the bench/grouping_overlap.py argument lists (empty: none).
+# MICRO: one bench/grouping_overlap.py argument list instead of those three (empty: none).
 # Everything lands in $OUT/overlap.tgz (one file comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,9 @@ if [ -n "${TESTS_K-cond_and_uncond or grouping_graph or side_stream or residual_
   tail -3 "$res/gpu-tests.log"
 fi
 read -r sh sn <<< "${SMALL:-24 16384}"
-for args in ${MICRO-"--batch 1" "--batch 2" "--heads $sh --tokens $sn"}; do
+lists=("--batch 1" "--batch 2" "--heads $sh --tokens $sn")
+if [ -n "${MICRO+set}" ]; then lists=(); [ -n "$MICRO" ] && lists=("$MICRO"); fi
+for args in "${lists[@]}"; do
   name=$(echo "$args" | tr -d '-' | tr ' ' '_')
   timeout 150 python3 bench/grouping_overlap.py $args --out "$res/overlap_$name.json" > "$res/overlap_$name.log" 2>&1
   grep "ms\|equal" "$res/overlap_$name.log" | grep -v '^ "' | tail -4
