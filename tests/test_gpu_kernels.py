@@ -1479,9 +1479,12 @@ def test_residual_of_kernel_matches_twin_on_gpu():
     Wan 14B's size (40 x 75 600, bf16, (B, N, H, D) views as the attention kernels write them)."""
     import residual_of_check
     r = residual_of_check.check("cuda", (torch.float16, torch.bfloat16, torch.float32))
-    nonfinite = r.pop("nonfinite")
-    assert all(nonfinite.values()), nonfinite
-    r.update(residual_of_check.check("cuda", (torch.bfloat16,), shapes=((1, 40, 75600, 128),)))
+    big = residual_of_check.check("cuda", (torch.bfloat16,), shapes=((1, 40, 75600, 128),))
+    for checked in (r, big):
+        nonfinite = checked.pop("nonfinite")
+        assert all(nonfinite.values()), nonfinite
+    r.update(big)
+    assert len(r) == 3 * 3 * 2 + 2
     for case, e in r.items():
         assert e["triton"] and e["shape_ok"] and e["model_equal"] and e["scale_rel"] <= 1e-6, (case, e)
         assert e["codes_equal"] >= 0.9999 and e["max_steps"] <= 1, (case, e)
