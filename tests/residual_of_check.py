@@ -32,7 +32,7 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 def check(device: str, dtypes, shapes=((1, 2, 200, 64), (2, 3, 77, 80), (1, 2, 130, 128))) -> dict:
     """{case: {'model_equal', 'scale_rel', 'codes_equal' (fraction of equal fp8 bytes), 'max_steps', 'sums_rel',
     'triton' (whether the Triton kernel ran)}} for every dtype, shape, layout; plus on CUDA 'nonfinite': a dense
-    output with inf and NaN elements keeps NaN in those elements of R alone and inf in its sum of squares."""
+    output with inf and NaN elements keeps NaN in those elements of R alone, finite row scales, and NaN sums."""
     from comfyui_sparse_attention.kernels import residual_encode_triton as T
     out = {}
     for dtype in dtypes:
