@@ -144,15 +144,20 @@ def decode_into(out: torch.Tensor, res) -> torch.Tensor:
     return out
 
 
-def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype, minus: torch.Tensor | None = None):
+def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype, minus: torch.Tensor | None = None,
+                    sums: torch.Tensor | None = None):
     """Residual pair of ``diff`` (B, H, N, D), any float dtype, or of ``diff - minus`` (same shape) formed in fp32 a few
     heads at a time: precision "model" -> (R as ``dtype``, None); "fp8" -> (float8_e4m3fn data, fp32 (B, H, N, 1) scale
     = amax / 448 of the row's finite values, 1 for all-zero rows; a non-finite element stays NaN in its own element).
-    ``minus`` spares the caller full fp32 copies of both operands (at Wan 14B 720p with a CFG batch each is 3 GB)."""
+    ``minus`` spares the caller full fp32 copies of both operands (at Wan 14B 720p with a CFG batch each is 3 GB).
+    ``sums``: an fp32 (2,) tensor on diff's device to which the sums of R^2 and of diff^2 (fp32) are added, in the
+    same pass (needs ``minus``)."""
     if precision not in RESIDUAL_PRECISIONS:
         raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {precision!r}")
     if minus is not None and minus.shape != diff.shape:
         raise ValueError(f"minus must have diff's shape {tuple(diff.shape)}, got {tuple(minus.shape)}")
+    if sums is not None and minus is None:
+        raise ValueError("sums needs minus (the sums of R^2 and of diff^2)")
     if precision == "model" and minus is None:
         return diff.to(dtype), None
     if precision == "fp8" and FP8 is None:
@@ -161,7 +166,10 @@ def encode_residual(diff: torch.Tensor, precision: str, dtype: torch.dtype, minu
     data = torch.empty((b, h, n, d), dtype=FP8 if precision == "fp8" else dtype, device=diff.device)
     scale = torch.empty((b, h, n, 1), dtype=torch.float32, device=diff.device) if precision == "fp8" else None
     for sl in _head_slices(diff):
-        x = diff[:, sl].float() if minus is None else diff[:, sl].float() - minus[:, sl].float()
+        a = diff[:, sl].float()
+        x = a if minus is None else a - minus[:, sl].float()
+        if sums is not None:
+            sums += torch.stack([x.square().sum(), a.square().sum()])
         if scale is None:
             data[:, sl] = x.to(dtype)
             continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import block_sparse_torch, dense_torch
-from ._residual import _head_slices, encode_residual, mass_of
+from ._residual import encode_residual, mass_of
 
 
 def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
@@ -61,11 +61,6 @@ def residual_of(dense: torch.Tensor, sparse: torch.Tensor, precision: str, retur
     ``precision``, in dense's dtype (the composed anchor's R where no kernel forms it in its epilogue). With
     ``return_sums``: (pair, fp32 (2,) [sum of R^2, sum of dense^2]) on dense's device, R^2 of R in fp32 before
     encoding. Twin of ``residual_encode_triton.residual_of``."""
-    pair = encode_residual(dense, precision, dense.dtype, minus=sparse)
-    if not return_sums:
-        return pair
-    sums = torch.zeros(2, dtype=torch.float32, device=dense.device)
-    for sl in _head_slices(dense):
-        a = dense[:, sl].float()
-        sums += torch.stack([(a - sparse[:, sl].float()).square().sum(), a.square().sum()])
-    return pair, sums
+    sums = torch.zeros(2, dtype=torch.float32, device=dense.device) if return_sums else None
+    pair = encode_residual(dense, precision, dense.dtype, minus=sparse, sums=sums)  # one pass, the sums with it
+    return (pair, sums) if return_sums else pair

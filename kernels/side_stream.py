@@ -24,6 +24,7 @@ import os
 import torch
 
 _streams: dict = {}  # device index -> its side stream (one a device: the work it carries stays in order)
+_FAILED = object()  # Pending._value once fn raised
 
 
 def enabled() -> bool:
@@ -66,25 +67,32 @@ class Pending:
         return self._ready is not None
 
     def result(self):
-        """The value of ``fn()``; the first call launches it (on the side stream, after the mark) and joins it."""
+        """The value of ``fn()``; the first call launches it (on the side stream, after the mark) and joins it. An
+        exception of ``fn`` is raised; later calls then raise RuntimeError (the exception is not kept: its traceback
+        would hold the failed attempt's tensors)."""
         if self._fn is None:
+            if self._value is _FAILED:
+                raise RuntimeError("Pending.result: the work raised at the first call")
             return self._value
-        fn, self._fn = self._fn, None
+        fn, self._fn, self._value = self._fn, None, _FAILED
         if self._ready is None or torch.cuda.is_current_stream_capturing():  # (a capture begun since the mark)
             self._ref = self._ready = self._main = None
             self._value = fn()
             return self._value
-        side = _side(self._ref.device)
+        side, main = _side(self._ref.device), self._main
         side.wait_event(self._ready)
         self._ref.record_stream(side)  # its memory is not handed out again before the side stream has read it
-        with torch.cuda.stream(side):
-            self._value = fn()
-        self._main.wait_stream(side)
-        for t in _tensors(self._value):
-            if t.is_cuda:
-                t.record_stream(self._main)
         self._ref = self._ready = self._main = None
-        return self._value
+        try:
+            with torch.cuda.stream(side):
+                value = fn()
+        finally:  # also when fn raised (out of memory): what it launched is ordered before the current stream's next
+            main.wait_stream(side)
+        for t in _tensors(value):
+            if t.is_cuda:
+                t.record_stream(main)
+        self._value = value
+        return value
 
 
 def beside(fn, ref: torch.Tensor) -> Pending:

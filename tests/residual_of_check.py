@@ -14,12 +14,12 @@ from comfyui_sparse_attention import kernels as K
 def _pair(shape, dtype, device, seed, strided):
     g = torch.Generator(device=device).manual_seed(seed)
     b, h, n, d = shape
-    dense = torch.randn((b, n, h, d) if strided else (b, h, n, d), generator=g, device=device)
-    spread = torch.logspace(-3, 1, dense.shape[-2], device=device).view(-1, 1)
+    dense = torch.randn((b, h, n, d), generator=g, device=device)
+    spread = torch.logspace(-3, 1, n, device=device).view(-1, 1)  # rows of R from 1e-3 to 10: the row scales vary
     sparse = dense + 0.05 * torch.randn(dense.shape, generator=g, device=device) * spread
     dense, sparse = dense.to(dtype), sparse.to(dtype)
-    if strided:
-        dense, sparse = dense.transpose(1, 2), sparse.transpose(1, 2)
+    if strided:  # the same values in (B, N, H, D) memory, viewed as (B, H, N, D)
+        dense, sparse = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (dense, sparse))
     return dense, sparse
 
 

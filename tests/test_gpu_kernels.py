@@ -1448,7 +1448,10 @@ def test_side_stream_anchor_as_in_order(b, n, dens, monkeypatch):
     grouping_graph.release()
     want = K.group_queries(q, 128, dims=16)
     for _ in range(3):  # as it is, captured, replayed
-        pending = K.beside(lambda: K.group_queries(q, 128, dims=16), q)
+        late = torch.zeros_like(q)
+        torch.cuda._sleep(int(2e8))  # the queries are written late: the side stream must wait for the mark
+        late.copy_(q)
+        pending = K.beside(lambda x=late: K.group_queries(x, 128, dims=16), late)
         dense = K.attention_dense(q, k, v)
         assert pending.on_side_stream
         assert torch.equal(pending.result(), want) and not pending.on_side_stream

@@ -250,3 +250,21 @@ def test_mc_sparse_prepares_its_groups_before_the_dense_call_and_groups_each_spa
     assert torch.equal(part, full[:, [3, 1]])
     with pytest.raises(ValueError, match="already a subset"):
         prepared.heads(slice(0, 2)).heads(slice(0, 1))
+
+
+def test_pending_work_runs_once_at_its_first_result_and_a_failure_is_not_kept():
+    """kernels.beside off CUDA: nothing runs until the first result(), which runs the work once; a work that raises
+    raises at that call, and later calls raise RuntimeError (the exception, holding its frames' tensors, is dropped)."""
+    runs = []
+    pending = kernels.beside(lambda: runs.append(1) or torch.ones(2), torch.zeros(1))
+    assert not pending.on_side_stream and runs == []
+    assert torch.equal(pending.result(), torch.ones(2)) and torch.equal(pending.result(), torch.ones(2))
+    assert runs == [1]
+
+    def failing():
+        raise MemoryError("out of memory")
+    pending = kernels.beside(failing, torch.zeros(1))
+    with pytest.raises(MemoryError):
+        pending.result()
+    with pytest.raises(RuntimeError, match="raised at the first call"):
+        pending.result()
