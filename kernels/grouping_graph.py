@@ -11,8 +11,9 @@ What a graph holds: its input (the points: fp32 (B, H, N, W), 25 MB at 24 heads 
 partition's scratch in a memory pool every graph of this module shares (graphs never run at once; 336 MB reserved
 there). ``release()`` frees them all; the engine calls it at the end of every run and when it makes room after an
 out-of-memory error. A capture costs what PyTorch's ``torch.cuda.graph`` does on entry (a device synchronisation and
-an ``empty_cache``) once a shape a run, under this module's lock. Graphs assume the callers of one device use its
-current stream, as the engine does (a replay and the next call's copy into its input are ordered on it). At most
+an ``empty_cache``) once a shape a run, under this module's lock. Graphs assume the calls of one device are ordered on
+one stream (a replay and the next call's copy into its input): the engine's anchors call it on the side stream of
+kernels/side_stream.py, which waits for the current stream before each call and is waited for after it. At most
 ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
 capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
 """

@@ -183,6 +183,7 @@ def _mass_fwd(Q, K, LSE, QG, OUT,
             k = load_rows(k_base, offs_n, skn, n_ok, d, HEAD_DIM, D_PAD, True)
             _emit(out_base, offs_n, n_ok, k, q0, l0, q1, l1, q2, l2, q3, l3, qk_scale, SPLIT, POLY, True)
 
+
 @triton.jit
 def _group_masses(k, q, lse2, qk_scale, BLOCK_N: tl.constexpr, NG: tl.constexpr, POLY: tl.constexpr):
     """Per-key mass of NG groups of 16 queries, q [NG * 16, D_PAD]: one dot for all of them (the tensor cores take
