@@ -28,5 +28,6 @@ m = d["mc_sparse"]
 keys = ("anchor_ms", "anchor_x_cudnn", "dense_lse_ms", "grouping_ms", "mass_ms", "selection_total_ms", "reuse_ms",
         "density")
 print(sys.argv[2], "cudnn", round(d["cudnn_dense_ms"], 2), {k: round(m[k], 3) for k in keys})
+print(sys.argv[2], "memory MB", {k: round(v) for k, v in m.get("anchor_memory", {}).items()})
 PY
 done

@@ -185,7 +185,18 @@ def main():
         def anchor():
             engine.begin_run()
             return engine.attend(q0, k0, v0, eng.CallContext(layer=0, step=0, layout=layout))
+        torch.cuda.synchronize()
+        reserved_before = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
         anchor_ms = timed(anchor, 3)
+        torch.cuda.synchronize()
+        # what the anchors left reserved (the side stream's cached scratch among it, docs/decisions.md, "The side
+        # stream's memory") and their peaks, in MB; the problem's tensors and the cache entry are inside both
+        memory = dict(reserved_before_mb=reserved_before / 2**20,
+                      reserved_after_mb=torch.cuda.memory_reserved() / 2**20,
+                      peak_reserved_mb=torch.cuda.max_memory_reserved() / 2**20,
+                      peak_allocated_mb=torch.cuda.max_memory_allocated() / 2**20,
+                      allocated_after_mb=torch.cuda.memory_allocated() / 2**20)
         key = eng.CallContext(layer=0, step=0, layout=layout).key(n)
         entry = engine.cache.on_device[key]
         selection = entry.selection
@@ -286,7 +297,7 @@ def main():
                    anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,
                    reuse_x_cudnn=reuse_ms / cudnn, density=selection.density, index_bytes_plain=plain,
                    index_bytes_compact=compact, residual_bytes=res_bytes, decode_ms=decode_ms,
-                   fidelity=stats.totals()["fidelity_mean"], **overhead, **phases)
+                   fidelity=stats.totals()["fidelity_mean"], anchor_memory=memory, **overhead, **phases)
         res[method] = row
         log.info("%s: %s", method, json.dumps(row))
         torch.cuda.empty_cache()

@@ -403,18 +403,30 @@ class Shape:
             rec("token128", "pointer", "pointer")
             rec("token128_reuse", "pointer_compact_fp8", "pointer")
             return
-        tiles, loader = TG.TILES, TG.LOADER
-        variants = [("gluon", tiles, loader)] + [(f"gluon_bn{a[0]}s{a[1]}", {**tiles, self.d: a}, loader)
-                                                 for a in ((64, 6), (64, 4))] + [("gluon_l8", tiles, (8, 40, 208))]
+        tiles, loader, off32 = TG.TILES, TG.LOADER, TG.OFF32
+        # the loader's row offsets in 64 and 32 bits (OFF32) alternated twice, so the run's own spread shows beside
+        # their difference; the other tilings and eight loader warps were slower in every earlier run (kernel_notes
+        # "v18") and run only with GLUON_TOKEN_TILINGS=1
+        variants = [(f"gluon{'_off32' if o else ''}{'#2' if r else ''}", tiles, loader, o)
+                    for r in range(2) for o in (False, True)]
+        if os.environ.get("GLUON_TOKEN_TILINGS") == "1":
+            variants += [(f"gluon_bn{a[0]}s{a[1]}", {**tiles, self.d: a}, loader, off32)
+                         for a in ((64, 6), (64, 4))] + [("gluon_l8", tiles, (8, 40, 208), off32)]
         rec("token128", "pointer", "pointer")
-        for name, t, ld in variants:
-            TG.TILES, TG.LOADER = t, ld
+        for name, t, ld, o in variants:
+            TG.TILES, TG.LOADER, TG.OFF32 = t, ld, o
             try:
                 rec("token128", name, "gluon")
             finally:
-                TG.TILES, TG.LOADER = tiles, loader
+                TG.TILES, TG.LOADER, TG.OFF32 = tiles, loader, off32
         rec("token128_reuse", "pointer_compact_fp8", "pointer")
-        rec("token128_reuse", "gluon_compact_fp8", "gluon")
+        for r in range(2):
+            for o in (False, True):
+                TG.OFF32 = o
+                try:
+                    rec("token128_reuse", f"gluon_compact_fp8{'_off32' if o else ''}{'#2' if r else ''}", "gluon")
+                finally:
+                    TG.OFF32 = off32
 
     def make_token_lists(self, dens=0.15):
         """Random groups of 128 queries and sorted lists of dens x N tokens each, made once per shape: (groups int32

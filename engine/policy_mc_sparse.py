@@ -167,8 +167,13 @@ class McSparsePolicy(Policy):
         spans, _, sparse = sparse_spans(q.shape[2], layout, cfg)
         if not sparse:
             return None
+        # the spans are grouped one after the other: the longest one's scratch is what the work needs at most
+        b, h, _, d = q.shape
+        need = max(kernels.group_queries_scratch((b, h, spans[i].length, d), cfg.group_size, cfg.grouping_dims,
+                                                 q.is_cuda) for i in sparse)
         return PreparedGroups(kernels.beside(
-            lambda: {(spans[i].start, spans[i].stop): segment_groups(q, spans[i], cfg, backend) for i in sparse}, q))
+            lambda: {(spans[i].start, spans[i].stop): segment_groups(q, spans[i], cfg, backend) for i in sparse}, q,
+            need_bytes=need))
 
     def select(self, q, k, lse, layout, cfg, *, scale, backend, prepared=None) -> TokenSelection:
         return build_mc_sparse(q, k, lse, layout, cfg, scale=scale, backend=backend,

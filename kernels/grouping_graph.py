@@ -36,7 +36,7 @@ MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' la
 # to launch, so the launches hide behind it (Wan 14B, 75 600 tokens: anchor 298.7 ms with the graph, 298.1 without;
 # 16 384 tokens: 29.9 -> 25.2 ms; docs/kernel_notes.md, "v22"), and the graph would hold ~1.2 GB there for nothing
 MAX_TOKENS = 49152
-SCRATCH_FACTOR = 8  # the partition's scratch is at most this many copies of its points (cur, pts, moved, proj, ...)
+SCRATCH_FACTOR = grouping_torch.SCRATCH_FACTOR
 
 
 class _Graph:

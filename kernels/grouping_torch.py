@@ -16,6 +16,7 @@ SUBSPACE_SAMPLE = 4096  # queries per head the leading subspace of group_queries
 SUBSPACE_ITERS = 6  # subspace iterations from a fixed random start (see project_leading)
 GROUPING_DIMS = (0, 16, 32, 64)  # group_queries' dims: 0 = every coordinate
 COVARIANCE_DIMS = 32  # points this narrow iterate on their covariance (see _leading_direction)
+SCRATCH_FACTOR = 8  # the partition's scratch is at most this many copies of its points (cur, pts, moved, proj, ...)
 
 
 def _split_plan(n_pad: int, c: int) -> list[list[tuple[int, int]]]:
@@ -162,6 +163,27 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None, 
                 return partition(points, group_size, gather or gather_rows)
             return _group(points, group_size, gather or gather_rows, owned=True)
         return _group(q, group_size, gather or gather_rows)
+
+
+def scratch_bytes(shape: tuple, group_size: int, dims: int = 0, cuda: bool = True) -> int:
+    """Device memory ``group_queries`` of queries of ``shape`` (B, H, N, D) takes while it runs, at most, in bytes (the
+    samples are grouped one after the other, so one sample's): the larger of the projection's (with ``dims``: the fp32
+    points (H, N, dims) and two fp32 copies of a chunk of heads' queries, ``project_leading``) and the partition's
+    (SCRATCH_FACTOR + 1 copies of the points of a chunk of heads, ``_group``; its chunks are larger on ``cuda``), with
+    every head's int64 order and int32 groups. group_size: queries per group (N is padded to a multiple of it). An
+    estimate from above: at Wan 14B (40 heads x 75 600 tokens, dims 16, groups of 128) 1.78 GB, where the grouping on
+    a side stream kept 1.25 GB cached for that stream (docs/decisions.md, "The side stream's memory")."""
+    _, h, n, d = shape
+    width = dims if dims and dims < d else d
+    n_pad = -(-n // group_size) * group_size  # as _group pads
+    budget = CHUNK_ELEMS * (4 if cuda else 1)
+    chunk = min(h, max(1, budget // max(1, n_pad * width * 2)))  # as _group's step
+    partition = chunk * n_pad * width * 4 * (1 + SCRATCH_FACTOR)
+    orders = h * n_pad * (8 + 4)  # perm_all and the groups
+    if width == d:
+        return partition + orders
+    heads = min(h, max(1, CHUNK_ELEMS // max(1, n * d)))  # as project_leading's step
+    return max(h * n * width * 4 + 2 * heads * n * d * 4, partition) + orders
 
 
 def check_grouping_args(q, group_size, dims) -> None:

@@ -15,6 +15,12 @@ for the side stream (the host never waits) and records the result's tensors as u
 allocator keeps their memory until the current stream is done with them). Nothing changes for callers of the current
 stream but the order in which the GPU runs the two. Off CUDA, inside a CUDA graph capture, or under
 SPARSE_ATTN_SIDE_STREAM=0 (read at ``beside``), ``result()`` runs ``fn()`` on the current stream.
+
+Memory: the caching allocator keeps what ``fn`` allocated on the side stream for that stream's later allocations,
+not the current stream's (the Wan 14B anchor's grouping: 1.25 GB reserved beside the in-order path's, measured;
+docs/decisions.md, "The side stream's memory"). It hands those blocks back when an allocation would otherwise fail,
+but on a card without room that would happen at every anchor call. So ``beside`` takes the side stream only where the
+device has ROOM_FACTOR times ``fn``'s scratch (``need_bytes``) free, counting what PyTorch holds unused.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import os
 import torch
 
 _streams: dict = {}  # device index -> its side stream (one a device: the work it carries stays in order)
+# free memory (the driver's plus PyTorch's unused cache) beside's work needs, in multiples of its scratch: the side
+# stream may keep one scratch cached for itself and the current stream keeps the rest of the room
+ROOM_FACTOR = 4
 _FAILED = object()  # Pending._value once fn raised
 
 
@@ -95,11 +104,23 @@ class Pending:
         return value
 
 
-def beside(fn, ref: torch.Tensor) -> Pending:
+def room(dev: torch.device, need_bytes: int) -> bool:
+    """Whether CUDA device ``dev`` has ROOM_FACTOR x ``need_bytes`` free: the driver's free memory plus what PyTorch's
+    caching allocator holds unused (no synchronisation)."""
+    if need_bytes <= 0:
+        return True
+    free, _ = torch.cuda.mem_get_info(dev)
+    unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    return free + unused >= ROOM_FACTOR * need_bytes
+
+
+def beside(fn, ref: torch.Tensor, need_bytes: int = 0) -> Pending:
     """Mark where ``fn``'s inputs are ready; ``fn()`` (which launches work on the current stream and returns tensors,
     or a dict, list or tuple of them) runs at the Pending's first ``result()``, on the side stream of ``ref``'s device
-    after the mark; see the module's docstring."""
-    if not (ref.is_cuda and enabled()) or torch.cuda.is_current_stream_capturing():
+    after the mark; see the module's docstring. need_bytes: the device memory ``fn`` takes while it runs, at most;
+    where the device lacks ``room`` for it, ``fn`` runs on the current stream."""
+    if (not (ref.is_cuda and enabled()) or torch.cuda.is_current_stream_capturing()
+            or not room(ref.device, need_bytes)):
         return Pending(fn)
     main = torch.cuda.current_stream(ref.device)
     ready = torch.cuda.Event()

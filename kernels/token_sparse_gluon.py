@@ -48,6 +48,8 @@ LOADER = (4, 72, 208)
 # H100 against 64-wide tiles six or four deep (docs/benchmarks.md, "Token-sparse in Gluon"); D 64 (explicit calls
 # only): 128-wide tiles six deep (Q 16 KB + 6 x 2 x 16 KB), faster there than 64-wide ones.
 TILES = {128: (128, 3), 64: (128, 6)}
+# the loader's row offsets in 32 bits where they fit (``attention``'s off32=None); docs/kernel_notes.md "v24"
+OFF32 = False
 
 
 @gluon.jit
@@ -70,12 +72,14 @@ def _token_ids(tok_row, seg_row, slot, count, N_SEG: gl.constexpr, SEGMENT: gl.c
 @gluon.jit
 def _gather_loader(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tok_row, seg_row,
                    count, N_SEG: gl.constexpr, SEGMENT: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                   STAGES: gl.constexpr, WARPS: gl.constexpr):
+                   STAGES: gl.constexpr, WARPS: gl.constexpr, OFF32: gl.constexpr):
     """WARPS warps: each tile's K then V rows into the ring, one cp.async call per tile and tensor (16-byte copies,
     BLOCK_N x HEAD_D / (8 x 32 x WARPS) a thread); every thread's cp.async arrival (no increment) on the slot's ready
     barrier (initialised to the loader's thread count) completes it once all its copies landed. The next tile's
     token ids are loaded before this tile waits for its slots, so the list's latency is hidden behind them (loading
-    them where they are used left the loader, not the tensor cores, setting the pace: docs/kernel_notes.md "v18")."""
+    them where they are used left the loader, not the tensor cores, setting the pace: docs/kernel_notes.md "v18").
+    OFF32: the rows' offsets from the head's base in 32 bits (the launch checks that they fit), which the loader's
+    registers hold more cheaply (docs/kernel_notes.md "v24")."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld)), 0)
@@ -85,7 +89,10 @@ def _gather_loader(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k
         s = i % STAGES
         ph = (i // STAGES) & 1
         nxt = _token_ids(tok_row, seg_row, (i + 1) * BLOCK_N + slots, count, N_SEG, SEGMENT)
-        row_off = gl.expand_dims(tok.to(gl.int64), 1)
+        if OFF32:  # the products below in 32 bits
+            row_off = gl.expand_dims(tok, 1)
+        else:
+            row_off = gl.expand_dims(tok.to(gl.int64), 1)
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         async_copy.async_copy_global_to_shared(k_bufs.index(s), k_base + (row_off * skn + cols))
         async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
@@ -100,7 +107,7 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N_Q, G, MAX_K, qk_scale,
                HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr,
                N_SEG: gl.constexpr, SEGMENT: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, OFF32: gl.constexpr):
     """Grid (G, B*H): group g of head bh. Q, K, V: (B,H,N,D) with these strides (D contiguous); Out and the residual
     R (RS its fp32 row scale) contiguous (B,H,N_Q,D); QG int32 (B*H*G, 128); TOK (B*H*G, MAX_K) int32 ids, or int16
     compact offsets with SEG int32 (B*H*G, N_SEG) segment ends; CNT int32 (B*H*G)."""
@@ -151,18 +158,30 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                      STAGES, RESIDUAL, False, False, 4, True)),
         (_gather_loader, (K + b * skb + h * skh, V + b * svb + h * svh, skn, svn, k_bufs, v_bufs, k_ready, v_ready,
                           k_empty, v_empty, tok_row, seg_row, count, N_SEG, SEGMENT, BLOCK_N, HEAD_D, STAGES,
-                          LOADER_WARPS)),
+                          LOADER_WARPS, OFF32)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
-def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None):
+def offsets_fit_32(k, v) -> bool:
+    """Whether every K and V row's offset from its head's start, plus a row, fits 32 bits signed (k, v: (B,H,N,D)
+    views; their strides in elements, as the kernel indexes)."""
+    return all((t.shape[2] - 1) * t.stride(2) + t.shape[3] <= 2**31 - 1 for t in (k, v))
+
+
+def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None,
+              off32=None):
     """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128, the last dim contiguous; out:
     contiguous (B,H,Nq,D) in q's dtype, its grouped rows written. q_groups: int32 contiguous (B,H,G,128); lists:
     int32 (B,H,G,max_k) sorted token ids with seg_ends None, or the compact int16 (B,H,G,W) with int32 seg_ends
     (B,H,G,S) of ``segment``-token segments; kv_counts int32 (B,H,G); all contiguous. residual: None or a checked
     (data, scale) pair (made contiguous here, as the epilogue indexes it) ((B,H,Nq,D) in q's dtype with scale
     None, or float8_e4m3fn data with fp32 (B,H,Nq,1) scale), added in the epilogue. tiles: (BLOCK_N, STAGES)
-    instead of TILES[D] (what the benchmark compares). Returns out."""
+    instead of TILES[D] (what the benchmark compares). off32: the loader's row offsets in 32 bits (None: OFF32 where
+    they fit, ``offsets_fit_32``; True where they do not raises ValueError). Returns out."""
+    fits = offsets_fit_32(k, v)
+    if off32 and not fits:
+        raise ValueError("token_sparse_gluon.attention: off32 with K/V rows beyond 32-bit offsets")
+    off32 = OFF32 and fits if off32 is None else bool(off32)
     b, h, nq, d = q.shape
     g = q_groups.shape[2]
     bn, stages = tiles or TILES[d]
@@ -174,6 +193,6 @@ def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segm
         q, k, v, out, r_data, r_scale, q_groups, lists, kv_counts, seg, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], h, nq, g, max(1, lists.shape[-1]), scale * LOG2E,
         HEAD_D=d, BLOCK_N=bn, STAGES=stages, RESIDUAL=mode, N_SEG=n_seg, SEGMENT=segment,
-        LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, num_warps=4)
+        LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, OFF32=off32, num_warps=4)
     return out
 

@@ -53,6 +53,9 @@ TOKEN_VARIANTS = {
     "D64, fp8 residual": dict(d=64, residual=2),
     "D64 compact lists, model-dtype residual": dict(d=64, compact=True, residual=1),
     "64-wide tiles four deep (the benchmark's alternative)": dict(compact=True, residual=2, tiles=(64, 4)),
+    "32-bit row offsets, int32 lists": dict(off32=True),
+    "32-bit row offsets, compact lists, fp8 residual": dict(compact=True, residual=2, off32=True),
+    "64-bit row offsets, compact lists, fp8 residual": dict(compact=True, residual=2, off32=False),
 }
 
 
@@ -218,3 +221,24 @@ def test_residual_args_hand_the_epilogue_contiguous_rows():
     assert mode == ag.RES_FP8 and d.is_contiguous() and s.is_contiguous() and torch.equal(d, data)
     assert ag.residual_args((data, None), out)[0] == ag.RES_MODEL and ag.residual_args((data, None), out)[2] is out
     assert ag.residual_args(None, out) == (ag.RES_NONE, out, out)
+
+
+def test_token_loader_offsets_in_32_bits_only_where_they_fit():
+    """kernels/token_sparse_gluon.py's OFF32 (the loader's row offsets in 32 bits) is taken only where every K and V
+    row of a head lies within 2^31 elements of its start (shapes and strides only: meta tensors, no memory), and an
+    explicit off32 beyond that is refused before any launch."""
+    import torch
+    tg = pytest.importorskip("comfyui_sparse_attention.kernels.token_sparse_gluon")
+
+    def bnhd(n, h, d=128):  # ComfyUI's (B, N, H, D) memory seen as (B, H, N, D): a row's stride is H x D
+        return torch.empty((1, n, h, d), device="meta").transpose(1, 2)
+    assert tg.offsets_fit_32(bnhd(75600, 40), bnhd(75600, 40))  # Wan 14B 720p: 387 M elements
+    assert tg.offsets_fit_32(bnhd(118800, 24), bnhd(118800, 24))  # HunyuanVideo 720p
+    assert not tg.offsets_fit_32(bnhd(75600, 40), bnhd(419432, 40))  # its last row ends past 2^31
+    n = 2**31 // 128  # contiguous (B, H, N, D): the last row ends exactly at 2^31
+    assert tg.offsets_fit_32(*(torch.empty((1, 1, n, 128), device="meta"),) * 2) is False
+    assert tg.offsets_fit_32(*(torch.empty((1, 1, n - 1, 128), device="meta"),) * 2)
+    assert tg.offsets_fit_32(bnhd(419431, 40), bnhd(419431, 40))  # the last that fits
+    big = bnhd(419432, 40)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        tg.attention(big, big, big, None, None, None, None, None, scale=1.0, segment=32768, off32=True)

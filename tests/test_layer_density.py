@@ -252,6 +252,28 @@ def test_mc_sparse_prepares_its_groups_before_the_dense_call_and_groups_each_spa
         prepared.heads(slice(0, 2)).heads(slice(0, 1))
 
 
+def test_mc_sparse_prepare_asks_room_for_the_grouping_of_its_longest_span(problem, monkeypatch):
+    """McSparsePolicy.prepare tells kernels.beside the grouping's scratch (kernels.group_queries_scratch) of its longest
+    sparse span, the spans being grouped one after the other: the side stream is taken only where the device has room
+    for it (kernels/side_stream.py). The estimate follows the grouping's width (dims) and the tokens."""
+    from comfyui_sparse_attention.engine import policy_mc_sparse
+    asked, real = [], kernels.beside
+
+    def beside(fn, ref, need_bytes=0):
+        asked.append(need_bytes)
+        return real(fn, ref, need_bytes)
+    monkeypatch.setattr(policy_mc_sparse.kernels, "beside", beside)
+    q = problem.qkv(0)[0]
+    b, h, n, d = q.shape
+    for dims in (16, 0):
+        cfg = base_cfg("mc_sparse", grouping_dims=dims)
+        policy_for("mc_sparse").prepare(q, problem.layout, cfg, backend="torch").groups()
+        assert asked[-1] == kernels.group_queries_scratch((b, h, n - 64, d), cfg.group_size, dims, False)
+    assert asked[0] < asked[1]  # 16 values a query against 128
+    wan14b, wan13b = ((1, 40, 75600, 128), (1, 12, 32760, 128))
+    assert kernels.group_queries_scratch(wan14b, 128, 16) > kernels.group_queries_scratch(wan13b, 128, 16)
+
+
 def test_pending_work_runs_once_at_its_first_result_and_a_failure_is_not_kept():
     """kernels.beside off CUDA: nothing runs until the first result(), which runs the work once; a work that raises
     raises at that call, and later calls raise RuntimeError (the exception, holding its frames' tensors, is dropped)."""

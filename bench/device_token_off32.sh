@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the H100/H200 (nothing to carry): the Gluon token kernel's loader with 64- and 32-bit row offsets
+# (kernels/token_sparse_gluon.py, OFF32; docs/kernel_notes.md "v24"). First the GPU tests TESTS_K selects (default:
+# the Gluon token kernel against its twin with both offsets, the grouping's scratch bound and the side stream's room
+# check), then bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the offsets alternated twice), then
+# (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh times it.
+# Everything lands in $OUT/token-off32.tgz (one file comes back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+root=$OUT
+res="$root/token-off32"
+mkdir -p "$res"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$res/gpu.txt"
+k=${TESTS_K-gluon_token or grouping_scratch or side_stream}
+if [ -n "$k" ]; then
+  SPARSE_ATTN_TUNE=first timeout 280 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py -p no:cacheprovider \
+    -k "$k" > "$res/gpu-tests.log" 2>&1
+  tail -6 "$res/gpu-tests.log"
+fi
+timeout 260 python3 bench/hopper.py --plan token --budget "${BUDGET:-150}" --shapes "${SHAPES:-wan14b,hyv,wan13b}" \
+  --skip-tests --out "$res/hopper" > "$res/hopper.log" 2>&1
+grep "^|" "$res/hopper.log" | grep -v "^|---"
+if [ -n "${ANCHOR-1}" ]; then
+  OUT=$res/anchor VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
+fi
+tar czf "$root/token-off32.tgz" -C "$root" token-off32 && rm -rf "$res"
