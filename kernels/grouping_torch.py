@@ -167,23 +167,30 @@ def group_queries(q: torch.Tensor, group_size: int, dims: int = 0, gather=None, 
 
 def scratch_bytes(shape: tuple, group_size: int, dims: int = 0, cuda: bool = True) -> int:
     """Device memory ``group_queries`` of queries of ``shape`` (B, H, N, D) takes while it runs, at most, in bytes (the
-    samples are grouped one after the other, so one sample's): the larger of the projection's (with ``dims``: the fp32
-    points (H, N, dims) and two fp32 copies of a chunk of heads' queries, ``project_leading``) and the partition's
-    (SCRATCH_FACTOR + 1 copies of the points of a chunk of heads, ``_group``; its chunks are larger on ``cuda``), with
-    every head's int64 order and int32 groups. group_size: queries per group (N is padded to a multiple of it). An
-    estimate from above: at Wan 14B (40 heads x 75 600 tokens, dims 16, groups of 128) 1.78 GB, where the grouping on
-    a side stream kept 1.25 GB cached for that stream (docs/decisions.md, "The side stream's memory")."""
+    samples are grouped one after the other, so one sample's), with every head's int64 order and int32 groups: the
+    larger of
+    - the projection's (with ``dims``, ``project_leading``): the fp32 points (H, N, dims), two fp32 copies of a chunk
+      of heads' queries, their centred subsamples and covariances (fp32 and fp64, D x D a head);
+    - the partition's (``_group``): SCRATCH_FACTOR copies of a chunk of heads' points (its working tensors; its chunks
+      are larger on ``cuda``) beside the points themselves (all heads' with ``dims``, which stay alive throughout).
+    group_size: queries per group (N is padded to a multiple of it). An estimate from above: at Wan 14B (40 heads x
+    75 600 tokens, dims 16, groups of 128) 1.78 GB, where the grouping on a side stream kept 1.25 GB cached for that
+    stream (docs/decisions.md, "The side stream's memory"); the partition's working tensors measured 3.3-5.3 copies of
+    its chunk's points on the CPU."""
     _, h, n, d = shape
     width = dims if dims and dims < d else d
     n_pad = -(-n // group_size) * group_size  # as _group pads
     budget = CHUNK_ELEMS * (4 if cuda else 1)
     chunk = min(h, max(1, budget // max(1, n_pad * width * 2)))  # as _group's step
-    partition = chunk * n_pad * width * 4 * (1 + SCRATCH_FACTOR)
+    work = chunk * n_pad * width * 4 * SCRATCH_FACTOR
     orders = h * n_pad * (8 + 4)  # perm_all and the groups
-    if width == d:
-        return partition + orders
+    if width == d:  # the points are a chunk's fp32 copy of the queries
+        return chunk * n_pad * width * 4 + work + orders
+    points = h * n * width * 4
     heads = min(h, max(1, CHUNK_ELEMS // max(1, n * d)))  # as project_leading's step
-    return max(h * n * width * 4 + 2 * heads * n * d * 4, partition) + orders
+    sample = min(n, 2 * SUBSPACE_SAMPLE)  # leading_subspace's centred subsample, at most this many rows
+    projection = points + 2 * heads * n * d * 4 + heads * (sample * d * 4 + d * d * (4 + 8))
+    return max(projection, points + work) + orders
 
 
 def check_grouping_args(q, group_size, dims) -> None:

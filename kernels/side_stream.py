@@ -20,7 +20,7 @@ Memory: the caching allocator keeps what ``fn`` allocated on the side stream for
 not the current stream's (the Wan 14B anchor's grouping: 1.25 GB reserved beside the in-order path's, measured;
 docs/decisions.md, "The side stream's memory"). It hands those blocks back when an allocation would otherwise fail,
 but on a card without room that would happen at every anchor call. So ``beside`` takes the side stream only where the
-device has ROOM_FACTOR times ``fn``'s scratch (``need_bytes``) free, counting what PyTorch holds unused.
+device has ROOM_FACTOR times ``fn``'s scratch (``need_bytes``) free, counting what the side stream keeps cached.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import os
 import torch
 
 _streams: dict = {}  # device index -> its side stream (one a device: the work it carries stays in order)
-# free memory (the driver's plus PyTorch's unused cache) beside's work needs, in multiples of its scratch: the side
-# stream may keep one scratch cached for itself and the current stream keeps the rest of the room
+# free memory (the driver's plus what the side stream keeps cached) beside's work needs, in multiples of its scratch:
+# the side stream may keep one scratch cached for itself and the current stream keeps the rest of the room
 ROOM_FACTOR = 4
+_held: dict = {}  # device index -> the largest need_bytes of work given to its side stream (what it may keep cached)
 _FAILED = object()  # Pending._value once fn raised
 
 
@@ -41,8 +42,12 @@ def enabled() -> bool:
     return os.environ.get("SPARSE_ATTN_SIDE_STREAM", "1") != "0"
 
 
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _side(dev: torch.device) -> torch.cuda.Stream:
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    idx = _index(dev)
     s = _streams.get(idx)
     if s is None:
         # (lowest, highest) priority; the highest is the most negative: its programs are scheduled first as SMs free
@@ -105,13 +110,15 @@ class Pending:
 
 
 def room(dev: torch.device, need_bytes: int) -> bool:
-    """Whether CUDA device ``dev`` has ROOM_FACTOR x ``need_bytes`` free: the driver's free memory plus what PyTorch's
-    caching allocator holds unused (no synchronisation)."""
+    """Whether CUDA device ``dev`` has ROOM_FACTOR x ``need_bytes`` free for the side stream: the driver's free memory
+    plus what the side stream may hold cached from earlier work (the most ``beside`` gave it, as far as PyTorch's
+    caching allocator holds that much unused). Blocks the allocator caches for other streams do not count: the side
+    stream could have them only by a flush of every stream's cache (no synchronisation here)."""
     if need_bytes <= 0:
         return True
     free, _ = torch.cuda.mem_get_info(dev)
     unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    return free + unused >= ROOM_FACTOR * need_bytes
+    return free + min(unused, _held.get(_index(dev), 0)) >= ROOM_FACTOR * need_bytes
 
 
 def beside(fn, ref: torch.Tensor, need_bytes: int = 0) -> Pending:
@@ -122,6 +129,8 @@ def beside(fn, ref: torch.Tensor, need_bytes: int = 0) -> Pending:
     if (not (ref.is_cuda and enabled()) or torch.cuda.is_current_stream_capturing()
             or not room(ref.device, need_bytes)):
         return Pending(fn)
+    idx = _index(ref.device)
+    _held[idx] = max(_held.get(idx, 0), need_bytes)
     main = torch.cuda.current_stream(ref.device)
     ready = torch.cuda.Event()
     ready.record(main)
