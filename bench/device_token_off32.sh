@@ -3,7 +3,8 @@
 # (kernels/token_sparse_gluon.py, OFF32; docs/kernel_notes.md "v24"). First the GPU tests TESTS_K selects (default:
 # the Gluon token kernel against its twin with both offsets, the grouping's scratch bound and the side stream's room
 # check), then bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the offsets alternated twice), then
-# (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh times it.
+# (unless PERSIST is empty) the Gluon block kernel on its own and its persistent grid at d 0.15-0.5 (wan14b, hyv),
+# then (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh times it.
 # Everything lands in $OUT/token-off32.tgz (one file comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,11 @@ fi
 timeout 260 python3 bench/hopper.py --plan token --budget "${BUDGET:-150}" --shapes "${SHAPES:-wan14b,hyv,wan13b}" \
   --skip-tests --out "$res/hopper" > "$res/hopper.log" 2>&1
 grep "^|" "$res/hopper.log" | grep -v "^|---"
+if [ -n "${PERSIST-1}" ]; then  # the Gluon block kernel's two grids at d 0.15-0.5 (bench/hopper.py --plan persistent)
+  timeout 260 python3 bench/hopper.py --plan persistent --budget "${PERSIST_BUDGET:-150}" --shapes wan14b,hyv \
+    --skip-tests --out "$res/persistent" > "$res/persistent.log" 2>&1
+  grep "^|" "$res/persistent.log" | grep -v "^|---" | cut -d'|' -f2-9
+fi
 if [ -n "${ANCHOR-1}" ]; then
   OUT=$res/anchor VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
 fi

@@ -266,6 +266,22 @@ class Shape:
             return self.m["K"].attention_dense(self.q, self.k, self.v, return_lse=True)
         return self.m["DC"].attention_dense(self.q, self.k, self.v, scale=self.d ** -0.5, return_lse=True)
 
+    def persistent_ab(self, densities):
+        """The Gluon block kernel on its own grid and on the persistent one (kernels/attention_gluon.py) at each of
+        ``densities``, uniform and skewed lists, the two alternated twice (variants "gluon", "gluon_persistent", then
+        "#2"), so the run's own spread shows beside their difference (which grid the automatic choice should take at
+        which density and shape; kernel_notes "v19")."""
+        q, k, v, BT = self.q, self.k, self.v, self.m["BT"]
+        for skewed in (False, True):
+            tag = "bsa128_skew" if skewed else "bsa128"
+            for dens in densities:
+                idx, cnt, real = self.block_lists(dens, skewed)
+                for again in ("", "#2"):
+                    for path in ("gluon", "gluon_persistent"):
+                        self.rec(tag, path + again, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
+                            q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
+                            target=dens)
+
     def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False, fused_densities=()):
         """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse on
         uniform and skewed lists (also on the Gluon kernel's persistent grid, "gluon_persistent"); the engine's
@@ -656,7 +672,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tests-k", default="", help="only the GPU tests pytest's -k selects")
     ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon",
-                                           "token"),
+                                           "token", "persistent"),
                     default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
@@ -664,7 +680,9 @@ def main():
                          "the residual epilogue, per density (Shape.anchor_paths); epilogue: the composed anchor's "
                          "halves, alone and in sequence (Shape.epilogue); tilings: the fused anchor on each candidate "
                          "tiling against the composed anchor (Shape.anchor_paths with tilings); gluon: the Gluon "
-                         "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape)")
+                         "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape); "
+                         "token: the Gluon token kernel's variants (Shape.gluon_token); persistent: the Gluon block "
+                         "kernel's two grids at d 0.15-0.5 (Shape.persistent_ab)")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -728,6 +746,8 @@ def main():
                  (0.15, 0.25) if i == 0 else ()) for i, name in enumerate(names)]
     if args.plan == "token":
         plan = [(name, "gluon_token") for name in names]
+    if args.plan == "persistent":
+        plan = [(name, "persistent_ab", (0.15, 0.2, 0.25, 0.3, 0.5)) for name in names]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
