@@ -2,7 +2,8 @@
 # On the H100/H200 (nothing to carry): the Gluon token kernel's loader with 64- and 32-bit row offsets
 # (kernels/token_sparse_gluon.py, OFF32; docs/kernel_notes.md "v24"). First the GPU tests TESTS_K selects (default:
 # the Gluon token kernel against its twin with both offsets, the grouping's scratch bound and the side stream's room
-# check), then bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the offsets alternated twice), then
+# check), then (unless TOKEN is empty) bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the loader's
+# variants alternated), then
 # (unless PERSIST is empty) the Gluon block kernel on its own and its persistent grid at d 0.15-0.5 (wan14b, hyv),
 # then (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh times it.
 # Everything lands in $OUT/token-off32.tgz (one file comes back).
@@ -19,9 +20,11 @@ if [ -n "$k" ]; then
     -k "$k" > "$res/gpu-tests.log" 2>&1
   tail -6 "$res/gpu-tests.log"
 fi
-timeout 260 python3 bench/hopper.py --plan token --budget "${BUDGET:-150}" --shapes "${SHAPES:-wan14b,hyv,wan13b}" \
-  --skip-tests --out "$res/hopper" > "$res/hopper.log" 2>&1
-grep "^|" "$res/hopper.log" | grep -v "^|---"
+if [ -n "${TOKEN-1}" ]; then
+  timeout 260 python3 bench/hopper.py --plan token --budget "${BUDGET:-150}" --shapes "${SHAPES:-wan14b,hyv,wan13b}" \
+    --skip-tests --out "$res/hopper" > "$res/hopper.log" 2>&1
+  grep "^|" "$res/hopper.log" | grep -v "^|---"
+fi
 if [ -n "${PERSIST-1}" ]; then  # the Gluon block kernel's two grids at d 0.15-0.5 (bench/hopper.py --plan persistent)
   timeout 260 python3 bench/hopper.py --plan persistent --budget "${PERSIST_BUDGET:-150}" --shapes wan14b,hyv \
     --skip-tests --out "$res/persistent" > "$res/persistent.log" 2>&1
