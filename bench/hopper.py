@@ -419,41 +419,32 @@ class Shape:
             rec("token128", "pointer", "pointer")
             rec("token128_reuse", "pointer_compact_fp8", "pointer")
             return
-        tiles, loader, flags = TG.TILES, TG.LOADER, TG.LOADER_FLAGS
-
-        def both(off32, clamp):  # the same loader flags for both kinds of list
-            TG.LOADER_FLAGS = {kind: dict(off32=off32, clamp=clamp) for kind in flags}
+        tiles, loader, flags = TG.TILES, TG.LOADER, TG.OFF32
         if not TG.offsets_fit_32(k, v):  # the _off32 rows would run the 64-bit loader (attention's off32=None)
             raise ValueError(f"{self.name}: K/V rows beyond 32-bit offsets; the OFF32 rows cannot run here")
-        # the loader's row offsets in 64 or 32 bits (OFF32) and its list loads masked or clamped (CLAMP), each
-        # variant's first two timed twice, apart, so the run's own spread shows beside their difference; the other
-        # tilings and eight loader warps were slower in every earlier run (kernel_notes "v18") and run only with
-        # GLUON_TOKEN_TILINGS=1
-        def named(base, off32, clamp, again=False):
-            return f"{base}{'_off32' if off32 else ''}{'_clamp' if clamp else ''}{'#2' if again else ''}"
-        plain = [(False, False), (True, False), (True, True), (False, True)]
-        variants = [(named("gluon", *f), tiles, loader, f) for f in plain]
-        variants += [(named("gluon", *f, True), tiles, loader, f) for f in plain[:2]]
+        # the loader's row offsets in 64 and 32 bits (OFF32, the same for both kinds of list) alternated twice, so the
+        # run's own spread shows beside their difference (kernel_notes "v24"); the other tilings and eight loader
+        # warps were slower in every earlier run (kernel_notes "v18") and run only with GLUON_TOKEN_TILINGS=1
+        runs = [(f"{'_off32' if o else ''}{'#2' if again else ''}", o)
+                for again in (False, True) for o in (False, True)]
+        variants = [("gluon" + tag, tiles, loader, o) for tag, o in runs]
         if os.environ.get("GLUON_TOKEN_TILINGS") == "1":
-            kept = tuple(flags["int32"].values())
-            variants += [(f"gluon_bn{a[0]}s{a[1]}", {**tiles, self.d: a}, loader, kept)
-                         for a in ((64, 6), (64, 4))] + [("gluon_l8", tiles, (8, 40, 208), kept)]
+            variants += [(f"gluon_bn{a[0]}s{a[1]}", {**tiles, self.d: a}, loader, flags["int32"])
+                         for a in ((64, 6), (64, 4))] + [("gluon_l8", tiles, (8, 40, 208), flags["int32"])]
         rec("token128", "pointer", "pointer")
-        for name, t, ld, (off32, clamp) in variants:
-            TG.TILES, TG.LOADER = t, ld
-            both(off32, clamp)
+        for name, t, ld, off32 in variants:
+            TG.TILES, TG.LOADER, TG.OFF32 = t, ld, dict.fromkeys(flags, off32)
             try:
                 rec("token128", name, "gluon")
             finally:
-                TG.TILES, TG.LOADER, TG.LOADER_FLAGS = tiles, loader, flags
+                TG.TILES, TG.LOADER, TG.OFF32 = tiles, loader, flags
         rec("token128_reuse", "pointer_compact_fp8", "pointer")
-        compact = [(False, False), (False, True), (True, True), (True, False)]
-        for off32, clamp, again in [(*f, False) for f in compact] + [(*f, True) for f in compact[:2]]:
-            both(off32, clamp)
+        for tag, off32 in runs:
+            TG.OFF32 = dict.fromkeys(flags, off32)
             try:
-                rec("token128_reuse", named("gluon_compact_fp8", off32, clamp, again), "gluon")
+                rec("token128_reuse", "gluon_compact_fp8" + tag, "gluon")
             finally:
-                TG.LOADER_FLAGS = flags
+                TG.OFF32 = flags
 
     def make_token_lists(self, dens=0.15):
         """Random groups of 128 queries and sorted lists of dens x N tokens each, made once per shape: (groups int32

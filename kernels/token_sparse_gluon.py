@@ -48,26 +48,19 @@ LOADER = (4, 72, 208)
 # H100 against 64-wide tiles six or four deep (docs/benchmarks.md, "Token-sparse in Gluon"); D 64 (explicit calls
 # only): 128-wide tiles six deep (Q 16 KB + 6 x 2 x 16 KB), faster there than 64-wide ones.
 TILES = {128: (128, 3), 64: (128, 6)}
-# by the kind of list ("int32" ids or "compact" int16 offsets): the loader's row offsets in 32 bits where they fit
-# (OFF32) and its list loads clamped to the row instead of masked (CLAMP, ``_token_ids``). 32-bit offsets measured
-# 5-16 % faster with int32 lists and 11-16 % slower with compact ones (the compiler then issues the list loads one after
-# another); docs/kernel_notes.md "v24"
-LOADER_FLAGS = {"int32": dict(off32=True, clamp=False), "compact": dict(off32=False, clamp=False)}
+# by the kind of list ("int32" ids or "compact" int16 offsets): the loader's row offsets in 32 bits where they fit.
+# Measured 5-16 % faster with int32 lists and 7-16 % slower with compact ones (the compiler then issues the list loads
+# one after another); docs/kernel_notes.md "v24"
+OFF32 = {"int32": True, "compact": False}
 
 
 @gluon.jit
-def _token_ids(tok_row, seg_row, slot, count, max_k, N_SEG: gl.constexpr, SEGMENT: gl.constexpr,
-               CLAMP: gl.constexpr):
+def _token_ids(tok_row, seg_row, slot, count, N_SEG: gl.constexpr, SEGMENT: gl.constexpr):
     """Token ids of list slots ``slot`` (kernels/token_sparse_triton.py, ``_token_ids``): int32 ids as they are
     (N_SEG 0) or compact int16 offsets decoded (offset + 32768 + SEGMENT x the row's segment ends at or below the
-    slot); slots at or past ``count`` read token 0, a valid row whose scores the consumers mask. CLAMP: the loads read
-    slot min(slot, max_k - 1) of the row (``max_k`` its width) instead of being masked: no predicate a load, so the
-    compiler need not serialise them on the few predicate registers (docs/kernel_notes.md "v24")."""
+    slot); slots at or past ``count`` read token 0, a valid row whose scores the consumers mask."""
     ok = slot < count
-    if CLAMP:
-        raw = gl.load(tok_row + gl.minimum(slot, max_k - 1))
-    else:
-        raw = gl.load(tok_row + slot, mask=ok, other=0)
+    raw = gl.load(tok_row + slot, mask=ok, other=0)
     if N_SEG == 0:
         tok = raw
     else:
@@ -80,9 +73,8 @@ def _token_ids(tok_row, seg_row, slot, count, max_k, N_SEG: gl.constexpr, SEGMEN
 
 @gluon.jit
 def _gather_loader(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, tok_row, seg_row,
-                   count, max_k, N_SEG: gl.constexpr, SEGMENT: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, OFF32: gl.constexpr,
-                   CLAMP: gl.constexpr):
+                   count, N_SEG: gl.constexpr, SEGMENT: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                   STAGES: gl.constexpr, WARPS: gl.constexpr, OFF32: gl.constexpr):
     """WARPS warps: each tile's K then V rows into the ring, one cp.async call per tile and tensor (16-byte copies,
     BLOCK_N x HEAD_D / (8 x 32 x WARPS) a thread); every thread's cp.async arrival (no increment) on the slot's ready
     barrier (initialised to the loader's thread count) completes it once all its copies landed. The next tile's
@@ -94,11 +86,11 @@ def _gather_loader(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k
     rows: gl.constexpr = gl.SliceLayout(1, ld)
     cols = gl.expand_dims(gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld)), 0)
     slots = gl.arange(0, BLOCK_N, layout=rows)
-    tok = _token_ids(tok_row, seg_row, slots, count, max_k, N_SEG, SEGMENT, CLAMP)
+    tok = _token_ids(tok_row, seg_row, slots, count, N_SEG, SEGMENT)
     for i in range(gl.cdiv(count, BLOCK_N)):
         s = i % STAGES
         ph = (i // STAGES) & 1
-        nxt = _token_ids(tok_row, seg_row, (i + 1) * BLOCK_N + slots, count, max_k, N_SEG, SEGMENT, CLAMP)
+        nxt = _token_ids(tok_row, seg_row, (i + 1) * BLOCK_N + slots, count, N_SEG, SEGMENT)
         if OFF32:  # the products below in 32 bits
             row_off = gl.expand_dims(tok, 1)
         else:
@@ -117,7 +109,7 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N_Q, G, MAX_K, qk_scale,
                HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr,
                N_SEG: gl.constexpr, SEGMENT: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, OFF32: gl.constexpr, CLAMP: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, OFF32: gl.constexpr):
     """Grid (G, B*H): group g of head bh. Q, K, V: (B,H,N,D) with these strides (D contiguous); Out and the residual
     R (RS its fp32 row scale) contiguous (B,H,N_Q,D); QG int32 (B*H*G, 128); TOK (B*H*G, MAX_K) int32 ids, or int16
     compact offsets with SEG int32 (B*H*G, N_SEG) segment ends; CNT int32 (B*H*G)."""
@@ -167,8 +159,8 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                      N_Q, count, qk_scale, Out, Out, R, RS, RS, bh, half, q_rows, True, half, BLOCK_N, HEAD_D,
                      STAGES, RESIDUAL, False, False, 4, True)),
         (_gather_loader, (K + b * skb + h * skh, V + b * svb + h * svh, skn, svn, k_bufs, v_bufs, k_ready, v_ready,
-                          k_empty, v_empty, tok_row, seg_row, count, MAX_K, N_SEG, SEGMENT, BLOCK_N, HEAD_D,
-                          STAGES, LOADER_WARPS, OFF32, CLAMP)),
+                          k_empty, v_empty, tok_row, seg_row, count, N_SEG, SEGMENT, BLOCK_N, HEAD_D, STAGES,
+                          LOADER_WARPS, OFF32)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -179,22 +171,20 @@ def offsets_fit_32(k, v) -> bool:
 
 
 def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None,
-              off32=None, clamp=None):
+              off32=None):
     """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128, the last dim contiguous; out:
     contiguous (B,H,Nq,D) in q's dtype, its grouped rows written. q_groups: int32 contiguous (B,H,G,128); lists:
     int32 (B,H,G,max_k) sorted token ids with seg_ends None, or the compact int16 (B,H,G,W) with int32 seg_ends
     (B,H,G,S) of ``segment``-token segments; kv_counts int32 (B,H,G); all contiguous. residual: None or a checked
     (data, scale) pair (made contiguous here, as the epilogue indexes it) ((B,H,Nq,D) in q's dtype with scale
     None, or float8_e4m3fn data with fp32 (B,H,Nq,1) scale), added in the epilogue. tiles: (BLOCK_N, STAGES)
-    instead of TILES[D] (what the benchmark compares). off32: the loader's row offsets in 32 bits (None: as
-    LOADER_FLAGS says for the kind of list, where they fit, ``offsets_fit_32``; True where they do not raises
-    ValueError). clamp: the list loads clamped instead of masked (None: as LOADER_FLAGS says). Returns out."""
+    instead of TILES[D] (what the benchmark compares). off32: the loader's row offsets in 32 bits (None: as OFF32
+    says for the kind of list, where they fit, ``offsets_fit_32``; True where they do not raises ValueError). Returns
+    out."""
     fits = offsets_fit_32(k, v)
     if off32 and not fits:
         raise ValueError("token_sparse_gluon.attention: off32 with K/V rows beyond 32-bit offsets")
-    flags = LOADER_FLAGS["int32" if seg_ends is None else "compact"]
-    off32 = flags["off32"] and fits if off32 is None else bool(off32)
-    clamp = flags["clamp"] if clamp is None else bool(clamp)
+    off32 = OFF32["int32" if seg_ends is None else "compact"] and fits if off32 is None else bool(off32)
     b, h, nq, d = q.shape
     g = q_groups.shape[2]
     bn, stages = tiles or TILES[d]
@@ -206,6 +196,6 @@ def attention(q, k, v, out, q_groups, lists, seg_ends, kv_counts, *, scale, segm
         q, k, v, out, r_data, r_scale, q_groups, lists, kv_counts, seg, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], h, nq, g, max(1, lists.shape[-1]), scale * LOG2E,
         HEAD_D=d, BLOCK_N=bn, STAGES=stages, RESIDUAL=mode, N_SEG=n_seg, SEGMENT=segment,
-        LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, OFF32=off32, CLAMP=clamp, num_warps=4)
+        LOADER_WARPS=warps, LOADER_REGS=regs, CONSUMER_REGS=consumer_regs, OFF32=off32, num_warps=4)
     return out
 

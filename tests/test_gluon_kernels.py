@@ -255,16 +255,16 @@ def test_token_loader_offsets_in_32_bits_only_where_they_fit():
 
 
 def test_token_loader_flags_follow_the_kind_of_list(monkeypatch):
-    """``token_sparse_gluon.attention`` launches the loader with the flags LOADER_FLAGS gives the call's kind of list
-    (int32 ids: 32-bit row offsets, measured faster; compact lists: 64-bit, measured slower in 32), never 32-bit
-    offsets where K/V rows lie beyond them, and explicit flags as asked (a stand-in launch; no GPU)."""
+    """``token_sparse_gluon.attention`` launches the loader with the row offsets OFF32 gives the call's kind of list
+    (int32 ids: 32-bit, measured faster; compact lists: 64-bit, measured slower in 32), never 32-bit offsets where
+    K/V rows lie beyond them, and 32-bit ones where asked (a stand-in launch; no GPU)."""
     import torch
     tg = pytest.importorskip("comfyui_sparse_attention.kernels.token_sparse_gluon")
     launched = []
 
     class Launch:
         def __getitem__(self, grid):
-            return lambda *args, **kw: launched.append((kw["OFF32"], kw["CLAMP"]))
+            return lambda *args, **kw: launched.append(kw["OFF32"])
     monkeypatch.setattr(tg, "_token_fwd", Launch())
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     groups = torch.zeros(1, 2, 2, 128, dtype=torch.int32)
@@ -276,5 +276,5 @@ def test_token_loader_flags_follow_the_kind_of_list(monkeypatch):
     tg.attention(q, q, q, torch.empty_like(q), groups, ids, None, cnt, **kw)
     tg.attention(q, q, q, torch.empty_like(q), groups, low, ends, cnt, **kw)
     tg.attention(q, big, big, torch.empty_like(q), groups, ids, None, cnt, **kw)
-    tg.attention(q, q, q, torch.empty_like(q), groups, low, ends, cnt, off32=True, clamp=True, **kw)
-    assert launched == [(True, False), (False, False), (False, False), (True, True)]
+    tg.attention(q, q, q, torch.empty_like(q), groups, low, ends, cnt, off32=True, **kw)
+    assert launched == [True, False, False, True]
