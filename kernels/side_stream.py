@@ -20,7 +20,8 @@ Memory: the caching allocator keeps what ``fn`` allocated on the side stream for
 not the current stream's (the Wan 14B anchor's grouping: 1.25 GB reserved beside the in-order path's, measured;
 docs/decisions.md, "The side stream's memory"). It hands those blocks back when an allocation would otherwise fail,
 but on a card without room that would happen at every anchor call. So ``beside`` takes the side stream only where the
-device has ROOM_FACTOR times ``fn``'s scratch (``need_bytes``) free, counting what the side stream keeps cached.
+device has ROOM_FACTOR times ``fn``'s scratch (``need_bytes``) free, counting what the side stream keeps cached (under
+the native allocator; cudaMallocAsync's pool, ComfyUI's default, serves every stream).
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def room(dev: torch.device, need_bytes: int) -> bool:
     """Whether CUDA device ``dev`` has ROOM_FACTOR x ``need_bytes`` free for the side stream: the driver's free memory
     plus what the side stream may hold cached from earlier work (the most ``beside`` gave it, as far as PyTorch's
     caching allocator holds that much unused). Blocks the allocator caches for other streams do not count: the side
-    stream could have them only by a flush of every stream's cache (no synchronisation here)."""
-    if need_bytes <= 0:
+    stream could have them only by a flush of every stream's cache (no synchronisation here). Always under PyTorch's
+    cudaMallocAsync backend (ComfyUI's default where it is supported): its pool serves every stream, in stream order,
+    so the side stream keeps nothing apart."""
+    if need_bytes <= 0 or torch.cuda.get_allocator_backend() == "cudaMallocAsync":
         return True
     free, _ = torch.cuda.mem_get_info(dev)
     unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)

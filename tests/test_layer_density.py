@@ -274,6 +274,30 @@ def test_mc_sparse_prepare_asks_room_for_the_grouping_of_its_longest_span(proble
     assert kernels.group_queries_scratch(wan14b, 128, 16) > kernels.group_queries_scratch(wan13b, 128, 16)
 
 
+def test_side_stream_room_counts_free_memory_and_what_the_side_stream_keeps(monkeypatch):
+    """kernels/side_stream.py's room (pure logic; the CUDA queries stood in for): under the native allocator the side
+    stream needs ROOM_FACTOR x its scratch in the driver's free memory plus what it keeps cached itself (at most what
+    PyTorch holds unused), not the other streams' cache; under cudaMallocAsync, whose pool serves every stream,
+    always."""
+    from comfyui_sparse_attention.kernels import side_stream
+    gb = 2**30
+    state = dict(backend="native", free=10 * gb, reserved=30 * gb, allocated=25 * gb)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: state["backend"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (state["free"], 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: state["allocated"])
+    monkeypatch.setattr(side_stream, "_held", {})
+    dev = torch.device("cuda", 0)
+    assert side_stream.room(dev, 0) and side_stream.room(dev, int(2.5 * gb))
+    assert not side_stream.room(dev, 3 * gb)  # 10 GB free < 12; the 5 GB unused are other streams' until it ran
+    side_stream._held[0] = 2 * gb
+    assert side_stream.room(dev, 3 * gb)  # 10 + the 2 GB it keeps
+    state["allocated"] = 29 * gb  # PyTorch holds 1 GB unused: the side stream keeps at most that
+    assert not side_stream.room(dev, 3 * gb)
+    state["backend"] = "cudaMallocAsync"
+    assert side_stream.room(dev, 3 * gb) and side_stream.room(dev, 100 * gb)
+
+
 def test_pending_work_runs_once_at_its_first_result_and_a_failure_is_not_kept():
     """kernels.beside off CUDA: nothing runs until the first result(), which runs the work once; a work that raises
     raises at that call, and later calls raise RuntimeError (the exception, holding its frames' tensors, is dropped)."""
