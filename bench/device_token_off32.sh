@@ -3,9 +3,9 @@
 # (kernels/token_sparse_gluon.py, OFF32; docs/kernel_notes.md "v24"). First the GPU tests TESTS_K selects (default:
 # the Gluon token kernel against its twin with both offsets, the grouping's scratch bound and the side stream's room
 # check), then (unless TOKEN is empty) bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the loader's
-# variants alternated), then
-# (unless PERSIST is empty) the Gluon block kernel on its own and its persistent grid at d 0.15-0.5 (wan14b, hyv),
-# then (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh times it.
+# variants alternated), then (unless PERSIST is empty) the Gluon block kernel on its own and its persistent grid at
+# d 0.15-0.5 (wan14b, hyv), then (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh
+# times it.
 # Everything lands in $OUT/token-off32.tgz (one file comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -36,7 +36,6 @@ MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' la
 # to launch, so the launches hide behind it (Wan 14B, 75 600 tokens: anchor 298.7 ms with the graph, 298.1 without;
 # 16 384 tokens: 29.9 -> 25.2 ms; docs/kernel_notes.md, "v22"), and the graph would hold ~1.2 GB there for nothing
 MAX_TOKENS = 49152
-SCRATCH_FACTOR = grouping_torch.SCRATCH_FACTOR
 
 
 class _Graph:
@@ -70,7 +69,7 @@ def _room(points: torch.Tensor) -> bool:
     unused) at least twice the graph's input and scratch."""
     free, _ = torch.cuda.mem_get_info(points.device)
     unused = torch.cuda.memory_reserved(points.device) - torch.cuda.memory_allocated(points.device)
-    need = points.numel() * points.element_size() * (1 + SCRATCH_FACTOR)
+    need = points.numel() * points.element_size() * (1 + grouping_torch.SCRATCH_FACTOR)
     return free + unused >= 2 * need
 
 
