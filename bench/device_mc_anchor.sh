@@ -26,8 +26,8 @@ import json, sys, pathlib
 d = json.loads((pathlib.Path(sys.argv[1]) / "engine.json").read_text())
 m = d["mc_sparse"]
 keys = ("anchor_ms", "anchor_x_cudnn", "dense_lse_ms", "grouping_ms", "mass_ms", "selection_total_ms", "reuse_ms",
-        "density")
-print(sys.argv[2], "cudnn", round(d["cudnn_dense_ms"], 2), {k: round(m[k], 3) for k in keys})
+        "density", "kernel_call_unfilled_ms", "kernel_compact_no_residual_ms", "kernel_int32_lists_ms")
+print(sys.argv[2], "cudnn", round(d["cudnn_dense_ms"], 2), {k: round(m[k], 3) for k in keys if k in m})
 print(sys.argv[2], "memory MB", {k: round(v) for k, v in m.get("anchor_memory", {}).items()})
 PY
 done

@@ -5,7 +5,7 @@
 # check), then (unless TOKEN is empty) bench/hopper.py's token plan on SHAPES (default wan14b,hyv,wan13b: the loader's
 # variants alternated), then (unless PERSIST is empty) the Gluon block kernel on its own and its persistent grid at
 # d 0.15-0.5 (wan14b, hyv), then (unless ANCHOR is empty) the Wan 14B mc_sparse anchor as bench/device_mc_anchor.sh
-# times it.
+# times it, once per word of ANCHOR (below).
 # Everything lands in $OUT/token-off32.tgz (one file comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,11 +26,21 @@ if [ -n "${TOKEN-1}" ]; then
   grep "^|" "$res/hopper.log" | grep -v "^|---"
 fi
 if [ -n "${PERSIST-1}" ]; then  # the Gluon block kernel's two grids at d 0.15-0.5 (bench/hopper.py --plan persistent)
-  timeout 260 python3 bench/hopper.py --plan persistent --budget "${PERSIST_BUDGET:-150}" --shapes wan14b,hyv \
+  timeout "${PERSIST_TIMEOUT:-260}" python3 bench/hopper.py --plan persistent --budget "${PERSIST_BUDGET:-150}" \
+    --shapes "${PERSIST_SHAPES:-wan14b,hyv}" \
     --skip-tests --out "$res/persistent" > "$res/persistent.log" 2>&1
   grep "^|" "$res/persistent.log" | grep -v "^|---" | cut -d'|' -f2-9
 fi
-if [ -n "${ANCHOR-1}" ]; then
-  OUT=$res/anchor VARIANTS=- TESTS_K= timeout 150 bash bench/device_mc_anchor.sh
-fi
+# ANCHOR: the anchors to time, words ALLOCATOR:SIDE (allocator native or async, PyTorch's cudaMallocAsync backend,
+# ComfyUI's default; SIDE the SPARSE_ATTN_SIDE_STREAM setting); "1" = native:1
+for a in ${ANCHOR-1}; do
+  [ "$a" = 1 ] && a=native:1
+  alloc=${a%%:*} side=${a##*:}
+  echo "anchor: allocator $alloc, side stream $side"
+  (
+    if [ "$alloc" = async ]; then export PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync; fi
+    SPARSE_ATTN_SIDE_STREAM=$side OUT=$res/anchor-$alloc-$side VARIANTS=- TESTS_K= \
+      timeout "${ANCHOR_TIMEOUT:-150}" bash bench/device_mc_anchor.sh
+  )
+done
 tar czf "$root/token-off32.tgz" -C "$root" token-off32 && rm -rf "$res"

@@ -166,7 +166,9 @@ def main():
     n = problem.n
     log.info("shape: %d x %d heads, %d tokens", args.batch, args.heads, n)
     res = dict(batch=args.batch, heads=args.heads, tokens=n, density=args.density, gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__)
+               torch=torch.__version__, triton=triton.__version__,
+               allocator=torch.cuda.memory.get_allocator_backend(),
+               side_stream=os.environ.get("SPARSE_ATTN_SIDE_STREAM", "1"))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
@@ -280,6 +282,9 @@ def main():
             filled = dataclasses.replace(selection, covers_all=False)
             phases["kernel_call_filled_ms"] = timed(lambda: filled.run(q1, k1, v1, residual=entry.residual), 5)
             phases["kernel_call_unfilled_ms"] = timed(lambda: selection.run(q1, k1, v1, residual=entry.residual), 5)
+            # the same compact lists without the residual: what the in-kernel decode costs apart from the fp8
+            # residual's epilogue (docs/kernel_notes.md "v24")
+            phases["kernel_compact_no_residual_ms"] = timed(lambda: selection.run(q1, k1, v1), 5)
             # the kernel on decoded int32 lists (the reuse path before the kernel decoded the int16 lists itself)
             phases["kernel_int32_lists_ms"] = timed(lambda: kern.token_sparse_attention(
                 q1, k1, v1, selection.q_groups, toks, selection.kv_counts, validate=False), 5)
