@@ -9,10 +9,13 @@ eleven variants of it. With ``--testbed DIR`` (the quality testbed's folder) twe
 term by what its block does with that head's output: the squared norm of the AdaLN-gated output projection's
 slice for the head, averaged over the timesteps of a 30-step run and the classes (``output_map_weights``); with
 ``--sensitivity`` they scale it by its layer's measured sensitivity instead (the pixel error of a sampling run with
-only that layer sparse, from the calibration run's ``sensitivity`` section: ``layer_sensitivity_scale``).
+only that layer sparse, from the calibration run's ``sensitivity`` section: ``layer_sensitivity_scale``); with
+``--jacobian DIR`` by its gain through the whole network to the model's output, measured along dense sampling runs
+(``output_jacobian_weights``; ``--weights-out`` keeps the scales, ``--weights`` reads them back).
 
     python bench/calibration_vs_search.py docs/bench-runs/calibration-2/calibration.json \\
-        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md] [--testbed ../shared/quality | --sensitivity]
+        docs/bench-runs/search-1/mc_sparse/search.json [--out table.md] \\
+        [--testbed ../shared/quality | --sensitivity | --jacobian ../shared/quality | --weights FILE]
 """
 
 from __future__ import annotations
@@ -111,6 +114,69 @@ def output_map_weights(model, steps: int = 30, shift: float = 3.0) -> dict:
     return out
 
 
+def output_jacobian_weights(ev, model, seeds=(0,), steps: int = 30, shift: float = 3.0, at=(4, 8, 14, 20, 26),
+                            samples: int = 2, by_step: bool = True, log=None) -> dict:
+    """{(layer, head): the mean squared gain from a head's attention output to the model's output}, measured through
+    the whole network (not only the block's own output map, as ``output_map_weights``): along the dense sampling run
+    of each seed (the testbed's Euler sampler, ``steps`` steps), at each step of ``at`` a zero tensor z_l (1, H, N, D)
+    is added to every layer's attention output and, for ``samples`` random directions u ~ N(0, I) of the predicted
+    velocity (1, C, T, H, W), the gradient of <u, v(x)> with respect to every z_l is taken in one backward pass:
+    E_u ||∂<u, v>/∂z_{l,h}||² = ||J_{l,h}||_F² (Hutchinson), divided by the head's N × D elements. Each step's term is
+    weighted by its |Δt| (the Euler step multiplies the velocity's error by it) when ``by_step``. ``ev``: the
+    testbed's evaluate module (its ``M``, ``time_grid``, ``make_noise``); ``model``: its DiT in fp32, whose parameters
+    are left with requires_grad off (no backward pass needs them). What it costs:
+    len(seeds) dense runs plus len(seeds) × len(at) × (1 forward + ``samples`` backward passes)."""
+    import torch
+    M = ev.M
+    cfg = model.cfg
+    ts = ev.time_grid(steps, shift)
+    dev = next(model.parameters()).device
+    for p in model.parameters():
+        p.requires_grad_(False)
+    acc = torch.zeros(cfg.num_layers, cfg.num_heads, dtype=torch.float64)
+    zs: list = []
+
+    def with_z(q, k, v):
+        o = M.sdpa_attention(q, k, v)
+        return o + zs[M.CONTEXT["layer"]] if zs else o
+
+    prev = M.set_attention(with_z)
+    total_w = 0.0
+    try:
+        for seed in seeds:
+            x = ev.make_noise(cfg, [seed]).to(dev)
+            y = torch.tensor([seed % cfg.num_classes], device=dev)
+            for i in range(max(at) + 1):
+                t = torch.full((1,), float(ts[i]), device=dev)
+                if i in at:
+                    zs[:] = [torch.zeros(1, cfg.num_heads, x[0, 0].numel() // (cfg.patch[0] * cfg.patch[1] *
+                                                                              cfg.patch[2]), cfg.head_dim,
+                                         device=dev, requires_grad=True) for _ in range(cfg.num_layers)]
+                    with torch.enable_grad():
+                        out = model(x, t, y).float()
+                        w = abs(float(ts[i + 1] - ts[i])) if by_step else 1.0
+                        for r in range(samples):
+                            u = torch.randn(out.shape, generator=torch.Generator().manual_seed(1000 * seed + 10 * i
+                                                                                                + r)).to(dev)
+                            grads = torch.autograd.grad((out * u).sum(), zs, retain_graph=r + 1 < samples)
+                            for li, g in enumerate(grads):
+                                acc[li] += w * (g[0].double() ** 2).sum((1, 2)).cpu() / (g[0, 0].numel() * samples)
+                    total_w += w
+                    zs.clear()
+                    if log:
+                        log(f"seed {seed} step {i}: done")
+                    with torch.no_grad():
+                        v = out.detach()
+                else:
+                    with torch.no_grad():
+                        v = model(x, t, y).float()
+                x = x + float(ts[i + 1] - ts[i]) * v
+    finally:
+        M.set_attention(prev)
+    acc /= max(total_w, 1e-30)
+    return {(li, hi): float(acc[li, hi]) for li in range(cfg.num_layers) for hi in range(cfg.num_heads)}
+
+
 def layer_sensitivity_scale(calibration: dict, method: str, density: float) -> dict:
     """{(layer, head): the layer's measured sensitivity} for every curve of ``method``, from the calibration run's
     ``sensitivity`` entry for that method and target density (bench/quality_calibration.py: ``layer_weights``)."""
@@ -187,16 +253,40 @@ def main(argv=None):
                          "term scaled by its gated output map (output_map_weights)")
     scaling.add_argument("--sensitivity", action="store_true", help="also rank with each head's term scaled by its "
                          "layer's measured sensitivity (layer_sensitivity_scale)")
+    scaling.add_argument("--jacobian", default=None, metavar="TESTBED", help="the quality testbed's folder: also "
+                         "rank with each head's term scaled by its gain through the whole network to the model's "
+                         "output (output_jacobian_weights)")
+    scaling.add_argument("--weights", default=None, help="a JSON file of per-head scales as --weights-out writes them")
+    ap.add_argument("--jacobian-seeds", default="0", help="--jacobian: the videos whose dense runs it follows")
+    ap.add_argument("--jacobian-at", default="4,8,14,20,26", help="--jacobian: the steps it measures at")
+    ap.add_argument("--jacobian-samples", type=int, default=2, help="--jacobian: random directions per step")
+    ap.add_argument("--jacobian-flat", action="store_true", help="--jacobian: steps weighted equally, not by |Δt|")
+    ap.add_argument("--device", default="cpu", help="--jacobian: where the testbed runs")
+    ap.add_argument("--weights-out", default=None, help="write the per-head scales used here as JSON")
     args = ap.parse_args(argv)
     calibration, search = json.loads(Path(args.calibration).read_text()), json.loads(Path(args.search).read_text())
     scale = None
     if args.testbed:
         from quality import build_model, load_testbed  # the testbed's DiT with its trained weights, on the CPU
         scale = output_map_weights(build_model(load_testbed(args.testbed, True), args.testbed, False, "cpu"))
+    elif args.jacobian:
+        from quality import build_model, load_testbed
+        ev = load_testbed(args.jacobian, True)
+        scale = output_jacobian_weights(
+            ev, build_model(ev, args.jacobian, False, args.device).float(),
+            seeds=[int(x) for x in args.jacobian_seeds.split(",")], at=[int(x) for x in args.jacobian_at.split(",")],
+            samples=args.jacobian_samples, by_step=not args.jacobian_flat, log=lambda m: print(m, flush=True))
+    elif args.weights:
+        scale = {tuple(int(x) for x in k.split(".")): float(v)
+                 for k, v in json.loads(Path(args.weights).read_text()).items()}
     elif args.sensitivity:
         scale = layer_sensitivity_scale(calibration, search["meta"]["method"], search["meta"]["density"])
+    if args.weights_out and scale is not None:
+        Path(args.weights_out).write_text(json.dumps({f"{k[0]}.{k[1]}": v for k, v in sorted(scale.items())},
+                                                     indent=1))
     rows = compare(calibration, search, scale)
-    name = "gated output map" if args.testbed else "layer sensitivity" if args.sensitivity else "head scale"
+    name = ("gated output map" if args.testbed else "layer sensitivity" if args.sensitivity
+            else "gain to the output" if args.jacobian or args.weights else "head scale")
     md = table(rows, args.calibration, args.search, name)
     if args.out:
         Path(args.out).write_text(md)

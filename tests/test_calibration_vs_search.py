@@ -151,3 +151,98 @@ def test_on_the_runs_in_the_repository_with_layer_sensitivities(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
     assert "× layer sensitivity" in text and text.count("\n| ") == 25  # header + 12 variants + 12 scaled
+
+
+class _JacM:
+    """The testbed module's attention hook as output_jacobian_weights uses it: CONTEXT, set_attention,
+    sdpa_attention, and the module-level attention every layer calls."""
+
+    def __init__(self):
+        self.CONTEXT = {"layer": None}
+        self.fn = None
+
+    @staticmethod
+    def sdpa_attention(q, k, v):
+        import torch
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def set_attention(self, fn):
+        prev, self.fn = self.fn, fn
+        return prev
+
+    def attention(self, q, k, v):
+        return (self.fn or self.sdpa_attention)(q, k, v)
+
+
+class _JacCfg:
+    num_layers, num_heads, head_dim, num_classes, patch = 2, 2, 2, 3, (1, 1, 1)
+
+
+class _JacNet:
+    """A 'DiT' whose velocity at token n is sum over layers l, heads h and dims of c[l, h] x attention output
+    (l, h, n, :): head (l, h)'s gain to the output is c[l, h]^2 per element."""
+    cfg = _JacCfg()
+
+    def __init__(self, m, c):
+        import torch
+        self.m, self.c = m, c
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def parameters(self):
+        return iter([self.w])
+
+    def __call__(self, x, t, y):
+        b, _, f, hh, ww = x.shape
+        tokens = x.reshape(b, 1, f * hh * ww, 1).expand(b, 2, f * hh * ww, 2) * self.w
+        out = 0
+        for li in range(2):
+            self.m.CONTEXT["layer"] = li
+            o = self.m.attention(tokens, tokens, tokens)  # (B, H, N, D)
+            out = out + (o * self.c[li].view(1, 2, 1, 1)).sum((1, 3))
+        return out.reshape(x.shape) * (1 + 0 * t.view(-1, 1, 1, 1, 1))
+
+
+class _JacEv:
+    def __init__(self, m):
+        self.M = m
+
+    @staticmethod
+    def time_grid(steps, shift):
+        import torch
+        u = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+        return shift * u / (1 + (shift - 1) * u)
+
+    @staticmethod
+    def make_noise(cfg, seeds):
+        import torch
+        return torch.stack([torch.randn(1, 2, 3, 3, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def test_output_jacobian_weights_measure_each_heads_gain_to_the_output(cvs):
+    import torch
+    m = _JacM()
+    c = torch.tensor([[1.0, 2.0], [0.5, 0.0]])
+    net = _JacNet(m, c)
+    w = cvs.output_jacobian_weights(_JacEv(m), net, seeds=(0, 1), steps=6, at=(1, 3), samples=3)
+    assert set(w) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # every head sees the same random directions, so the ratios are exact: c[l, h]^2
+    assert w[(0, 1)] == pytest.approx(4 * w[(0, 0)]) and w[(1, 0)] == pytest.approx(0.25 * w[(0, 0)])
+    assert w[(1, 1)] == 0.0 and w[(0, 0)] > 0
+    assert m.fn is None  # the attention hook is restored
+    assert not net.w.requires_grad  # the model's parameters are left out of the backward passes
+
+
+def test_the_documented_jacobian_ranking_is_reproduced_from_its_weights(tmp_path):
+    """docs/calibration.md quotes rho = +0.12 for the calibration's objective scaled by the heads' measured gains
+    (docs/bench-runs/jacobian-1/weights.json); --weights recomputes it offline."""
+    out = tmp_path / "t.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "calibration_vs_search.py"),
+                           str(ROOT / "docs/bench-runs/calibration-2/calibration.json"),
+                           str(ROOT / "docs/bench-runs/search-1/mc_sparse/search.json"), "--weights",
+                           str(ROOT / "docs/bench-runs/jacobian-1/weights.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| reuse | yes | yes | yes |")]
+    assert rows == ["| reuse | yes | yes | yes | +0.12 |"]
+    assert out.read_text() == (ROOT / "docs/bench-runs/jacobian-1/table.md").read_text().replace(
+        "../docs/bench-runs", str(ROOT / "docs/bench-runs"))
