@@ -209,8 +209,10 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                         _, res = sel.anchor(q, k, v, backend=cfg.backend, mass=True,
                                             precision=residual_precision(cfg.residual_precision, q.device))
                         residual = Residual(*res).stored_as(cfg.residual_precision)
-                    else:
-                        residual = Residual.encode(out - out_s, cfg.residual_precision)
+                    else:  # formed in fp32 and encoded as the engine's anchor stores it (engine.Engine._store)
+                        pair = kernels.residual_of(out, out_s, backend=cfg.backend,
+                                                   precision=residual_precision(cfg.residual_precision, q.device))
+                        residual = Residual(*pair).stored_as(cfg.residual_precision)
                     residual = residual.unpacked()  # 4-bit storage measured as the reuse call reads it
                     for s in later[a]:
                         q2, k2, v2, out2, _ = cache[s]
