@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import quality_search
@@ -146,12 +147,12 @@ def output_jacobian_weights(ev, model, seeds=(0,), steps: int = 30, shift: float
         for seed in seeds:
             x = ev.make_noise(cfg, [seed]).to(dev)
             y = torch.tensor([seed % cfg.num_classes], device=dev)
+            tokens = x[0, 0].numel() // math.prod(cfg.patch)  # one channel's elements over a patch's
             for i in range(max(at) + 1):
                 t = torch.full((1,), float(ts[i]), device=dev)
                 if i in at:
-                    zs[:] = [torch.zeros(1, cfg.num_heads, x[0, 0].numel() // (cfg.patch[0] * cfg.patch[1] *
-                                                                              cfg.patch[2]), cfg.head_dim,
-                                         device=dev, requires_grad=True) for _ in range(cfg.num_layers)]
+                    zs[:] = [torch.zeros(1, cfg.num_heads, tokens, cfg.head_dim, device=dev, requires_grad=True)
+                             for _ in range(cfg.num_layers)]
                     with torch.enable_grad():
                         out = model(x, t, y).float()
                         w = abs(float(ts[i + 1] - ts[i])) if by_step else 1.0
@@ -165,8 +166,7 @@ def output_jacobian_weights(ev, model, seeds=(0,), steps: int = 30, shift: float
                     zs.clear()
                     if log:
                         log(f"seed {seed} step {i}: done")
-                    with torch.no_grad():
-                        v = out.detach()
+                    v = out.detach()
                 else:
                     with torch.no_grad():
                         v = model(x, t, y).float()

@@ -168,7 +168,7 @@ def main():
     res = dict(batch=args.batch, heads=args.heads, tokens=n, density=args.density, gpu=torch.cuda.get_device_name(),
                torch=torch.__version__, triton=triton.__version__,
                allocator=torch.cuda.memory.get_allocator_backend(),
-               side_stream=os.environ.get("SPARSE_ATTN_SIDE_STREAM", "1"))
+               side_stream=load("kernels.side_stream").enabled())
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn = timed(lambda: F.scaled_dot_product_attention(q1, k1, v1), 5)
