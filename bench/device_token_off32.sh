@@ -27,7 +27,8 @@ if [ -n "${TOKEN-1}" ]; then
 fi
 if [ -n "${PERSIST-1}" ]; then  # the Gluon block kernel's two grids at d 0.15-0.5 (bench/hopper.py --plan persistent)
   timeout "${PERSIST_TIMEOUT:-260}" python3 bench/hopper.py --plan persistent --budget "${PERSIST_BUDGET:-150}" \
-    --shapes "${PERSIST_SHAPES:-wan14b,hyv}" \
+    --shapes "${PERSIST_SHAPES:-wan14b,hyv}" --densities "${PERSIST_DENSITIES:-0.15,0.2,0.25,0.3,0.5}" \
+    --repeats "${PERSIST_REPEATS:-2}" \
     --skip-tests --out "$res/persistent" > "$res/persistent.log" 2>&1
   grep "^|" "$res/persistent.log" | grep -v "^|---" | cut -d'|' -f2-9
 fi

@@ -266,17 +266,17 @@ class Shape:
             return self.m["K"].attention_dense(self.q, self.k, self.v, return_lse=True)
         return self.m["DC"].attention_dense(self.q, self.k, self.v, scale=self.d ** -0.5, return_lse=True)
 
-    def persistent_ab(self, densities):
+    def persistent_ab(self, densities, repeats=2):
         """The Gluon block kernel on its own grid and on the persistent one (kernels/attention_gluon.py) at each of
-        ``densities``, uniform and skewed lists, the two alternated twice (variants "gluon", "gluon_persistent", then
-        "#2"), so the run's own spread shows beside their difference (which grid the automatic choice should take at
-        which density and shape; kernel_notes "v19")."""
+        ``densities``, uniform and skewed lists, the two alternated ``repeats`` times (variants "gluon",
+        "gluon_persistent", then "#2", "#3", ...), so the run's own spread shows beside their difference (which grid
+        the automatic choice should take at which density and shape; kernel_notes "v19")."""
         q, k, v, BT = self.q, self.k, self.v, self.m["BT"]
         for skewed in (False, True):
             tag = "bsa128_skew" if skewed else "bsa128"
             for dens in densities:
                 idx, cnt, real = self.block_lists(dens, skewed)
-                for again in ("", "#2"):
+                for again in [""] + [f"#{i}" for i in range(2, repeats + 1)]:
                     for path in ("gluon", "gluon_persistent"):
                         self.rec(tag, path + again, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
                             q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
@@ -674,6 +674,8 @@ def main():
                          "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape); "
                          "token: the Gluon token kernel's variants (Shape.gluon_token); persistent: the Gluon block "
                          "kernel's two grids at d 0.15-0.5 (Shape.persistent_ab)")
+    ap.add_argument("--densities", default="0.15,0.2,0.25,0.3,0.5", help="persistent plan: the densities")
+    ap.add_argument("--repeats", type=int, default=2, help="persistent plan: how often the two grids alternate")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -738,7 +740,8 @@ def main():
     if args.plan == "token":
         plan = [(name, "gluon_token") for name in names]
     if args.plan == "persistent":
-        plan = [(name, "persistent_ab", (0.15, 0.2, 0.25, 0.3, 0.5)) for name in names]
+        plan = [(name, "persistent_ab", tuple(float(d) for d in args.densities.split(",")), args.repeats)
+                for name in names]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
     for i, name in enumerate(names if args.plan == "full" else ()):
