@@ -16,6 +16,12 @@ one stream (a replay and the next call's copy into its input): the engine's anch
 kernels/side_stream.py, which waits for the current stream before each call and is waited for after it. At most
 ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
 capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
+
+Nor under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator), unless SPARSE_ATTN_GROUPING_GRAPH=force:
+there a GPU test that captured, replayed and released these graphs ended its process with a CUDA "invalid argument"
+raised from the allocator's free, after PyTorch warned of an "uncaptured free of a captured allocation"
+(docs/kernel_notes.md, "v25"). ComfyUI's runs then group their queries as they are, as at Wan 14B 720p, where the
+graphs never ran (MAX_TOKENS).
 """
 
 from __future__ import annotations
@@ -56,8 +62,20 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    """Whether graphs may be made: SPARSE_ATTN_GROUPING_GRAPH is not "0" (read at each call)."""
-    return os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1") != "0"
+    """Whether graphs may be made (SPARSE_ATTN_GROUPING_GRAPH, read at each call): "0" never, "force" always, else
+    (the default "1") unless PyTorch's CUDA allocator is the cudaMallocAsync backend (see the module's docstring)."""
+    mode = os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1")
+    if mode == "0":
+        return False
+    return mode == "force" or not _async_allocator()
+
+
+def _async_allocator() -> bool:
+    """Whether PyTorch's CUDA allocator is the cudaMallocAsync backend (False where CUDA cannot say)."""
+    try:
+        return torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    except (RuntimeError, AssertionError):  # a build or machine without CUDA
+        return False
 
 
 def _key(points: torch.Tensor, group_size: int, gather) -> tuple:

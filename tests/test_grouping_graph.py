@@ -68,3 +68,28 @@ def test_release_forgets_every_shape_and_says_whether_it_dropped_a_graph():
     grouping_graph._seen.add(("a shape seen once",))
     assert grouping_graph.release() is False  # nothing was captured: no memory came back
     assert not grouping_graph._graphs and grouping_graph._pool is None and not grouping_graph._seen
+
+
+def test_graphs_are_off_under_cuda_malloc_async_unless_forced(monkeypatch):
+    """Under PyTorch's cudaMallocAsync backend (ComfyUI's default) a captured, replayed and released grouping graph
+    ended a GPU test's process (docs/kernel_notes.md, "v25"): graphs are made only under the native allocator, or
+    where SPARSE_ATTN_GROUPING_GRAPH=force asks; "0" turns them off under either."""
+    backend = {"name": "native"}
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend["name"])
+    want = {("native", None): True, ("native", "1"): True, ("native", "0"): False, ("native", "force"): True,
+            ("cudaMallocAsync", None): False, ("cudaMallocAsync", "1"): False, ("cudaMallocAsync", "0"): False,
+            ("cudaMallocAsync", "force"): True}
+    for (name, mode), on in want.items():
+        backend["name"] = name
+        if mode is None:
+            monkeypatch.delenv("SPARSE_ATTN_GROUPING_GRAPH", raising=False)
+        else:
+            monkeypatch.setenv("SPARSE_ATTN_GROUPING_GRAPH", mode)
+        assert grouping_graph.enabled() is on, (name, mode)
+
+    def no_cuda():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.delenv("SPARSE_ATTN_GROUPING_GRAPH")
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", no_cuda)
+    assert grouping_graph.enabled() is True

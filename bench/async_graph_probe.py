@@ -1,0 +1,114 @@
+"""Which use of the query grouping's CUDA graph (kernels/grouping_graph.py) fails under PyTorch's cudaMallocAsync
+backend (ComfyUI's default allocator): one stage per process, so that an abort names its stage.
+
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python bench/async_graph_probe.py STAGE
+
+Stages: "capture" (a shape's calls: as it is, captured, replayed; then release(), a collection and the cache emptied),
+"engine" (an mc_sparse run at 16 384 tokens: an anchor, two reuse steps, end_run, the engine dropped), "cublas"
+(a capture whose first cuBLAS call on the capture's stream happens inside it, then torch.cuda.empty_cache()).
+Each step is logged before it runs; "ok" last. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import logging
+import sys
+
+import torch
+from _pack import load
+
+log = logging.getLogger("bench.async_graph_probe")
+
+
+def step(name):
+    log.info("step: %s", name)
+    sys.stdout.flush()
+
+
+def capture_stage(K, GG):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
+    want = None
+    for i in range(4):
+        step(f"call {i} (graphs {len(GG._graphs)})")
+        got = K.group_queries(q, 128, dims=16)
+        want = got if want is None else want
+        assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    step("release")
+    GG.release()
+    step("synchronize")
+    torch.cuda.synchronize()
+    step("gc")
+    gc.collect()
+    step("empty_cache")
+    torch.cuda.empty_cache()
+    step("drop the outputs")
+    del got, want, q
+    torch.cuda.synchronize()
+
+
+def engine_stage():
+    E = load("engine")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 16384, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    layout = E.TokenLayout(text_len=0, grid=(16, 32, 32))
+    eng = E.SparseEngine(E.SparseConfig(method="mc_sparse", density=0.15, min_tokens=0, residual=True))
+    for run in range(2):
+        step(f"run {run}: begin")
+        eng.begin_run()
+        for s in range(4):
+            for layer in range(3):
+                step(f"run {run} step {s} layer {layer}")
+                eng.attend(q, k, v, E.CallContext(layer=layer, step=s, layout=layout))
+        torch.cuda.synchronize()
+        step(f"run {run}: end")
+        eng.end_run()
+        torch.cuda.synchronize()
+    step("drop the engine")
+    del eng
+    gc.collect()
+    torch.cuda.synchronize()
+    step("empty_cache")
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+
+
+def cublas_stage():
+    a = torch.randn(256, 256, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    step("capture a matmul")
+    with torch.cuda.graph(graph):
+        b = a @ a
+    graph.replay()
+    torch.cuda.synchronize()
+    step("drop the graph")
+    del graph, b
+    gc.collect()
+    step("empty_cache")
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+
+
+def main():
+    faulthandler.enable()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stage = sys.argv[1]
+    log.info("allocator %s, torch %s, %s", torch.cuda.get_allocator_backend(), torch.__version__,
+             torch.cuda.get_device_name())
+    K = load("kernels")
+    if stage == "capture":
+        capture_stage(K, load("kernels.grouping_graph"))
+    elif stage == "engine":
+        engine_stage()
+    elif stage == "cublas":
+        cublas_stage()
+    else:
+        raise SystemExit(f"unknown stage {stage!r}")
+    log.info("ok")
+
+
+if __name__ == "__main__":
+    main()

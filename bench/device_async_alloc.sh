@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the H100/H200 (nothing to carry): the pack under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator;
+# docs/kernel_notes.md, "v25"). bench/async_graph_probe.py's stages, one process each: under the native allocator,
+# under cudaMallocAsync with the query grouping's CUDA graphs forced on (SPARSE_ATTN_GROUPING_GRAPH=force) and with
+# the default (no graphs under cudaMallocAsync); then, under cudaMallocAsync, the GPU tests TESTS_K selects, in one
+# process with the default and in one with the graphs forced on.
+# Everything lands in $OUT/async-alloc.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 SPARSE_ATTN_TUNE=first
+res="$OUT/async-alloc"
+mkdir -p "$res"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$res/gpu.txt"
+async=backend:cudaMallocAsync
+probe() {  # probe NAME ALLOC_CONF GRAPH STAGE
+  PYTORCH_CUDA_ALLOC_CONF=$2 SPARSE_ATTN_GROUPING_GRAPH=$3 timeout 120 python3 bench/async_graph_probe.py "$4" \
+    > "$res/probe-$1-$4.log" 2>&1
+  echo "probe $1 $4: rc $? $(grep -a '^step\|^ok' "$res/probe-$1-$4.log" | tail -1)"
+}
+for stage in ${STAGES:-cublas capture engine}; do
+  probe native "" 1 "$stage"
+  probe async-force "$async" force "$stage"
+  [ "$stage" = cublas ] || probe async-default "$async" 1 "$stage"
+done
+k=${TESTS_K-grouping_graph or side_stream or cond_and_uncond}
+if [ -n "$k" ]; then
+  for mode in 1 force; do
+    PYTORCH_CUDA_ALLOC_CONF=$async SPARSE_ATTN_GROUPING_GRAPH=$mode timeout 240 python3 -m pytest -q -rs -m gpu \
+      tests/test_gpu_kernels.py -p no:cacheprovider -k "$k" > "$res/tests-async-$mode.log" 2>&1
+    echo "tests, cudaMallocAsync, graphs $mode: rc $? $(grep -a "passed\|failed\|Abort" "$res/tests-async-$mode.log" \
+      | tail -1)"
+  done
+fi
+tar czf "$OUT/async-alloc.tgz" -C "$OUT" async-alloc && rm -rf "$res"
