@@ -3,7 +3,8 @@
 # docs/kernel_notes.md, "v25"). bench/async_graph_probe.py's stages, one process each: under the native allocator,
 # under cudaMallocAsync with the query grouping's CUDA graphs forced on (SPARSE_ATTN_GROUPING_GRAPH=force) and with
 # the default (no graphs under cudaMallocAsync); then, under cudaMallocAsync, the GPU tests TESTS_K selects, in one
-# process with the default and in one with the graphs forced on.
+# process with the default and in one with the graphs forced on; with FULL set, every GPU test of
+# tests/test_gpu_kernels.py under cudaMallocAsync (FULL_TIMEOUT seconds at most).
 # Everything lands in $OUT/async-alloc.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,9 @@ res="$OUT/async-alloc"
 mkdir -p "$res"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$res/gpu.txt"
 async=backend:cudaMallocAsync
+pack() { tar czf "$OUT/async-alloc.tgz" -C "$OUT" async-alloc; }  # after each part: a run cut short keeps the rest
 probe() {  # probe NAME ALLOC_CONF GRAPH STAGE
-  PYTORCH_CUDA_ALLOC_CONF=$2 SPARSE_ATTN_GROUPING_GRAPH=$3 timeout 120 python3 bench/async_graph_probe.py "$4" \
+  PYTORCH_CUDA_ALLOC_CONF=$2 SPARSE_ATTN_GROUPING_GRAPH=$3 timeout 90 python3 bench/async_graph_probe.py "$4" \
     > "$res/probe-$1-$4.log" 2>&1
   echo "probe $1 $4: rc $? $(grep -a '^step\|^ok' "$res/probe-$1-$4.log" | tail -1)"
 }
@@ -22,6 +24,7 @@ for stage in ${STAGES:-cublas capture engine}; do
   probe async-force "$async" force "$stage"
   [ "$stage" = cublas ] || probe async-default "$async" 1 "$stage"
 done
+pack
 k=${TESTS_K-grouping_graph or side_stream or cond_and_uncond}
 if [ -n "$k" ]; then
   for mode in 1 force; do
@@ -29,6 +32,12 @@ if [ -n "$k" ]; then
       tests/test_gpu_kernels.py -p no:cacheprovider -k "$k" > "$res/tests-async-$mode.log" 2>&1
     echo "tests, cudaMallocAsync, graphs $mode: rc $? $(grep -a "passed\|failed\|Abort" "$res/tests-async-$mode.log" \
       | tail -1)"
+    pack
   done
 fi
-tar czf "$OUT/async-alloc.tgz" -C "$OUT" async-alloc && rm -rf "$res"
+if [ -n "${FULL:-}" ]; then  # every GPU test of tests/test_gpu_kernels.py under cudaMallocAsync, the default setting
+  PYTORCH_CUDA_ALLOC_CONF=$async timeout "${FULL_TIMEOUT:-300}" python3 -m pytest -q -rs -m gpu \
+    tests/test_gpu_kernels.py -p no:cacheprovider > "$res/tests-async-all.log" 2>&1
+  echo "all GPU tests, cudaMallocAsync: rc $? $(grep -a "passed\|failed\|Abort" "$res/tests-async-all.log" | tail -1)"
+fi
+pack && rm -rf "$res"
