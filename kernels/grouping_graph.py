@@ -34,6 +34,7 @@ from collections import OrderedDict
 import torch
 
 from . import grouping_torch
+from .side_stream import async_allocator
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,7 @@ def enabled() -> bool:
     mode = os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1")
     if mode == "0":
         return False
-    return mode == "force" or not _async_allocator()
-
-
-def _async_allocator() -> bool:
-    """Whether PyTorch's CUDA allocator is the cudaMallocAsync backend (False where CUDA cannot say)."""
-    try:
-        return torch.cuda.get_allocator_backend() == "cudaMallocAsync"
-    except (RuntimeError, AssertionError):  # a build or machine without CUDA
-        return False
+    return mode == "force" or not async_allocator()
 
 
 def _key(points: torch.Tensor, group_size: int, gather) -> tuple:

@@ -110,6 +110,15 @@ class Pending:
         return value
 
 
+def async_allocator() -> bool:
+    """Whether PyTorch's CUDA allocator is the cudaMallocAsync backend, ComfyUI's default on CUDA builds of torch
+    (False where CUDA cannot say)."""
+    try:
+        return torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    except (RuntimeError, AssertionError):  # a build or machine without CUDA
+        return False
+
+
 def room(dev: torch.device, need_bytes: int) -> bool:
     """Whether CUDA device ``dev`` has ROOM_FACTOR x ``need_bytes`` free for the side stream: the driver's free memory
     plus what the side stream may hold cached from earlier work (the most ``beside`` gave it, as far as PyTorch's
@@ -117,7 +126,7 @@ def room(dev: torch.device, need_bytes: int) -> bool:
     stream could have them only by a flush of every stream's cache (no synchronisation here). Always under PyTorch's
     cudaMallocAsync backend (ComfyUI's default where it is supported): its pool serves every stream, in stream order,
     so the side stream keeps nothing apart."""
-    if need_bytes <= 0 or torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+    if need_bytes <= 0 or async_allocator():
         return True
     free, _ = torch.cuda.mem_get_info(dev)
     unused = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
