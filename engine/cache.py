@@ -34,11 +34,20 @@ class Entry:
     selection: object
     residual: Residual | None
     ready: object = None  # CUDA event after an asynchronous copy into this (CPU) entry, or None
-    importance: float = 0.0  # priority of keeping the residual: when room runs out, the residuals of the least
-    # important entries are dropped first (their layers run dense at reuse steps). The engine sets minus the anchor's
-    # relative error without the residual: the layers furthest from dense go dense first (engine.cache_entry)
+    importance: float | torch.Tensor = 0.0  # priority of keeping the residual (read as ``priority``): when room
+    # runs out, the residuals of the least important entries are dropped first (their layers run dense at reuse
+    # steps). The engine sets minus the anchor's relative error without the residual: the layers furthest from dense
+    # go dense first (engine.cache_entry)
     replay: object = field(default=None, repr=False, compare=False)  # the reuse calls' kernels.CallReplay, made by
     # the engine for a device entry; it holds views of this entry's tensors, so it lives and dies with the entry
+
+    @property
+    def priority(self) -> float:
+        """``importance`` as a float. The engine hands it over as a 0-d tensor on the device (an anchor does not wait
+        for the device to read it); it is read here, once, when the cache first has to rank residuals."""
+        if isinstance(self.importance, torch.Tensor):
+            self.importance = float(self.importance)
+        return self.importance
 
     def wait(self) -> "Entry":
         """This entry once its asynchronous copy has landed (for readers on the host)."""
@@ -343,7 +352,7 @@ class SelectionCache:
     def _residual_entries(self, keep) -> list:
         """[(importance, key, side)] of the stored entries with a residual for which ``keep(side, entry)`` holds,
         least important first (device entries before host ones at equal importance)."""
-        return sorted(((e.importance, k, where) for where in ("device", "cpu")
+        return sorted(((e.priority, k, where) for where in ("device", "cpu")
                        for k, e in self._store(where).items() if e.residual is not None and keep(where, e)),
                       key=lambda t: t[0])
 
@@ -353,7 +362,7 @@ class SelectionCache:
         drop (docs/decisions.md, "Small cards")."""
         if entry.residual is None:
             return False
-        lesser = self._residual_entries(lambda where, e: e.importance < entry.importance)
+        lesser = self._residual_entries(lambda where, e: e.priority < entry.priority)
         # drop nothing when dropping every lesser residual would still leave no room (they would be lost for nothing)
         gain = {where: sum(self._store(where)[k].residual.nbytes
                            for _, k, w in lesser if w == where) for where in ("device", "cpu")}
@@ -415,7 +424,7 @@ class SelectionCache:
         gain = {"device": 0, "cpu": 0}
         for where in ("device", "cpu"):
             for e in self._store(where).values():
-                if e.residual is not None and e.importance < entry.importance:
+                if e.residual is not None and e.priority < entry.priority:
                     gain[where] += e.residual.nbytes
                 elif e.residual is not None:
                     gain[where] += e.residual.packing_frees

@@ -390,11 +390,14 @@ class SparseEngine:
 
     def _store_residual(self, key, selection, out_d, residual: "Residual", ctx) -> str:
         """Cache an anchor's selection with a residual the kernel already encoded (packed here for "int4")."""
-        nr, no = residual.norm(), float(torch.linalg.vector_norm(out_d).float())
+        nr, no = residual.norm_on_device(), torch.linalg.vector_norm(out_d).float()
         residual = residual.stored_as(self.cfg.residual_precision) if self.cfg.residual else None
-        self.cache_entry(key, selection, residual, nr / max(no, 1e-30), ctx)
+        self.cache_entry(key, selection, residual, nr / no.clamp_min(1e-30), ctx)
 
-    def cache_entry(self, key, selection, residual, fidelity: float, ctx) -> str:
+    def cache_entry(self, key, selection, residual, fidelity: float | torch.Tensor, ctx) -> str:
+        """Store an anchor's entry. ``fidelity``: ‖R‖ / ‖dense output‖, a float or a 0-d tensor on the device, which
+        stays there until the cache must rank residuals (room running out) or the run's statistics are read: an
+        anchor never waits for the device to read it (docs/kernel_notes.md, "v26")."""
         # where residuals find no room their layers run dense at reuse steps (exact), so the layers kept sparse should
         # be those whose sparse output is nearest the dense one: the residuals of the largest anchor errors go first
         # (on the testbed, 3 of 8 kept: 35.6 dB this way against 33.0 dB keeping the largest; docs/benchmarks.md,
@@ -411,10 +414,10 @@ class SparseEngine:
         cfg = self.cfg
         precision = residual_precision(cfg.residual_precision, out_d.device) if cfg.residual else "model"
         pair, sums = kernels.residual_of(out_d, out_s, precision=precision, return_sums=True, backend=cfg.backend)
-        nd, no = sums.sqrt().tolist()
+        nd, no = sums.sqrt().unbind()
         residual = Residual(*pair).stored_as(cfg.residual_precision) if cfg.residual else None
         del pair
-        return self.cache_entry(key, selection, residual, nd / max(no, 1e-30), ctx)
+        return self.cache_entry(key, selection, residual, nd / no.clamp_min(1e-30), ctx)
 
     def _select(self, policy, q, k, lse, ctx, scale, prepared=None):
         # per-layer / per-head densities: heads grouped by density, one policy call per group

@@ -243,16 +243,21 @@ class Residual:
         return out
 
     def norm(self) -> float:
-        """L2 norm of the decoded residual, accumulated in fp32 one head chunk at a time."""
+        """L2 norm of the decoded residual, accumulated in fp32 one head chunk at a time (read on the host)."""
+        return float(self.norm_on_device())
+
+    def norm_on_device(self) -> torch.Tensor:
+        """The L2 norm of ``norm`` as a 0-d fp32 tensor on the residual's device, computed without waiting for it
+        (the anchor path never synchronises with the host: docs/kernel_notes.md, "v26")."""
         if self.packed:
-            return self.unpacked().norm()
-        total = 0.0
+            return self.unpacked().norm_on_device()
+        total = torch.zeros((), dtype=torch.float32, device=self.data.device)
         for sl in _head_chunks(self.data):
             x = self.data[:, sl].float()
             if self.scale is not None:
                 x = x * self.scale[:, sl]
-            total += float(torch.linalg.vector_norm(x)) ** 2
-        return total ** 0.5
+            total += torch.linalg.vector_norm(x).square()
+        return total.sqrt()
 
     def decode(self, dtype: torch.dtype) -> torch.Tensor:
         """The residual as a (B, H, N, D) tensor of ``dtype``."""

@@ -98,7 +98,7 @@ class RunStats:
         elif kind == "fallback":
             s.fallbacks += 1
             s.dense += 1
-        if fidelity is not None:
+        if fidelity is not None:  # a float, or a 0-d tensor on the device read when the statistics are (_fidelities)
             s.fidelity.append(fidelity)
 
     def timed(self, layer: int, phase: str, device: torch.device) -> "_Timed":
@@ -117,12 +117,19 @@ class RunStats:
         return {step: {p: sum(per.get(p, 0.0) for per in layers.values()) for p in PHASES}
                 for step, layers in sorted(self.step_seconds.items())}
 
+    def _fidelities(self) -> None:
+        """Read the anchors' fidelities the engine left on the device as 0-d tensors (the anchor never waits for the
+        device: docs/kernel_notes.md, "v26"), as floats; after a run, when the statistics are read."""
+        for s in self.layers.values():
+            s.fidelity = [float(f) for f in s.fidelity]
+
     def finish(self, cache_info: dict | None = None) -> "RunStats":
         if self._pending:
             torch.cuda.synchronize()
             for layer, step, phase, start, end in self._pending:
                 self._add_seconds(layer, step, phase, start.elapsed_time(end) / 1000.0)
             self._pending.clear()
+        self._fidelities()
         if cache_info is not None:
             self.cache = dict(cache_info)
         self.finished = True
@@ -167,6 +174,7 @@ class RunStats:
 
     # views
     def totals(self) -> dict:
+        self._fidelities()
         calls = sum(s.calls for s in self.layers.values())
         fid = [f for s in self.layers.values() for f in s.fidelity]
         return dict(
@@ -197,6 +205,7 @@ class RunStats:
 
     def as_dict(self) -> dict:
         """Structured form for a report node: totals, per-layer rows, per-step kinds, cache figures."""
+        self._fidelities()
         return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), step_seconds=self.step_totals(),
                     layers={
             i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,

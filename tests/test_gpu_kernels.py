@@ -1053,6 +1053,38 @@ def test_engine_reuse_calls_are_replayed_and_equal_the_call_itself(method):
     assert stats.totals()["replays"] == 5  # steps 4-8 (the second entry's two reuse calls are recorded)
 
 
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+def test_engine_anchors_and_reuse_calls_never_wait_for_the_device(method):
+    """An engine's anchor and reuse calls (bf16, 16 384 tokens, D 128, room for every entry on the card) make no
+    host synchronisation once a first run has tuned the kernels and built the grouping's plans: the anchors'
+    fidelities stay on the device until the run's statistics are read (docs/kernel_notes.md, "v26"), where they
+    read as floats."""
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    layout = TokenLayout(text_len=0, grid=(4, 64, 64))
+    n, h = 16384, 4
+    eng = SparseEngine(SparseConfig(method=method, density=0.15, min_tokens=0, residual=True, anchor_steps="0,5"))
+    inputs = [qkv(h, n, 128, seed=80 + step) for step in range(8)]
+    with torch.inference_mode():
+        for strict in (False, True):  # the first run tunes and plans; the second is watched
+            eng.begin_run()
+            torch.cuda.synchronize()
+            outs = []
+            for step, (q, k, v) in enumerate(inputs):
+                if strict:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    outs.append(eng.attend(q, k, v, CallContext(layer=0, step=step, total_steps=8, layout=layout)))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            entry = eng.cache.on_device[CallContext(layer=0, step=5, layout=layout).key(n)]
+            assert isinstance(entry.importance, torch.Tensor) and entry.importance.device.type == "cuda"
+            stats = eng.end_run()
+    fid = stats.layers[0].fidelity
+    assert len(fid) == 2 and all(isinstance(f, float) and 0 < f < 1 for f in fid)
+    assert stats.totals()["anchors"] == 2 and stats.totals()["reuses"] == 6
+    assert all(torch.isfinite(o).all() for o in outs)
+
+
 @pytest.mark.parametrize("n,d,bq,bk", [(32760, 128, 128, 128), (20000, 64, 64, 64)])
 def test_fp8_residual_read_as_bytes_equals_the_typed_load(monkeypatch, n, d, bq, bk):
     """The software e4m3 decode that cards below compute capability 8.9 take (docs/kernel_notes.md, "v14"), run on

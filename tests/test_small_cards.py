@@ -24,14 +24,20 @@ def entry(seed, importance, n=4096):
     return Entry(sel, Residual(torch.randn(1, 2, n, 64, generator=g)), importance=importance)
 
 
-def test_the_residuals_that_matter_most_are_kept(monkeypatch, caplog):
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_the_residuals_that_matter_most_are_kept(monkeypatch, caplog, as_tensor):
+    """as_tensor: importances handed over as 0-d tensors, as the engine does (read by the cache only once room runs
+    out, docs/kernel_notes.md, "v26")."""
     monkeypatch.setattr(cache_mod, "host_memory", lambda: None)
-    small, big = entry(0, 0.01), entry(1, 0.30)
+    wrap = torch.tensor if as_tensor else float
+    small, big = entry(0, wrap(0.01)), entry(1, wrap(0.30))
     room = small.nbytes + small.selection.nbytes + 10  # one full entry and one selection
     cache = SelectionCache(device_budget=room, cpu_budget=0, offload=False)
     assert cache.put((3, True, (), 4096), small) == "device"
+    assert isinstance(cache.on_device[(3, True, (), 4096)].importance, torch.Tensor) == as_tensor  # not read yet
     with caplog.at_level("WARNING"):
         assert cache.put((7, True, (), 4096), big) == "device"  # the less important residual gave way
+    assert cache.on_device[(7, True, (), 4096)].priority == pytest.approx(0.30)
     assert cache.on_device[(3, True, (), 4096)].residual is None
     assert cache.on_device[(7, True, (), 4096)].residual is not None
     assert cache.info()["dropped_residual_layers"] == [3] and cache.counters["residual_dropped"] == 1
