@@ -4,6 +4,7 @@ backend (ComfyUI's default allocator): one stage per process, so that an abort n
     PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python bench/async_graph_probe.py STAGE
 
 Stages: "capture" (a shape's calls: as it is, captured, replayed; then release(), a collection and the cache emptied),
+"graph_first" (the same calls, then each graph destroyed before its output is freed: the order release() had in v25),
 "engine" (an mc_sparse run at 16 384 tokens: an anchor, two reuse steps, end_run, the engine dropped), "cublas"
 (a capture whose first cuBLAS call on the capture's stream happens inside it, then torch.cuda.empty_cache()).
 Each step is logged before it runs; "ok" last. Needs CUDA.
@@ -47,6 +48,31 @@ def capture_stage(K, GG):
     torch.cuda.empty_cache()
     step("drop the outputs")
     del got, want, q
+    torch.cuda.synchronize()
+
+
+def graph_first_stage(K, GG):
+    """v25's order, kept to test our reading of its crash (docs/kernel_notes.md, "v26"): the graph destroyed first,
+    then its captured output freed (release() now frees the tensors first)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
+    for i in range(3):
+        step(f"call {i} (graphs {len(GG._graphs)})")
+        K.group_queries(q, 128, dims=16)
+    torch.cuda.synchronize()
+    entries = list(GG._graphs.values())
+    step(f"destroy {len(entries)} graph(s) first")
+    for e in entries:
+        graph, e.graph = e.graph, None
+        graph.reset()
+        del graph
+    torch.cuda.synchronize()
+    step("then free their outputs")
+    for e in entries:
+        e.groups = e.points = e.keep = None
+    torch.cuda.synchronize()
+    step("release")
+    GG.release()
     torch.cuda.synchronize()
 
 
@@ -101,6 +127,8 @@ def main():
     K = load("kernels")
     if stage == "capture":
         capture_stage(K, load("kernels.grouping_graph"))
+    elif stage == "graph_first":
+        graph_first_stage(K, load("kernels.grouping_graph"))
     elif stage == "engine":
         engine_stage()
     elif stage == "cublas":

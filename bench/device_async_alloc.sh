@@ -19,7 +19,7 @@ probe() {  # probe NAME ALLOC_CONF GRAPH STAGE
     > "$res/probe-$1-$4.log" 2>&1
   echo "probe $1 $4: rc $? $(grep -a '^step\|^ok' "$res/probe-$1-$4.log" | tail -1)"
 }
-for stage in ${STAGES:-cublas capture engine}; do
+for stage in ${STAGES:-cublas capture graph_first engine}; do
   probe native "" 1 "$stage"
   probe async-force "$async" force "$stage"
   [ "$stage" = cublas ] || probe async-default "$async" 1 "$stage"

@@ -21,7 +21,8 @@ Nor under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator), unles
 there a GPU test that captured, replayed and released these graphs ended its process with a CUDA "invalid argument"
 raised from the allocator's free, after PyTorch warned of an "uncaptured free of a captured allocation"
 (docs/kernel_notes.md, "v25"). ComfyUI's runs then group their queries as they are, as at Wan 14B 720p, where the
-graphs never ran (MAX_TOKENS).
+graphs never ran (MAX_TOKENS). A graph's tensors are now freed before the graph itself (``_Graph.free``), the order our
+reading of that crash asks for (v26); graphs stay off there until a GPU run under the allocator confirms it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ class _Graph:
 
     def __init__(self, graph, points, groups, keep):
         self.graph, self.points, self.groups, self.keep = graph, points, groups, keep
+
+    def free(self) -> None:
+        """Drop the tensors, then the graph (idempotent). In this order because ``groups`` is the graph's own
+        allocation under cudaMallocAsync (an allocation node with no free node): freed after the graph was destroyed
+        it is what we read as the cause of v25's "invalid argument" (docs/kernel_notes.md, "v26"). Left to the
+        collector, the graph went first (slots are cleared in sorted name order)."""
+        self.groups = self.points = self.keep = None
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.reset()
+
+    def __del__(self):
+        self.free()
 
 
 _graphs: OrderedDict = OrderedDict()  # key -> _Graph, oldest first
@@ -118,7 +132,7 @@ def _capture(points: torch.Tensor, group_size: int, gather, key) -> _Graph | Non
     the capture, reading a copy of the points. None (and the key refused from then on) when the capture fails."""
     global _pool
     while len(_graphs) >= MAX_GRAPHS:
-        _graphs.popitem(last=False)
+        _graphs.popitem(last=False)[1].free()
     b, h, n, _ = points.shape
     n_pad = -(-n // group_size) * group_size
     keep = grouping_torch._level_positions(n_pad, group_size, points.device)
@@ -153,6 +167,8 @@ def release() -> bool:
     global _pool
     with _lock:
         dropped = bool(_graphs) or _pool is not None
+        for entry in _graphs.values():
+            entry.free()
         _graphs.clear()
         _seen.clear()
         _refused.clear()  # a capture refused (for want of memory, say) is tried again in the next run

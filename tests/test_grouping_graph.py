@@ -1,6 +1,8 @@
 """kernels/grouping_graph.py off the GPU: the partition runs as it is, nothing is kept, and the engine frees the
 graphs at every run's end (the graphs themselves are tested on the GPU: tests/test_gpu_kernels.py)."""
 
+import weakref
+
 import torch
 
 from comfyui_sparse_attention import kernels
@@ -93,3 +95,36 @@ def test_graphs_are_off_under_cuda_malloc_async_unless_forced(monkeypatch):
     monkeypatch.delenv("SPARSE_ATTN_GROUPING_GRAPH")
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", no_cuda)
     assert grouping_graph.enabled() is True
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: records, at reset, whether the graph's output tensor was already freed."""
+
+    def __init__(self, output, log):
+        self.output, self.log = weakref.ref(output), log
+
+    def reset(self):
+        self.log.append(("reset", self.output() is None))
+
+
+def test_a_graphs_tensors_are_dropped_before_the_graph_itself():
+    """Under cudaMallocAsync the captured output is the graph's own allocation: it is freed before the graph is
+    destroyed, on release, on eviction and when an entry is collected (docs/kernel_notes.md, "v26")."""
+    log = []
+
+    def entry():
+        groups = torch.zeros(2, dtype=torch.int32)
+        return grouping_graph._Graph(_FakeGraph(groups, log), torch.zeros(2), groups, [torch.zeros(1)])
+
+    one = entry()
+    one.free()
+    one.free()  # twice: nothing more happens
+    assert log == [("reset", True)] and one.graph is None and one.points is None and one.keep is None
+    log.clear()
+    grouping_graph._graphs["k1"], grouping_graph._graphs["k2"] = entry(), entry()
+    assert grouping_graph.release() is True
+    assert log == [("reset", True)] * 2 and not grouping_graph._graphs
+    log.clear()
+    collected = entry()
+    del collected  # the collector's path: __del__ frees in the same order
+    assert log == [("reset", True)]
