@@ -66,7 +66,10 @@ class _Graph:
             graph.reset()
 
     def __del__(self):
-        self.free()
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may be torn down first; the driver frees it all
+            pass
 
 
 _graphs: OrderedDict = OrderedDict()  # key -> _Graph, oldest first
