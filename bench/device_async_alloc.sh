@@ -4,7 +4,8 @@
 # under cudaMallocAsync with the query grouping's CUDA graphs forced on (SPARSE_ATTN_GROUPING_GRAPH=force) and with
 # the default (no graphs under cudaMallocAsync); then, under cudaMallocAsync, the GPU tests TESTS_K selects, in one
 # process with the default and in one with the graphs forced on; with FULL set, every GPU test of
-# tests/test_gpu_kernels.py under cudaMallocAsync (FULL_TIMEOUT seconds at most).
+# tests/test_gpu_kernels.py under cudaMallocAsync (FULL_TIMEOUT seconds at most). MODES narrows the probes' settings
+# (native, async-force, async-default), TEST_MODES the tests' (1, force).
 # Everything lands in $OUT/async-alloc.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,15 +20,16 @@ probe() {  # probe NAME ALLOC_CONF GRAPH STAGE
     > "$res/probe-$1-$4.log" 2>&1
   echo "probe $1 $4: rc $? $(grep -a '^step\|^ok' "$res/probe-$1-$4.log" | tail -1)"
 }
+modes=" ${MODES:-native async-force async-default} "  # which allocator settings the probes run under
 for stage in ${STAGES:-cublas capture graph_first engine}; do
-  probe native "" 1 "$stage"
-  probe async-force "$async" force "$stage"
-  [ "$stage" = cublas ] || probe async-default "$async" 1 "$stage"
+  [[ $modes == *" native "* ]] && probe native "" 1 "$stage"
+  [[ $modes == *" async-force "* ]] && probe async-force "$async" force "$stage"
+  [[ $modes == *" async-default "* && $stage != cublas ]] && probe async-default "$async" 1 "$stage"
 done
 pack
 k=${TESTS_K-grouping_graph or side_stream or cond_and_uncond}
 if [ -n "$k" ]; then
-  for mode in 1 force; do
+  for mode in ${TEST_MODES:-1 force}; do  # SPARSE_ATTN_GROUPING_GRAPH for the tests under cudaMallocAsync
     PYTORCH_CUDA_ALLOC_CONF=$async SPARSE_ATTN_GROUPING_GRAPH=$mode timeout 240 python3 -m pytest -q -rs -m gpu \
       tests/test_gpu_kernels.py -p no:cacheprovider -k "$k" > "$res/tests-async-$mode.log" 2>&1
     echo "tests, cudaMallocAsync, graphs $mode: rc $? $(grep -a "passed\|failed\|Abort" "$res/tests-async-$mode.log" \
