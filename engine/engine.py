@@ -397,7 +397,7 @@ class SparseEngine:
     def cache_entry(self, key, selection, residual, fidelity: float | torch.Tensor, ctx) -> str:
         """Store an anchor's entry. ``fidelity``: ‖R‖ / ‖dense output‖, a float or a 0-d tensor on the device, which
         stays there until the cache must rank residuals (room running out) or the run's statistics are read: an
-        anchor never waits for the device to read it (docs/kernel_notes.md, "v26")."""
+        anchor's store never waits for the device to read it (docs/kernel_notes.md, "v26")."""
         # where residuals find no room their layers run dense at reuse steps (exact), so the layers kept sparse should
         # be those whose sparse output is nearest the dense one: the residuals of the largest anchor errors go first
         # (on the testbed, 3 of 8 kept: 35.6 dB this way against 33.0 dB keeping the largest; docs/benchmarks.md,

@@ -118,8 +118,8 @@ class RunStats:
                 for step, layers in sorted(self.step_seconds.items())}
 
     def _fidelities(self) -> None:
-        """Read the anchors' fidelities the engine left on the device as 0-d tensors (the anchor never waits for the
-        device: docs/kernel_notes.md, "v26"), as floats; after a run, when the statistics are read."""
+        """Read the anchors' fidelities the engine left on the device as 0-d tensors (an anchor's store never waits
+        for the device: docs/kernel_notes.md, "v26"), as floats; after a run, when the statistics are read."""
         for s in self.layers.values():
             s.fidelity = [float(f) for f in s.fidelity]
 
