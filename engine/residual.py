@@ -247,8 +247,8 @@ class Residual:
         return float(self.norm_on_device())
 
     def norm_on_device(self) -> torch.Tensor:
-        """The L2 norm of ``norm`` as a 0-d fp32 tensor on the residual's device, computed without waiting for it
-        (an anchor's store does not wait for it: docs/kernel_notes.md, "v26")."""
+        """The L2 norm of ``norm`` as a 0-d fp32 tensor on the residual's device, without a host synchronisation
+        (an anchor's store reads it later: docs/kernel_notes.md, "v26")."""
         if self.packed:
             return self.unpacked().norm_on_device()
         total = torch.zeros((), dtype=torch.float32, device=self.data.device)
