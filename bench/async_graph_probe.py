@@ -28,16 +28,23 @@ def step(name):
     sys.stdout.flush()
 
 
-def capture_stage(K, GG):
+def grouped_calls(K, GG, calls):
+    """One shape's grouping called ``calls`` times (as it is, then captured, then replayed): the queries and the
+    first call's groups, which every later call must equal."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, 8, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
     want = None
-    for i in range(4):
+    for i in range(calls):
         step(f"call {i} (graphs {len(GG._graphs)})")
         got = K.group_queries(q, 128, dims=16)
         want = got if want is None else want
         assert torch.equal(got, want)
     torch.cuda.synchronize()
+    return q, want
+
+
+def capture_stage(K, GG):
+    q, want = grouped_calls(K, GG, 4)
     step("release")
     GG.release()
     step("synchronize")
@@ -47,19 +54,14 @@ def capture_stage(K, GG):
     step("empty_cache")
     torch.cuda.empty_cache()
     step("drop the outputs")
-    del got, want, q
+    del want, q
     torch.cuda.synchronize()
 
 
 def graph_first_stage(K, GG):
     """v25's order, kept to test our reading of its crash (docs/kernel_notes.md, "v26"): the graph destroyed first,
     then its captured output freed (release() now frees the tensors first)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, 8, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
-    for i in range(3):
-        step(f"call {i} (graphs {len(GG._graphs)})")
-        K.group_queries(q, 128, dims=16)
-    torch.cuda.synchronize()
+    grouped_calls(K, GG, 3)
     entries = list(GG._graphs.values())
     step(f"destroy {len(entries)} graph(s) first")
     for e in entries:
