@@ -300,7 +300,7 @@ def main():
         stats = engine.end_run()
         row = dict(anchor_ms=anchor_ms, reuse_ms=reuse_ms, sparse_kernel_ms=kernel_ms,
                    anchor_x_cudnn=anchor_ms / cudnn, reuse_x_kernel=reuse_ms / kernel_ms,
-                   reuse_x_cudnn=reuse_ms / cudnn, density=selection.density, index_bytes_plain=plain,
+                   reuse_x_cudnn=reuse_ms / cudnn, density=float(selection.density), index_bytes_plain=plain,
                    index_bytes_compact=compact, residual_bytes=res_bytes, decode_ms=decode_ms,
                    fidelity=stats.totals()["fidelity_mean"], anchor_memory=memory, **overhead, **phases)
         res[method] = row

@@ -3,9 +3,11 @@
 BlockSelection holds CSR-like block lists (the block-sparse kernel's input); TokenSelection holds query
 groups and per-group KV token lists (the token-sparse kernel's input) plus the query rows computed
 densely (text rows). Both offer the same interface — ``run``, ``density`` (the exact fraction of query-key
-pairs computed), ``nbytes``, ``map``/``tensors`` (device moves for the cache's offload), ``host_form``/``device_form``
-and ``host_nbytes`` (the narrower lists host memory keeps), ``batch_slice`` and ``picture`` (the report's map) — so
-nothing outside this file tells them apart.
+pairs computed: a float, or a 0-d float64 tensor on the device that the run's statistics read after the run, so
+that an anchor never waits for the device to count its pairs: docs/kernel_notes.md, "v27"), ``nbytes``,
+``map``/``tensors`` (device moves for the cache's offload), ``host_form``/``device_form`` and ``host_nbytes`` (the
+narrower lists host memory keeps), ``batch_slice`` and ``picture`` (the report's map) — so nothing outside this
+file tells them apart.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ def _nbytes(*ts) -> int:
 
 @dataclass
 class BlockSelection:
-    """kv_indices int32 (B, H, nqb, max_k) sorted per row; kv_counts int32 (B, H, nqb)."""
+    """kv_indices int32 (B, H, nqb, max_k) sorted per row; kv_counts int32 (B, H, nqb); density: the exact fraction
+    of pairs (a float, or a 0-d float64 tensor on the lists' device); planned: the fraction the policy aimed at,
+    known on the host (None: ``density``, when a float, stands in), which chooses the anchor's path."""
 
     kv_indices: torch.Tensor
     kv_counts: torch.Tensor
     block_q: int
     block_k: int
-    density: float
+    density: float | torch.Tensor
+    planned: float | None = None
 
     def run(self, q, k, v, *, scale=None, backend="auto", residual=None) -> torch.Tensor:
         """q: (B, H, N, D) -> out (B, H, N, D) over the selected blocks, plus ``residual`` (a Residual or None)
@@ -47,10 +52,13 @@ class BlockSelection:
         """The anchor step (kernels.block_anchor_attention: one fused pass, or at low density one dense call plus the
         sparse kernel forming R; the selection's density chooses): (out_dense (B, H, N, D), residual (data, scale)
         pair of R = dense - sparse in ``precision``: "fp8" or "model"; with ``mass`` a (data, scale, mass) triple,
-        mass fp32 (B, H, N, 2) for mass-weighted reuse calls)."""
+        mass fp32 (B, H, N, 2) for mass-weighted reuse calls). The path is chosen by the planned density, so the
+        exact one may stay on the device (without either, the kernels' host bound stands in)."""
+        known = self.planned if self.planned is not None else \
+            None if isinstance(self.density, torch.Tensor) else self.density
         return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,
                                               block_k=self.block_k, scale=scale, residual_precision=precision,
-                                              backend=backend, validate=False, return_mass=mass, density=self.density)
+                                              backend=backend, validate=False, return_mass=mass, density=known)
 
     @property
     def nbytes(self) -> int:
@@ -123,8 +131,11 @@ class BlockSelection:
         order = _inverse_order(parts, heads, lambda p: p.kv_counts.shape[1], idx.device)
         if order is not None:
             idx, cnt = idx.index_select(1, order), cnt.index_select(1, order)
+        heads_of = lambda p: p.kv_counts.shape[1]  # noqa: E731
+        planned = None if any(p.planned is None for p in parts) else \
+            sum(p.planned * heads_of(p) for p in parts) / max(1, sum(map(heads_of, parts)))
         return BlockSelection(idx.contiguous(), cnt.contiguous(), parts[0].block_q, parts[0].block_k,
-                              _head_mean(parts, lambda p: p.kv_counts.shape[1]))
+                              _head_mean(parts, heads_of), planned)
 
     def picture(self, n: int, width: int = 256) -> dict:
         """Batch 0, head 0 as a map for the report: {"kind": "block", "map": float (rows, cols) in [0, 1]},
@@ -160,7 +171,7 @@ class TokenSelection:
     seg_ends: torch.Tensor
     kv_counts: torch.Tensor
     dense_rows: torch.Tensor | None
-    density: float
+    density: float | torch.Tensor  # a float, or a 0-d float64 tensor on the lists' device
     covers_all: bool = False
 
     @staticmethod
@@ -317,8 +328,9 @@ def _same_shape(parts, key, what: str) -> None:
         raise ValueError(f"concat_heads: the parts differ in {what} ({sorted(shapes)})")
 
 
-def _head_mean(parts, n_heads) -> float:
-    """Density of the union: each part's exact density weighted by its head count (same B and N)."""
+def _head_mean(parts, n_heads) -> float | torch.Tensor:
+    """Density of the union: each part's exact density weighted by its head count (same B and N); a 0-d tensor
+    where a part's is one (computed on the device, not read)."""
     total = sum(n_heads(p) for p in parts)
     return sum(p.density * n_heads(p) for p in parts) / max(1, total)
 
@@ -340,20 +352,33 @@ def _inverse_order(parts, heads, n_heads, device):
 
 
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:
-    """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted)."""
-    return float(_block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k).mean())
+    """Exact fraction of (query, key) pairs a block selection computes (ragged last blocks counted), read on the
+    host."""
+    return float(block_pairs_on_device(kv_indices, kv_counts, nq, nk, block_q, block_k))
+
+
+def block_pairs_on_device(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
+    """``block_pairs_fraction`` left on the lists' device: kv_indices int (B, H, nqb, K), kv_counts int (B, H, nqb)
+    -> 0-d float64 tensor, computed without a host synchronisation."""
+    return _pairs_per_head(kv_indices, kv_counts, nq, nk, block_q, block_k).mean()
 
 
 def _block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
     """Exact fraction of (query, key) pairs per (batch, head): float64 (B, H) on the CPU."""
-    nqb = kv_counts.shape[-1]
-    q_rows = torch.full((nqb,), block_q, dtype=torch.float64, device=kv_counts.device)
-    q_rows[-1] = nq - (nqb - 1) * block_q
-    nkb = -(-nk // block_k)
-    kv_size = torch.full((nkb + 1,), block_k, dtype=torch.float64, device=kv_counts.device)
-    kv_size[nkb - 1] = nk - (nkb - 1) * block_k
-    kv_size[nkb] = 0.0
+    return _pairs_per_head(kv_indices, kv_counts, nq, nk, block_q, block_k).cpu()
+
+
+def _pairs_per_head(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
+    """Exact fraction of (query, key) pairs per (batch, head): float64 (B, H) on the lists' device."""
+    nqb, nkb, dev = kv_counts.shape[-1], -(-nk // block_k), kv_counts.device
+    # ragged last blocks by masked_fill_ (a Python number is a kernel argument): ``t[-1] = n`` copies an int64 scalar
+    # from the host, a synchronisation on CUDA (docs/kernel_notes.md, "v27")
+    q_rows = torch.full((nqb,), float(block_q), dtype=torch.float64, device=dev)
+    q_rows.masked_fill_(torch.arange(nqb, device=dev) == nqb - 1, float(nq - (nqb - 1) * block_q))
+    slot = torch.arange(nkb + 1, device=dev)
+    kv_size = torch.full((nkb + 1,), float(block_k), dtype=torch.float64, device=dev)
+    kv_size.masked_fill_(slot == nkb - 1, float(nk - (nkb - 1) * block_k)).masked_fill_(slot == nkb, 0.0)
     valid = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_counts.unsqueeze(-1)
     idx = torch.where(valid, kv_indices.long(), torch.full_like(kv_indices.long(), nkb))
     keys = kv_size[idx].sum(-1)
-    return ((keys * q_rows).sum(-1) / (nq * nk)).cpu()
+    return (keys * q_rows).sum(-1) / (nq * nk)

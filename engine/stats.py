@@ -25,10 +25,28 @@ class LayerStats:
     density_sum: float = 0.0
     fidelity: list = field(default_factory=list)
     seconds: dict = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    # densities the engine left on the device (0-d tensors, one entry per call; a selection's reuse calls share its
+    # tensor), added to density_sum when read (``read_device_values``)
+    density_pending: list = field(default_factory=list)
 
     @property
     def density(self) -> float:
+        self.read_device_values()
         return self.density_sum / self.calls if self.calls else 1.0
+
+    def read_device_values(self) -> None:
+        """Read the densities and fidelities the engine left on the device as 0-d tensors, as floats (an anchor
+        never waits for the device to read them: docs/kernel_notes.md, "v26" and "v27"); each distinct tensor is read
+        once, however many calls share it."""
+        if self.density_pending:
+            read: dict[int, float] = {}
+            for d in self.density_pending:
+                if id(d) not in read:
+                    read[id(d)] = float(d)
+                self.density_sum += read[id(d)]
+            self.density_pending = []
+        if any(isinstance(f, torch.Tensor) for f in self.fidelity):
+            self.fidelity = [float(f) for f in self.fidelity]
 
 
 class _Timed:
@@ -78,16 +96,20 @@ class RunStats:
             s = self.layers[idx] = LayerStats()
         return s
 
-    def add(self, layer: int, kind: str, density: float, fidelity: float | None = None,
+    def add(self, layer: int, kind: str, density: float | torch.Tensor, fidelity: float | torch.Tensor | None = None,
             step: int | None = None, replayed: bool = False) -> None:
         """kind: dense | anchor | reuse | fallback (a dense call forced by a cache fallback); step: the run step;
-        replayed: a reuse call that was replayed (kernels/replay.py)."""
+        replayed: a reuse call that was replayed (kernels/replay.py). density and fidelity: floats, or 0-d tensors
+        on the device, read when the statistics are (``LayerStats.read_device_values``)."""
         if step is not None:
             per = self.steps.setdefault(step, {})
             per[kind] = per.get(kind, 0) + 1
         s = self.layer(layer)
         s.calls += 1
-        s.density_sum += density
+        if isinstance(density, torch.Tensor):
+            s.density_pending.append(density)
+        else:
+            s.density_sum += density
         if kind == "dense":
             s.dense += 1
         elif kind == "anchor":
@@ -98,7 +120,7 @@ class RunStats:
         elif kind == "fallback":
             s.fallbacks += 1
             s.dense += 1
-        if fidelity is not None:  # a float, or a 0-d tensor on the device read when the statistics are (_fidelities)
+        if fidelity is not None:
             s.fidelity.append(fidelity)
 
     def timed(self, layer: int, phase: str, device: torch.device) -> "_Timed":
@@ -117,11 +139,10 @@ class RunStats:
         return {step: {p: sum(per.get(p, 0.0) for per in layers.values()) for p in PHASES}
                 for step, layers in sorted(self.step_seconds.items())}
 
-    def _fidelities(self) -> None:
-        """Read the anchors' fidelities the engine left on the device as 0-d tensors (an anchor's store never waits
-        for the device: docs/kernel_notes.md, "v26"), as floats; after a run, when the statistics are read."""
+    def _read_device_values(self) -> None:
+        """Every layer's ``read_device_values``: after a run, when the statistics are read."""
         for s in self.layers.values():
-            s.fidelity = [float(f) for f in s.fidelity]
+            s.read_device_values()
 
     def finish(self, cache_info: dict | None = None) -> "RunStats":
         if self._pending:
@@ -129,7 +150,7 @@ class RunStats:
             for layer, step, phase, start, end in self._pending:
                 self._add_seconds(layer, step, phase, start.elapsed_time(end) / 1000.0)
             self._pending.clear()
-        self._fidelities()
+        self._read_device_values()
         if cache_info is not None:
             self.cache = dict(cache_info)
         self.finished = True
@@ -144,6 +165,7 @@ class RunStats:
         out = RunStats()
         for part in parts:
             for idx, s in part.layers.items():
+                s.read_device_values()
                 acc = out.layer(idx)
                 for name in ("calls", "dense", "anchors", "reuses", "fallbacks", "replays", "density_sum"):
                     setattr(acc, name, getattr(acc, name) + getattr(s, name))
@@ -174,7 +196,7 @@ class RunStats:
 
     # views
     def totals(self) -> dict:
-        self._fidelities()
+        self._read_device_values()
         calls = sum(s.calls for s in self.layers.values())
         fid = [f for s in self.layers.values() for f in s.fidelity]
         return dict(
@@ -205,7 +227,7 @@ class RunStats:
 
     def as_dict(self) -> dict:
         """Structured form for a report node: totals, per-layer rows, per-step kinds, cache figures."""
-        self._fidelities()
+        self._read_device_values()
         return dict(totals=self.totals(), cache=self.cache, steps=self.step_kinds(), step_seconds=self.step_totals(),
                     layers={
             i: dict(calls=s.calls, dense=s.dense, anchors=s.anchors, reuses=s.reuses, fallbacks=s.fallbacks,
