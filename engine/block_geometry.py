@@ -125,13 +125,22 @@ class BlockPlan:
     (a dense modality pair present in both blocks, or a sink block); near float32 (nqb, nkb) static proximity
     (higher = nearer); owner int64 (nkb,) the key segment each KV block counts in; counts int64 (nqb, S) KV blocks
     kept per query block and key segment (forced ones included); dense_pair float32 (nqb, S): 1 where the query
-    block keeps every block of that key segment."""
+    block keeps every block of that key segment.
+
+    Read once when the plan is built, so that no anchor reads them from the device again (docs/kernel_notes.md,
+    "v27"): seg_cols, int64 (nkb_s,) the KV blocks of each key segment; seg_widths, the largest of ``counts`` per key
+    segment; width, the largest total over the key segments; density, the fraction of (query, key) pairs the counts
+    keep, each kept block counted at the mean size of its segment's blocks (exact but for a ragged last block)."""
 
     forced: torch.Tensor
     near: torch.Tensor
     owner: torch.Tensor
     counts: torch.Tensor
     dense_pair: torch.Tensor
+    seg_cols: tuple = ()
+    seg_widths: tuple = ()
+    width: int = 0
+    density: float = 1.0
 
 
 PLANS_KEPT = 32  # block plans kept per process (one per token count, layout, block size, density and device) ...
@@ -188,45 +197,68 @@ def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> Block
     dense_pair = (d_row >= 1.0).float()
     budget = torch.where(d_row >= 1.0, per_seg.expand_as(d_row), (d_row * per_seg).round().clamp(min=1))
     counts = torch.minimum(torch.maximum(budget, n_forced), per_seg.expand_as(d_row)).long()
-    return BlockPlan(forced, nearness(tm, bq, bk, cfg.temporal_weight), bk.owner, counts, dense_pair)
+    return BlockPlan(forced, nearness(tm, bq, bk, cfg.temporal_weight), bk.owner, counts, dense_pair,
+                     *_host_facts(n, bk, counts, cfg.block_q, cfg.block_k))
 
 
-def rows_topk_by_segment(scores: torch.Tensor, owner: torch.Tensor, counts: torch.Tensor):
+def _host_facts(n: int, bk: Blocks, counts: torch.Tensor, block_q: int, block_k: int) -> tuple:
+    """A plan's (seg_cols, seg_widths, width, density): its few host reads, made once per plan."""
+    n_seg, dev = counts.shape[-1], counts.device
+    seg_cols = tuple(torch.nonzero(bk.owner == s).view(-1) for s in range(n_seg))
+    kv_size = torch.full((bk.owner.numel(),), float(block_k), dtype=torch.float64, device=dev)
+    kv_size[-1] = n - (bk.owner.numel() - 1) * block_k  # the ragged last block
+    mean_block = torch.stack([kv_size[c].mean() if c.numel() else kv_size.new_zeros(()) for c in seg_cols])
+    q_rows = torch.full((counts.shape[0],), float(block_q), dtype=torch.float64, device=dev)
+    q_rows[-1] = n - (counts.shape[0] - 1) * block_q
+    density = float((q_rows.unsqueeze(-1) * counts.double() * mean_block).sum() / (n * n)) if n else 1.0
+    widths = counts.amax(0).tolist() if counts.numel() else [0] * n_seg
+    width = int(counts.sum(-1).max()) if counts.numel() else 0
+    return seg_cols, tuple(int(w) for w in widths), width, density
+
+
+def rows_topk_by_segment(scores: torch.Tensor, owner: torch.Tensor, counts: torch.Tensor,
+                         plan: BlockPlan | None = None):
     """Per row and key segment, the ``counts`` highest-scoring columns of that segment, merged and sorted.
 
     scores: float (..., R, L) (+inf marks forced entries); owner: int64 (L,) segment of each column; counts:
     int (..., R, S) columns kept per row and segment. Returns (indices int32 (..., R, K) sorted with -1 past
-    each count, counts int32 (..., R)).
+    each count, counts int32 (..., R)). ``plan``: the BlockPlan these are the owner and counts of (counts equal
+    to its own, expanded over leading dims): its columns and widths spare the host reads (no synchronisation);
+    None: read from the device.
     """
     n_seg = counts.shape[-1]
     if n_seg == 1:
-        return rows_topk(scores, counts[..., 0])
+        return rows_topk(scores, counts[..., 0], None if plan is None else plan.seg_widths[0])
     length = scores.shape[-1]
     parts, totals = [], []
     for s in range(n_seg):
-        cols = torch.nonzero(owner == s).view(-1)
+        cols = torch.nonzero(owner == s).view(-1) if plan is None else plan.seg_cols[s]
         if cols.numel() == 0:
             continue
-        idx, cnt = rows_topk(scores[..., cols], counts[..., s])
+        idx, cnt = rows_topk(scores[..., cols], counts[..., s], None if plan is None else plan.seg_widths[s])
         parts.append(torch.where(idx >= 0, cols[idx.clamp(min=0).long()].to(torch.int32), idx))
         totals.append(cnt)
     merged = torch.cat(parts, -1)
     total = torch.stack(totals, -1).sum(-1).to(torch.int32)
     merged = torch.sort(torch.where(merged < 0, torch.full_like(merged, length), merged), dim=-1).values
-    width = int(total.max()) if total.numel() else 0
+    width = (int(total.max()) if total.numel() else 0) if plan is None else plan.width
     merged = merged[..., :width]
     return torch.where(merged == length, torch.full_like(merged, -1), merged).contiguous(), total
 
 
-def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_topk(scores: torch.Tensor, counts: torch.Tensor,
+              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the ``counts`` highest-scoring columns, sorted ascending.
 
-    scores: float (..., L) (+inf marks forced entries); counts: int (...) in [0, L].
+    scores: float (..., L) (+inf marks forced entries); counts: int (...) in [0, L]; width: max(counts) when the
+    caller knows it on the host (no synchronisation), else None (read from the device).
     Returns (indices int32 (..., K) with -1 past each count, counts int32 (...)), K = max(counts).
     """
     length = scores.shape[-1]
     counts = counts.clamp(0, length)
-    width = int(counts.max()) if counts.numel() else 0
+    if width is None:
+        width = int(counts.max()) if counts.numel() else 0
+    width = min(width, length)
     if width == 0:
         return (torch.full((*scores.shape[:-1], 0), -1, dtype=torch.int32, device=scores.device),
                 counts.to(torch.int32))
@@ -238,6 +270,15 @@ def rows_topk(scores: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor,
 
 
 SAMPLE = 4096
+
+
+def keep_bound(k: int, length: int) -> int | None:
+    """The most entries ``keep_top(scores, k)`` keeps in a row of ``length`` (+inf entries aside) where the host
+    knows it: k for short rows (L <= 4 * SAMPLE: bisection to exactly k), which sizes the compact lists without
+    reading their counts back (docs/kernel_notes.md, "v27"). None for long rows: a sampled threshold's count is k
+    only up to the sample's error (at Wan 14B the widest of ~47 000 rows kept over 1.44 k; docs/benchmarks.md)."""
+    k = max(0, min(int(k), length))
+    return k if length <= 4 * SAMPLE or k in (0, length) else None
 
 
 def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "auto") -> torch.Tensor:

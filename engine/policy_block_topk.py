@@ -15,7 +15,7 @@ from .config import SparseConfig
 from .context import TokenLayout
 from .policy import Policy
 from .policy_static import static_window
-from .selection import BlockSelection, block_pairs_fraction
+from .selection import BlockSelection, block_pairs_on_device
 
 
 def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bool = False,
@@ -35,8 +35,10 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
         rows = torch.arange(forced.shape[0], device=dev).unsqueeze(-1).expand_as(win_idx)
         forced = forced.clone()
         forced[rows[valid], win_idx[valid].long()] = True
-    onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(pooled.dtype)  # (nkb, S)
-    counts = torch.maximum(plan.counts, (forced.to(onehot.dtype) @ onehot).long())
+    counts = plan.counts  # (nqb, S): the plan's own forced blocks are in them already
+    if hybrid:  # the window's forced blocks too
+        onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(pooled.dtype)  # (nkb, S)
+        counts = torch.maximum(counts, (forced.to(onehot.dtype) @ onehot).long())
     counts = counts.view(1, 1, *counts.shape).expand(b, h, -1, -1)
     f4 = forced.view(1, 1, *forced.shape)
     if cfg.mass is not None and not hybrid:
@@ -53,9 +55,12 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
             need.append(torch.where(dense, torch.full_like(keep, cols.numel()), keep))
         counts = torch.stack(need, -1)
     scores = torch.where(f4, torch.full_like(pooled, float("inf")), pooled)
-    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous())
+    # plain top-k keeps the plan's own counts (they include its forced blocks), whose widths the plan read once:
+    # no host synchronisation on the anchor's path (docs/kernel_notes.md, "v27")
+    own = not hybrid and cfg.mass is None
+    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous(), plan if own else None)
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
-                          block_pairs_fraction(idx, cnt, n, n, cfg.block_q, cfg.block_k))
+                          block_pairs_on_device(idx, cnt, n, n, cfg.block_q, cfg.block_k), plan.density)
 
 
 def size_weighted(pooled: torch.Tensor, n_k: int, block_k: int) -> torch.Tensor:
@@ -67,8 +72,9 @@ def size_weighted(pooled: torch.Tensor, n_k: int, block_k: int) -> torch.Tensor:
     last = n_k - (pooled.shape[-1] - 1) * block_k
     if last == block_k:
         return pooled
-    weight = torch.ones(pooled.shape[-1], dtype=pooled.dtype, device=pooled.device)
-    weight[-1] = last / block_k
+    nkb = pooled.shape[-1]
+    weight = torch.ones(nkb, dtype=pooled.dtype, device=pooled.device)  # masked_fill_: no copy from the host
+    weight.masked_fill_(torch.arange(nkb, device=pooled.device) == nkb - 1, last / block_k)
     out = pooled * weight
     return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
 

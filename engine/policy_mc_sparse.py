@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import keep_top
+from .block_geometry import keep_bound, keep_top
 from .config import SparseConfig
 from .context import Span, TokenLayout
 from .modalities import MODALITIES
@@ -64,6 +64,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     ranking = ranking_queries(groups, cfg)
     budgets = {(i, j): (None if dens[i][j] >= 1.0 else max(1, round(dens[i][j] * sp.length)))
                for i, _, _ in ranges for j, sp in enumerate(spans) if sp.length}
+    # the most keys a group can keep, where the host knows it (short key segments: keep_top keeps exactly the budget):
+    # the lists' width without reading the counts back, so the selection does not wait for the device; long key
+    # segments' counts are read back once per chunk of heads (docs/kernel_notes.md, "v27")
+    bounds = [[sp.length if budgets[(i, j)] is None else keep_bound(budgets[(i, j)], sp.length)
+               for j, sp in enumerate(spans) if sp.length] for i, _, _ in ranges]
+    bound = None if any(x is None for row in bounds for x in row) else max(map(sum, bounds))
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
     step = max(1, MASS_CHUNK_BYTES // max(1, g * n * 4))
     for h0 in range(0, h, step):
@@ -80,7 +86,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
                 keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget,
                                                                                backend=backend)
         del mass
-        parts.append(kernels.compact_keep(keep, segment=SEGMENT, backend=backend))  # int16 lists at once
+        parts.append(kernels.compact_keep(keep, segment=SEGMENT, width=bound, backend=backend))  # int16 lists at once
         del keep
     width = max(p[0].shape[-1] for p in parts)
     low = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=LOW_PAD) for t, _, _ in parts],
@@ -89,8 +95,7 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     counts = torch.cat([c for _, _, c in parts], dim=1)
     del parts
     real_q = (groups >= 0).sum(-1).double()
-    pairs = float((real_q * counts.double()).sum()) + b * h * n_dense * n
-    density = pairs / (b * h * n * n)
+    density = ((real_q * counts.double()).sum() + b * h * n_dense * n) / (b * h * n * n)  # 0-d, left on the device
     # every span is grouped whole (segment_groups partitions it) or listed in dense_rows: every row is written
     return TokenSelection(groups, low, seg_ends, counts, dense_rows if n_dense else None, density, covers_all=True)
 

@@ -24,7 +24,7 @@ def static_window(n: int, layout: TokenLayout, cfg: SparseConfig, device, scale:
     plan = block_plan(n, layout, cfg, device, scale=scale)
     scores = torch.where(plan.forced, torch.full_like(plan.near, float("inf")), plan.near)
     scores = scores - 1e-6 * torch.arange(scores.shape[-1], device=device)  # deterministic ties: lower index
-    return rows_topk_by_segment(scores, plan.owner, plan.counts)
+    return rows_topk_by_segment(scores, plan.owner, plan.counts, plan)
 
 
 def build_static(b: int, h: int, n: int, layout: TokenLayout, cfg: SparseConfig, device) -> BlockSelection:

@@ -290,11 +290,12 @@ def keep_at_threshold(scores, thresh, k, *, backend="auto"):
     return threshold_torch.keep_at_threshold(scores, thresh, k)
 
 
-def compact_keep(keep, *, segment=compact_torch.SEGMENT, backend="auto"):
+def compact_keep(keep, *, segment=compact_torch.SEGMENT, width=None, backend="auto"):
     """Kept-token mask bool (..., L) -> compact sorted lists (kv_low int16 (..., W), seg_ends int32 (..., S), counts
-    int32 (...)), the format of mc_sparse's cached selections (compact_torch.compact_keep)."""
+    int32 (...)), the format of mc_sparse's cached selections (compact_torch.compact_keep); ``width``: a bound on
+    every row's count known on the host (nothing read back), or None."""
     compact_torch.check_compact_args(keep, segment)
     if choose(backend, keep, None, "compact_keep") == "triton":
         from . import compact_triton
-        return compact_triton.compact_keep(keep, segment)
-    return compact_torch.compact_keep(keep, segment)
+        return compact_triton.compact_keep(keep, segment, width)
+    return compact_torch.compact_keep(keep, segment, width)

@@ -35,19 +35,25 @@ def aligned_width(width: int) -> int:
 
 class CompactLists:
     """What both implementations of ``compact_keep`` start from: the checked mask as rows (R, L), the counts
-    int32 (R,), the width W (the largest count, read back once, rounded up to a multiple of LIST_ALIGN), and the
-    outputs kv_low (filled with LOW_PAD) and seg_ends (zeros), which the caller fills; ``result()`` shapes them back
-    to the mask's leading dims."""
+    int32 (R,), the width W (the caller's bound, or the largest count read back once; rounded up to a multiple of
+    LIST_ALIGN; counts clamped to it), and the outputs kv_low (filled with LOW_PAD) and seg_ends (zeros), which the
+    caller fills; ``result()`` shapes them back to the mask's leading dims."""
 
-    def __init__(self, keep: torch.Tensor, segment: int, count=None):
+    def __init__(self, keep: torch.Tensor, segment: int, count=None, width: int | None = None):
         check_compact_args(keep, segment)
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 0):
+            raise ValueError(f"width must be None or an int >= 0, got {width!r}")
         self.lead, self.length = keep.shape[:-1], keep.shape[-1]
         self.rows = keep.reshape(-1, self.length)
         self.r = self.rows.shape[0]
         # count: rows (R, L) bool -> int32 (R,) kept per row; the Triton path passes a kernel that reads the mask
         # once instead of the sum's int32 copy of it (docs/kernel_notes.md, "v21")
         self.counts = self.rows.sum(-1, dtype=torch.int32) if count is None else count(self.rows)
-        self.width = aligned_width(int(self.counts.max())) if self.r else 0
+        if width is None:
+            self.width = aligned_width(int(self.counts.max())) if self.r else 0
+        else:  # the caller's bound: no read back (docs/kernel_notes.md, "v27"); a row beyond it keeps its first W
+            self.width = aligned_width(min(width, self.length))
+            self.counts.clamp_(max=self.width)
         self.n_seg = max(1, -(-self.length // segment))
         self.low = torch.full((self.r, self.width), LOW_PAD, dtype=torch.int16, device=keep.device)
         self.seg_ends = torch.zeros((self.r, self.n_seg), dtype=torch.int32, device=keep.device)
@@ -57,7 +63,8 @@ class CompactLists:
                 self.counts.view(self.lead))
 
 
-def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compact_keep(keep: torch.Tensor, segment: int = SEGMENT, width: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept columns of each row as compact sorted lists.
 
     keep: bool (..., L), True where a row keeps that column (token). Returns
@@ -65,10 +72,13 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
       seg_ends int32 (..., S): the number of the row's kept columns below (s + 1) * segment, S = ceil(L / segment)
         (at least 1), i.e. where segment s's entries end in the list;
       counts int32 (...): kept columns per row.
-    W is the largest count rounded up to a multiple of LIST_ALIGN (0 when nothing is kept). Decoding: column = low
-    + 32768 + segment * (number of seg_ends at or below the slot), as ``decode_lists`` does.
+    W is the largest count rounded up to a multiple of LIST_ALIGN (0 when nothing is kept), read back from the
+    device; ``width``: a bound on every row's count the caller knows on the host (keep_top's ``keep_bound``), so
+    nothing is read back; W is then ``width`` rounded up, and a row keeping more than W columns (a broken bound)
+    keeps its first W, counted as W. Decoding: column = low + 32768 + segment * (number of seg_ends at or below the
+    slot), as ``decode_lists`` does.
     """
-    lists = CompactLists(keep, segment)
+    lists = CompactLists(keep, segment, width=width)
     rows, r, length, width, n_seg = lists.rows, lists.r, lists.length, lists.width, lists.n_seg
     low, seg_ends, dev = lists.low, lists.seg_ends, keep.device
     if r and length:
@@ -79,8 +89,8 @@ def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tens
         for r0 in range(0, r, step):
             k = rows[r0:r0 + step]
             pos = torch.cumsum(k, dim=-1, dtype=torch.int32)
-            seg_ends[r0:r0 + step] = pos[:, ends]
-            slot = torch.where(k, pos.sub_(1), width).long()
+            seg_ends[r0:r0 + step] = pos[:, ends].clamp_(max=width)
+            slot = torch.where(k & (pos <= width), pos.sub_(1), width).long()
             del pos
             buf = torch.full((k.shape[0], width + 1), LOW_PAD, dtype=torch.int16, device=dev)
             buf.scatter_(1, slot, vals.expand(k.shape[0], length))

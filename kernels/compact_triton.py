@@ -23,12 +23,12 @@ def _compact_fwd(keep_ptr, low_ptr, seg_ptr, L, W, S, SEGMENT: tl.constexpr, BLO
         kept = tl.load(keep_ptr + row * L + cols, mask=cols < L, other=0).to(tl.int32)
         slot = base + tl.cumsum(kept, 0) - 1
         low = ((cols % SEGMENT) - 32768).to(tl.int16)
-        tl.store(low_ptr + row * W + slot, low, mask=kept > 0)
+        tl.store(low_ptr + row * W + slot, low, mask=(kept > 0) & (slot < W))  # a row past the caller's bound: cut
         base += tl.sum(kept, 0)
         end = start + BLOCK
         if (end % SEGMENT == 0) & (end < L):  # BLOCK divides SEGMENT: every inner segment ends at a block's end
-            tl.store(seg_ptr + row * S + end // SEGMENT - 1, base)
-    tl.store(seg_ptr + row * S + S - 1, base)  # the last segment ends at L
+            tl.store(seg_ptr + row * S + end // SEGMENT - 1, tl.minimum(base, W))
+    tl.store(seg_ptr + row * S + S - 1, tl.minimum(base, W))  # the last segment ends at L
 
 
 @triton.jit
@@ -53,10 +53,12 @@ def count_rows(rows: torch.Tensor) -> torch.Tensor:
     return counts
 
 
-def compact_keep(keep: torch.Tensor, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as ``compact_torch.compact_keep``: keep bool (..., L) -> (kv_low int16 (..., W), seg_ends
-    int32 (..., S), counts int32 (...)). The width W is the largest count, read back once (as the twin does)."""
-    lists = CompactLists(keep, segment, count=count_rows)
+def compact_keep(keep: torch.Tensor, segment: int = SEGMENT, width: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as ``compact_torch.compact_keep``: keep bool (..., L), width None or an int bound on the counts
+    -> (kv_low int16 (..., W), seg_ends int32 (..., S), counts int32 (...)). Without ``width`` the largest count is
+    read back once (as the twin does); with it nothing waits for the host."""
+    lists = CompactLists(keep, segment, count=count_rows, width=width)
     if lists.r and lists.length and lists.width:
         block = min(segment, 64 if interpreting() else 2048)
         rows = lists.rows.contiguous().view(torch.uint8)

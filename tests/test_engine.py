@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from comfyui_sparse_attention import kernels
 from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
 from comfyui_sparse_attention.engine.cache import Entry, SelectionCache, host_memory
 from comfyui_sparse_attention.engine.policy_static import build_static
@@ -279,6 +280,72 @@ def test_density_accounting_is_exact(problem):
     layer = stats.layers[0]
     assert layer.calls == 3 and layer.dense == 1
     assert abs(layer.density - (1.0 + 2 * sel.density) / 3) < 1e-9
+
+
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_densities_stay_on_the_device_until_the_statistics_are_read(problem, method):
+    """An anchor's selection keeps its exact density as a 0-d tensor (counting its pairs never waits for the
+    device); its reuse calls share that tensor; the statistics read each one once, after the run, to the float the
+    selection's lists give. A block selection also carries the plan's density, a float, which picks its anchor's
+    path."""
+    eng = SparseEngine(SparseConfig(method=method, **BASE))
+    eng.begin_run()
+    for s in range(4):
+        q, k, v = problem.qkv(s)
+        eng.attend(q, k, v, CallContext(layer=0, step=s, layout=problem.layout))
+    pending = eng.stats.layers[0].density_pending
+    assert len(pending) == 3 and all(isinstance(d, torch.Tensor) and d.dim() == 0 for d in pending)
+    assert pending[1] is pending[0] and pending[2] is pending[0]  # the anchor's and its two reuse calls'
+    (entry,) = eng.cache.on_device.values()
+    sel = entry.selection
+    if method == "block_topk":
+        assert isinstance(sel.planned, float) and abs(sel.planned - float(sel.density)) < 0.05
+        exact = block_pairs_fraction(sel.kv_indices, sel.kv_counts, problem.n, problem.n, 64, 64)
+    else:
+        groups = (sel.q_groups >= 0).sum(-1).double()
+        rows = 0 if sel.dense_rows is None else sel.dense_rows.numel()
+        exact = (float((groups * sel.kv_counts.double()).sum()) + 2 * rows * problem.n) / (2 * problem.n ** 2)
+    stats = eng.end_run()
+    layer = stats.layers[0]
+    assert layer.density_pending == [] and layer.density == pytest.approx((1.0 + 3 * exact) / 4, rel=1e-12)
+    assert stats.totals()["density"] == pytest.approx(layer.density, rel=1e-12)
+
+
+def test_the_block_plan_reads_its_widths_once(problem):
+    """The plan's host facts equal what the device would give, and top-k with them keeps exactly what it keeps
+    reading the counts back (two key segments: text and video)."""
+    from comfyui_sparse_attention.engine.block_geometry import block_plan, rows_topk_by_segment
+    cfg = SparseConfig(method="block_topk", **BASE)
+    plan = block_plan(problem.n, problem.layout, cfg, "cpu")
+    assert len(plan.seg_cols) == plan.counts.shape[-1] == 2
+    assert list(plan.seg_widths) == plan.counts.amax(0).tolist() and plan.width == int(plan.counts.sum(-1).max())
+    for s, cols in enumerate(plan.seg_cols):
+        assert torch.equal(cols, torch.nonzero(plan.owner == s).view(-1))
+    scores = torch.rand(1, 2, *plan.near.shape, generator=torch.Generator().manual_seed(1))
+    counts = plan.counts.expand(1, 2, -1, -1)
+    with_plan = rows_topk_by_segment(scores, plan.owner, counts, plan)
+    read_back = rows_topk_by_segment(scores, plan.owner, counts)
+    assert all(torch.equal(a, b) for a, b in zip(with_plan, read_back))
+    exact = block_pairs_fraction(*with_plan, problem.n, problem.n, 64, 64)
+    assert plan.density == pytest.approx(exact, rel=0.02)  # each block counted at its segment's mean size
+
+
+def test_mc_sparse_lists_are_as_wide_as_the_budget_where_rows_are_short(problem):
+    """Short key segments keep exactly their budget (keep_top's bisection), so the lists' width is known without
+    reading the counts back: video keys 0.15 x 1024 plus the 32 text keys (a dense pair), rounded up to 16. A key
+    segment longer than 4 x 4096 tokens keeps a sampled threshold's count: its width is the widest row's, read back."""
+    from comfyui_sparse_attention.engine.policy_mc_sparse import build_mc_sparse
+    cfg = SparseConfig(method="mc_sparse", **BASE)
+    q, k, v = problem.qkv(0)
+    lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")[1]
+    sel = build_mc_sparse(q, k, lse, problem.layout, cfg, backend="torch")
+    assert sel.kv_low.shape[-1] == 192 and int(sel.kv_counts.max()) <= 154 + 32
+    n = 4 * 4096 + 64
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, 1, n, 64, generator=g) for _ in range(2))
+    lse = torch.logsumexp(q[0, 0] @ k[0, 0].T / 8.0, -1).view(1, 1, n)
+    sel = build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend="torch")
+    assert sel.kv_low.shape[-1] == -(-int(sel.kv_counts.max()) // 16) * 16
 
 
 def test_token_selection_compaction_round_trips():

@@ -645,14 +645,30 @@ cfg = SparseConfig(method="mc_sparse", density=0.2, group_size=64)
 sel = {be: build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend=be) for be in ("torch", "triton")}
 same["selection"] = all(torch.equal(getattr(sel["torch"], f), getattr(sel["triton"], f))
                         for f in ("q_groups", "kv_low", "seg_ends", "kv_counts"))
+# a width the caller knows: above every count (nothing read back), and below some (a broken bound cuts the rows)
+from comfyui_sparse_attention.kernels.compact_torch import decode_lists
+keep = torch.rand(5, 900, generator=g) < 0.2
+keep[1] = True  # 900 kept: beyond both widths below
+for w in (950, 60):
+    a = K.compact_keep(keep, segment=256, width=w, backend="torch")
+    b = K.compact_keep(keep, segment=256, width=w, backend="triton")
+    width = a[0].shape[-1]
+    same[f"width-{w}-twin"] = all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    same[f"width-{w}-W"] = width == -(-min(w, 900) // 16) * 16
+    cols = decode_lists(a[0], a[1], 256)
+    first = [torch.nonzero(row).view(-1)[:width] for row in keep]  # the first W kept columns of each row
+    same[f"width-{w}-lists"] = all(int(a[2][r]) == f.numel() and torch.equal(cols[r, :f.numel()].long(), f)
+                                   and int(a[1][r].max()) <= width for r, f in enumerate(first))
 print("RESULT:" + json.dumps(same))
 """
 
 
 def test_compact_keep_kernel_matches_twin_in_interpreter(child):
-    """kernels/compact_triton.py writes the same lists as its twin, alone and inside a whole mc_sparse selection."""
+    """kernels/compact_triton.py writes the same lists as its twin, alone and inside a whole mc_sparse selection;
+    with a width the caller knows both write lists of that width (rounded up to 16) holding every row's kept
+    columns, and cut a row that keeps more to its first W columns, counted as W."""
     same = child
-    assert len(same) == 6 and all(same.values()), same
+    assert len(same) == 6 + 6 and all(same.values()), same
 
 
 COMPACT_TOKEN_CHILD = PREAMBLE + r"""
