@@ -6,7 +6,9 @@ backend (ComfyUI's default allocator): one stage per process, so that an abort n
 Stages: "capture" (a shape's calls: as it is, captured, replayed; then release(), a collection and the cache emptied),
 "graph_first" (the same calls, then each graph destroyed before its output is freed: the order release() had in v25),
 "engine" (an mc_sparse run at 16 384 tokens: an anchor, two reuse steps, end_run, the engine dropped), "cublas"
-(a capture whose first cuBLAS call on the capture's stream happens inside it, then torch.cuda.empty_cache()).
+(a capture whose first cuBLAS call on the capture's stream happens inside it, then torch.cuda.empty_cache()),
+"torch_gather" (the grouping captured with PyTorch's row gather instead of the Triton kernel, whose launcher refuses
+a pointer the capture allocated under cudaMallocAsync: docs/kernel_notes.md, "v27"; then each way timed per call).
 Each step is logged before it runs; "ok" last. Needs CUDA.
 """
 
@@ -16,6 +18,7 @@ import faulthandler
 import gc
 import logging
 import sys
+import time
 
 import torch
 from _pack import load
@@ -78,6 +81,33 @@ def graph_first_stage(K, GG):
     torch.cuda.synchronize()
 
 
+def torch_gather_stage(K, GG):
+    """Captures the grouping with ``gather_torch.gather_rows`` (index_select) where the Triton gather's capture fails,
+    checks the replays' groups against the uncaptured Triton path, and times per call (16 384 tokens, 8 and 40 heads):
+    as ComfyUI runs it today (cudaMallocAsync: no graph, Triton gathers) against the graph of PyTorch gathers."""
+    GT, gather_torch, gather_triton = (load(f"kernels.{m}") for m in ("grouping_torch", "gather_torch",
+                                                                      "gather_triton"))
+    for heads in (8, 40):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, heads, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
+        ways = {"triton gathers, no graph": dict(gather=gather_triton.gather_rows),
+                "torch gathers, graph": dict(gather=gather_torch.gather_rows, partition=GG.group_points)}
+        want = GT.group_queries(q, 128, 16, gather=gather_triton.gather_rows)
+        for name, kw in ways.items():
+            for i in range(3):  # as it is, captured, replayed
+                step(f"{heads} heads, {name}: call {i} (graphs {len(GG._graphs)})")
+                assert torch.equal(GT.group_queries(q, 128, 16, **kw), want)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                GT.group_queries(q, 128, 16, **kw)
+            torch.cuda.synchronize()
+            log.info("time: %d heads, %s: %.3f ms a call", heads, name, (time.perf_counter() - t0) / 20 * 1e3)
+    step("release")
+    GG.release()
+    torch.cuda.synchronize()
+
+
 def engine_stage():
     E = load("engine")
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -131,6 +161,8 @@ def main():
         capture_stage(K, load("kernels.grouping_graph"))
     elif stage == "graph_first":
         graph_first_stage(K, load("kernels.grouping_graph"))
+    elif stage == "torch_gather":
+        torch_gather_stage(K, load("kernels.grouping_graph"))
     elif stage == "engine":
         engine_stage()
     elif stage == "cublas":
