@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
 FIELD = "layer_densities"
 
 
@@ -163,6 +161,8 @@ def _given(prepared) -> dict:
 
 def _head_slice(idx: list[int], device):
     """A slice when the heads are contiguous (a view), else an index tensor (a copy)."""
+    from .selection import device_index  # here: config.py imports this module, and selection imports the kernels
+
     if idx == list(range(idx[0], idx[-1] + 1)):
         return slice(idx[0], idx[-1] + 1)
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return device_index(tuple(idx), device)  # kept: no copy from the host at later anchors

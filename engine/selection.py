@@ -346,9 +346,27 @@ def _inverse_order(parts, heads, n_heads, device):
         raise ValueError(f"concat_heads: the parts' heads are not a permutation of 0..{len(flat) - 1}")
     if flat == sorted(flat):
         return None
-    position = torch.empty(len(flat), dtype=torch.long)
-    position[torch.tensor(flat, dtype=torch.long)] = torch.arange(len(flat))
-    return position.to(device)
+    position = [0] * len(flat)
+    for i, h in enumerate(flat):
+        position[h] = i
+    return device_index(tuple(position), device)
+
+
+_INDICES: dict[tuple, torch.Tensor] = {}
+INDICES_KEPT = 1024  # index tensors kept (a few per layer with per-head densities: docs/kernel_notes.md, "v27")
+
+
+def device_index(values: tuple[int, ...], device) -> torch.Tensor:
+    """int64 (len(values),) of ``values`` on ``device``, made once and kept: a tensor made from a host list is a copy
+    that waits for the device, and a run asks for the same few (per-head densities' head groups) at every anchor.
+    Callers must not write into it."""
+    key = (values, str(device))
+    out = _INDICES.get(key)
+    if out is None:
+        if len(_INDICES) >= INDICES_KEPT:
+            _INDICES.clear()
+        out = _INDICES[key] = torch.tensor(values, dtype=torch.long, device=device)
+    return out
 
 
 def block_pairs_fraction(kv_indices, kv_counts, nq, nk, block_q, block_k) -> float:

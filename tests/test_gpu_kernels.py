@@ -1097,21 +1097,24 @@ def test_an_anchors_store_never_waits_for_the_device(method):
         assert fid[2] == pytest.approx(want, rel=5e-2)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("text", [0, 200])
 @pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
-def test_a_whole_anchor_never_waits_for_the_device(method, text):
+def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
     """A whole anchor call as the engine makes it (bf16, 16 384 video tokens, with and without 200 text tokens
     ahead of them: ragged last blocks), and a reuse call after it, make no host synchronisation
     (docs/kernel_notes.md, "v27"): the selection's density stays on the device, a block plan's widths were read when
     it was built, and mc_sparse's lists are as wide as the budget (keep_top's short rows keep exactly it). The first
     layer's call tunes the kernels and builds the plan; the second layer's is the one watched. The densities the
-    statistics read afterwards are the selections' exact ones. (Key segments longer than 4 x 4096 tokens still read
-    mc_sparse's list width back.)"""
+    statistics read afterwards are the selections' exact ones. per_head: densities 0.05 and 0.15 on alternate heads
+    of both layers (head groups by index tensors, made at layer 0's anchor and kept). (Key segments longer than
+    4 x 4096 tokens still read mc_sparse's list width back.)"""
     from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.engine.selection import BlockSelection, block_pairs_fraction
     layout = TokenLayout(text_len=text, grid=(4, 64, 64))
     n, h = text + 16384, 4
-    eng = SparseEngine(SparseConfig(method=method, density=0.1, min_tokens=0, residual=True))
+    factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
+    eng = SparseEngine(SparseConfig(method=method, density=0.1, min_tokens=0, residual=True, layer_densities=factors))
     q, k, v = qkv(h, n, 128, seed=81)
     ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
     with torch.inference_mode():
@@ -1129,7 +1132,7 @@ def test_a_whole_anchor_never_waits_for_the_device(method, text):
         if isinstance(sel, BlockSelection):
             exact = block_pairs_fraction(sel.kv_indices, sel.kv_counts, n, n, sel.block_q, sel.block_k)
         else:
-            bound = round(0.1 * 16384) + text  # the text keys: a dense pair
+            bound = round((0.15 if per_head else 0.1) * 16384) + text  # the text keys: a dense pair
             assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
             exact = float(sel.density)
         stats = eng.end_run()

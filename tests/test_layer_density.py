@@ -314,3 +314,17 @@ def test_pending_work_runs_once_at_its_first_result_and_a_failure_is_not_kept():
         pending.result()
     with pytest.raises(RuntimeError, match="raised at the first call"):
         pending.result()
+
+
+def test_head_groups_index_tensors_are_made_once():
+    """A head group that is not contiguous is an index tensor made once and kept (a tensor made from a host list
+    waits for the device: docs/kernel_notes.md, "v27"); a contiguous one stays a slice."""
+    from comfyui_sparse_attention.engine.layer_density import _head_slice
+    from comfyui_sparse_attention.engine.selection import _inverse_order
+    first = _head_slice([0, 2], "cpu")
+    assert first is _head_slice([0, 2], "cpu") and first.tolist() == [0, 2]
+    assert _head_slice([1, 2], "cpu") == slice(1, 3)
+    parts = [torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)]
+    heads = [[0, 3], [1, 2]]  # concatenated as 0, 3, 1, 2: head 3 sits at 1, head 1 at 2, head 2 at 3
+    order = _inverse_order(parts, heads, lambda p: p.shape[1], "cpu")
+    assert order.tolist() == [0, 2, 3, 1] and order is _inverse_order(parts, heads, lambda p: p.shape[1], "cpu")
