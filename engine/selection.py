@@ -50,7 +50,7 @@ class BlockSelection:
 
     def anchor(self, q, k, v, *, scale=None, backend="auto", precision="fp8", mass=False):
         """The anchor step (kernels.block_anchor_attention: one fused pass, or at low density one dense call plus the
-        sparse kernel forming R; the selection's density chooses): (out_dense (B, H, N, D), residual (data, scale)
+        sparse kernel forming R; the planned density chooses): (out_dense (B, H, N, D), residual (data, scale)
         pair of R = dense - sparse in ``precision``: "fp8" or "model"; with ``mass`` a (data, scale, mass) triple,
         mass fp32 (B, H, N, 2) for mass-weighted reuse calls). The path is chosen by the planned density, so the
         exact one may stay on the device (without either, the kernels' host bound stands in)."""
@@ -128,10 +128,10 @@ class BlockSelection:
         idx = torch.cat([torch.nn.functional.pad(p.kv_indices, (0, width - p.kv_indices.shape[-1]), value=-1)
                          for p in parts], dim=1)
         cnt = torch.cat([p.kv_counts for p in parts], dim=1)
-        order = _inverse_order(parts, heads, lambda p: p.kv_counts.shape[1], idx.device)
+        heads_of = lambda p: p.kv_counts.shape[1]  # noqa: E731
+        order = _inverse_order(parts, heads, heads_of, idx.device)
         if order is not None:
             idx, cnt = idx.index_select(1, order), cnt.index_select(1, order)
-        heads_of = lambda p: p.kv_counts.shape[1]  # noqa: E731
         planned = None if any(p.planned is None for p in parts) else \
             sum(p.planned * heads_of(p) for p in parts) / max(1, sum(map(heads_of, parts)))
         return BlockSelection(idx.contiguous(), cnt.contiguous(), parts[0].block_q, parts[0].block_k,
