@@ -137,10 +137,10 @@ class BlockPlan:
     owner: torch.Tensor
     counts: torch.Tensor
     dense_pair: torch.Tensor
-    seg_cols: tuple = ()
-    seg_widths: tuple = ()
-    width: int = 0
-    density: float = 1.0
+    seg_cols: tuple
+    seg_widths: tuple
+    width: int
+    density: float
 
 
 PLANS_KEPT = 32  # block plans kept per process (one per token count, layout, block size, density and device) ...
@@ -201,15 +201,22 @@ def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> Block
                      *_host_facts(n, bk, counts, cfg.block_q, cfg.block_k))
 
 
+def block_sizes(n: int, block: int, device) -> torch.Tensor:
+    """Tokens in each of the ceil(n / block) blocks of n tokens: float64 (nb,), ``block`` but for a ragged last one.
+    Made without a host synchronisation (``t[-1] = x`` copies a host scalar onto the device; docs/kernel_notes.md,
+    "v27")."""
+    nb = -(-n // block)
+    sizes = torch.full((nb,), float(block), dtype=torch.float64, device=device)
+    return sizes.masked_fill_(torch.arange(nb, device=device) == nb - 1, float(n - (nb - 1) * block))
+
+
 def _host_facts(n: int, bk: Blocks, counts: torch.Tensor, block_q: int, block_k: int) -> tuple:
     """A plan's (seg_cols, seg_widths, width, density): its few host reads, made once per plan."""
     n_seg, dev = counts.shape[-1], counts.device
     seg_cols = tuple(torch.nonzero(bk.owner == s).view(-1) for s in range(n_seg))
-    kv_size = torch.full((bk.owner.numel(),), float(block_k), dtype=torch.float64, device=dev)
-    kv_size[-1] = n - (bk.owner.numel() - 1) * block_k  # the ragged last block
+    kv_size = block_sizes(n, block_k, dev)
     mean_block = torch.stack([kv_size[c].mean() if c.numel() else kv_size.new_zeros(()) for c in seg_cols])
-    q_rows = torch.full((counts.shape[0],), float(block_q), dtype=torch.float64, device=dev)
-    q_rows[-1] = n - (counts.shape[0] - 1) * block_q
+    q_rows = block_sizes(n, block_q, dev)
     density = float((q_rows.unsqueeze(-1) * counts.double() * mean_block).sum() / (n * n)) if n else 1.0
     widths = counts.amax(0).tolist() if counts.numel() else [0] * n_seg
     width = int(counts.sum(-1).max()) if counts.numel() else 0

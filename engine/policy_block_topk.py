@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import block_plan, rows_topk_by_segment
+from .block_geometry import block_plan, block_sizes, rows_topk_by_segment
 from .config import SparseConfig
 from .context import TokenLayout
 from .policy import Policy
@@ -69,13 +69,9 @@ def size_weighted(pooled: torch.Tensor, n_k: int, block_k: int) -> torch.Tensor:
     A block's attention mass is about its size times exp(q_mean . k_mean); the pooled softmax leaves the size
     out, which only matters for a ragged last block: one key alone is not averaged, so its pooled score
     spreads far wider than a 64-key mean's and at N = 513 it won the top-k of 44 % of the query blocks."""
-    last = n_k - (pooled.shape[-1] - 1) * block_k
-    if last == block_k:
+    if n_k % block_k == 0:
         return pooled
-    nkb = pooled.shape[-1]
-    weight = torch.ones(nkb, dtype=pooled.dtype, device=pooled.device)  # masked_fill_: no copy from the host
-    weight.masked_fill_(torch.arange(nkb, device=pooled.device) == nkb - 1, last / block_k)
-    out = pooled * weight
+    out = pooled * (block_sizes(n_k, block_k, pooled.device) / block_k).to(pooled.dtype)
     return out / out.sum(-1, keepdim=True).clamp(min=1e-30)
 
 

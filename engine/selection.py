@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from .block_geometry import block_sizes
 
 from ..kernels.compact_torch import LOW_PAD, SEGMENT, decode_lists  # one definition: the kernels' list format
 DECODE_CHUNK = 1 << 26  # list entries compacted at a time (int32 scratch of 256 MiB)
@@ -388,14 +389,10 @@ def _block_pairs(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tenso
 
 def _pairs_per_head(kv_indices, kv_counts, nq, nk, block_q, block_k) -> torch.Tensor:
     """Exact fraction of (query, key) pairs per (batch, head): float64 (B, H) on the lists' device."""
-    nqb, nkb, dev = kv_counts.shape[-1], -(-nk // block_k), kv_counts.device
-    # ragged last blocks by masked_fill_ (a Python number is a kernel argument): ``t[-1] = n`` copies an int64 scalar
-    # from the host, a synchronisation on CUDA (docs/kernel_notes.md, "v27")
-    q_rows = torch.full((nqb,), float(block_q), dtype=torch.float64, device=dev)
-    q_rows.masked_fill_(torch.arange(nqb, device=dev) == nqb - 1, float(nq - (nqb - 1) * block_q))
-    slot = torch.arange(nkb + 1, device=dev)
-    kv_size = torch.full((nkb + 1,), float(block_k), dtype=torch.float64, device=dev)
-    kv_size.masked_fill_(slot == nkb - 1, float(nk - (nkb - 1) * block_k)).masked_fill_(slot == nkb, 0.0)
+    dev = kv_counts.device
+    q_rows = block_sizes(nq, block_q, dev)
+    nkb = -(-nk // block_k)
+    kv_size = torch.nn.functional.pad(block_sizes(nk, block_k, dev), (0, 1))  # slot nkb: the -1 pads, 0 tokens
     valid = torch.arange(kv_indices.shape[-1], device=kv_indices.device) < kv_counts.unsqueeze(-1)
     idx = torch.where(valid, kv_indices.long(), torch.full_like(kv_indices.long(), nkb))
     keys = kv_size[idx].sum(-1)
