@@ -8,7 +8,8 @@ Stages: "capture" (a shape's calls: as it is, captured, replayed; then release()
 "engine" (an mc_sparse run at 16 384 tokens: an anchor, two reuse steps, end_run, the engine dropped), "cublas"
 (a capture whose first cuBLAS call on the capture's stream happens inside it, then torch.cuda.empty_cache()),
 "torch_gather" (the grouping captured with PyTorch's row gather instead of the Triton kernel, whose launcher refuses
-a pointer the capture allocated under cudaMallocAsync: docs/kernel_notes.md, "v27"; then each way timed per call).
+a pointer the capture allocated under cudaMallocAsync, as ``grouping_graph.graph_gather`` chooses there:
+docs/kernel_notes.md, "v27", "v28"; then each way timed per call).
 Each step is logged before it runs; "ok" last. Needs CUDA.
 """
 
@@ -85,13 +86,13 @@ def torch_gather_stage(K, GG):
     """Captures the grouping with ``gather_torch.gather_rows`` (index_select) where the Triton gather's capture fails,
     checks the replays' groups against the uncaptured Triton path, and times per call (16 384 tokens, 8 and 40 heads):
     as ComfyUI runs it today (cudaMallocAsync: no graph, Triton gathers) against the graph of PyTorch gathers."""
-    GT, gather_torch, gather_triton = (load(f"kernels.{m}") for m in ("grouping_torch", "gather_torch",
-                                                                      "gather_triton"))
+    GT, gather_triton = (load(f"kernels.{m}") for m in ("grouping_torch", "gather_triton"))
     for heads in (8, 40):
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(1, heads, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
         ways = {"triton gathers, no graph": dict(gather=gather_triton.gather_rows),
-                "torch gathers, graph": dict(gather=gather_torch.gather_rows, partition=GG.group_points)}
+                # as the engine calls it: group_points captures PyTorch's gathers there (graph_gather)
+                "torch gathers, graph": dict(gather=gather_triton.gather_rows, partition=GG.group_points)}
         want = GT.group_queries(q, 128, 16, gather=gather_triton.gather_rows)
         for name, kw in ways.items():
             for i in range(3):  # as it is, captured, replayed

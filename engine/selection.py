@@ -285,12 +285,13 @@ class TokenSelection:
         """One selection from selections of disjoint head sets of the same call (see
         ``BlockSelection.concat_heads`` for ``heads``). Token lists are padded to the widest part (entries past
         a group's count are never read); query groups, segment ends and the dense (text) rows must agree in
-        shape, and the dense rows in value; the density is the head-weighted mean of the parts' densities."""
+        shape, and the dense rows in value where that costs no wait (``_same_rows``); the density is the
+        head-weighted mean of the parts' densities."""
         _same_shape(parts, lambda p: (p.q_groups.shape[0], p.q_groups.shape[2], p.q_groups.shape[3],
                                       p.seg_ends.shape[-1]), "batch, query groups and segments")
         rows = parts[0].dense_rows
         for p in parts[1:]:
-            if (p.dense_rows is None) != (rows is None) or (rows is not None and not torch.equal(p.dense_rows, rows)):
+            if (p.dense_rows is None) != (rows is None) or (rows is not None and not _same_rows(p.dense_rows, rows)):
                 raise ValueError("concat_heads: the parts compute different dense (text) rows")
         width = max(p.kv_low.shape[-1] for p in parts)
         cat = lambda ts: torch.cat(ts, dim=1)  # noqa: E731
@@ -327,6 +328,16 @@ def _same_shape(parts, key, what: str) -> None:
     shapes = {tuple(key(p)) for p in parts}
     if len(shapes) > 1:
         raise ValueError(f"concat_heads: the parts differ in {what} ({sorted(shapes)})")
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two parts' dense (text) rows, int64 (R,), agree: in shape always, in value only off CUDA. On CUDA the
+    comparison would wait for the device inside the anchor (issue 14; found by the whole-anchor GPU test,
+    docs/kernel_notes.md, "v28"), and every part of one call lists the same layout's text rows, so it cannot differ
+    there; the CPU tests check the values."""
+    if a.shape != b.shape:
+        return False
+    return a.is_cuda or torch.equal(a, b)
 
 
 def _head_mean(parts, n_heads) -> float | torch.Tensor:

@@ -17,12 +17,14 @@ kernels/side_stream.py, which waits for the current stream before each call and 
 ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
 capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
 
-Nor under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator), unless SPARSE_ATTN_GROUPING_GRAPH=force:
-there a GPU test that captured, replayed and released these graphs ended its process with a CUDA "invalid argument"
-raised from the allocator's free, after PyTorch warned of an "uncaptured free of a captured allocation"
-(docs/kernel_notes.md, "v25"). ComfyUI's runs then group their queries as they are, as at Wan 14B 720p, where the
-graphs never ran (MAX_TOKENS). A graph's tensors are now freed before the graph itself (``_Graph.free``), the order our
-reading of that crash asks for (v26); graphs stay off there until a GPU run under the allocator confirms it.
+Under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator) the graph gathers each level's rows with
+PyTorch's ``index_select`` (``gather_torch.gather_rows``) instead of the Triton kernel the caller passes: Triton's
+launcher refuses a pointer that a capture allocated under that backend ("cannot be accessed from Triton"), so the
+capture failed there, and freeing the failed capture's tensors aborted the process (docs/kernel_notes.md, "v25" and
+"v27"). Replayed with PyTorch's gathers the partition gives the same groups, at 16 384 tokens in 3.4 ms a call
+(8 heads) and 6.8 ms (40 heads) against 10.8 and 14.6 ms as it runs without a graph (H100, "v28"). The graph's output
+is allocated before the capture and written by a copy inside it, so nothing the capture allocated outlives it (an
+output allocated inside was freed outside the capture at ``release()``, which PyTorch warns of under that backend).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import grouping_torch
+from . import gather_torch, grouping_torch
 from .side_stream import async_allocator
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,8 @@ class _Graph:
         self.graph, self.points, self.groups, self.keep = graph, points, groups, keep
 
     def free(self) -> None:
-        """Drop the tensors, then the graph (idempotent). In this order because ``groups`` is the graph's own
-        allocation under cudaMallocAsync (an allocation node with no free node): freed after the graph was destroyed
-        it is what we read as the cause of v25's "invalid argument" (docs/kernel_notes.md, "v26"). Left to the
-        collector, the graph went first (slots are cleared in sorted name order)."""
+        """Drop the tensors, then the graph (idempotent). Tensors first: left to the collector, the graph went first
+        (slots are cleared in sorted name order), and a tensor a graph uses should not outlive it."""
         self.groups = self.points = self.keep = None
         graph, self.graph = self.graph, None
         if graph is not None:
@@ -81,11 +81,20 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether graphs may be made (SPARSE_ATTN_GROUPING_GRAPH, read at each call): "0" never, "force" always, else
-    (the default "1") unless PyTorch's CUDA allocator is the cudaMallocAsync backend (see the module's docstring)."""
+    (the default "1") unless PyTorch's CUDA allocator is the cudaMallocAsync backend: there the graphs with PyTorch's
+    gathers passed one probe (capture, replays, release; docs/kernel_notes.md, "v28") but no engine run or GPU test
+    yet, and a crash there ends the user's process."""
     mode = os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1")
     if mode == "0":
         return False
     return mode == "force" or not async_allocator()
+
+
+def graph_gather(gather):
+    """The row gather a graph captures, (rows fp32 (R, W), index int64 (M,)) -> rows[index]: the caller's, or under
+    PyTorch's cudaMallocAsync backend ``gather_torch.gather_rows`` (Triton's launcher refuses the capture's own
+    allocations there; see the module's docstring). Both gather the same rows exactly."""
+    return gather_torch.gather_rows if async_allocator() else gather
 
 
 def _key(points: torch.Tensor, group_size: int, gather) -> tuple:
@@ -110,12 +119,13 @@ def group_points(points: torch.Tensor, group_size: int, gather) -> torch.Tensor:
     another capture, when disabled, at a shape's first call, where memory is short or after a failed capture:
     ``_group`` itself.
     """
-    key = _key(points, group_size, gather)
     if (not points.is_cuda or not enabled() or not points.is_contiguous() or points.shape[2] > MAX_TOKENS
             or torch.cuda.is_current_stream_capturing()):
         return grouping_torch._group(points, group_size, gather, owned=True)
     # worker threads of a multi-GPU run share this module's graphs (their keys differ by device); a graph is captured
     # and replayed with its device current
+    gather = graph_gather(gather)
+    key = _key(points, group_size, gather)
     with _lock, torch.cuda.device(points.device):
         entry = None if key in _refused else _graphs.get(key)
         if entry is None and key in _seen and key not in _refused and _room(points):
@@ -144,14 +154,15 @@ def _capture(points: torch.Tensor, group_size: int, gather, key) -> _Graph | Non
     side.wait_stream(torch.cuda.current_stream(points.device))
     try:
         with torch.cuda.stream(side):
-            grouping_torch._group(static.clone(), group_size, gather, owned=True)
+            groups = torch.empty_like(grouping_torch._group(static.clone(), group_size, gather, owned=True))
         torch.cuda.current_stream(points.device).wait_stream(side)
         if _pool is None:
             _pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another worker thread's work on its own GPU during the capture is not an error
         with torch.cuda.graph(graph, pool=_pool, capture_error_mode="thread_local"):
-            groups = grouping_torch._group(static, group_size, gather, owned=True)
+            # into the output made before the capture: every tensor the capture allocates is freed inside it
+            groups.copy_(grouping_torch._group(static, group_size, gather, owned=True))
     except Exception as exc:  # a capture that fails leaves the call to run as it is, never the run to end
         _refused.add(key)
         log.warning("sparse attention: the query grouping of shape %s runs without a CUDA graph (%s: %s)",

@@ -1452,6 +1452,8 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
         assert torch.equal(got, wants[[0, 0, 1, 2, 0][i]]), f"call {i}"
         # a batch of two is grouped a sample at a time: its second sample is the shape's second call (a capture)
         assert len(grouping_graph._graphs) == (0 if (i == 0 and b == 1) or not graphed else 1)
+    # under cudaMallocAsync (SPARSE_ATTN_GROUPING_GRAPH=force) the graph holds PyTorch's gathers (graph_gather)
+    assert all(key[3] is grouping_graph.graph_gather(gather_triton.gather_rows) for key in grouping_graph._graphs)
     grouping_graph.release()
     assert not grouping_graph._graphs
     monkeypatch.setenv("SPARSE_ATTN_GROUPING_GRAPH", "0")

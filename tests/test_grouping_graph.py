@@ -97,6 +97,24 @@ def test_graphs_are_off_under_cuda_malloc_async_unless_forced(monkeypatch):
     assert grouping_graph.enabled() is True
 
 
+def test_under_cuda_malloc_async_the_graph_captures_pytorchs_gather(monkeypatch):
+    """Triton's launcher refuses a pointer a capture allocated under cudaMallocAsync (docs/kernel_notes.md, "v27"):
+    there the graph gathers with index_select, which gives the same rows; under the native allocator it keeps the
+    caller's gather."""
+    from comfyui_sparse_attention.kernels import gather_torch
+    backend = {"name": "native"}
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend["name"])
+
+    def mine(rows, index):
+        return rows[index]
+
+    assert grouping_graph.graph_gather(mine) is mine
+    backend["name"] = "cudaMallocAsync"
+    assert grouping_graph.graph_gather(mine) is gather_torch.gather_rows
+    rows, index = torch.randn(50, 16), torch.tensor([3, 0, 49, 3])
+    assert torch.equal(gather_torch.gather_rows(rows, index), mine(rows, index))
+
+
 class _FakeGraph:
     """Stands in for torch.cuda.CUDAGraph: records, at reset, whether the graph's output tensor was already freed."""
 
@@ -108,8 +126,8 @@ class _FakeGraph:
 
 
 def test_a_graphs_tensors_are_dropped_before_the_graph_itself():
-    """Under cudaMallocAsync the captured output is the graph's own allocation: it is freed before the graph is
-    destroyed, on release, on eviction and when an entry is collected (docs/kernel_notes.md, "v26")."""
+    """A graph's tensors are freed before the graph is destroyed, on release, on eviction and when an entry is
+    collected (docs/kernel_notes.md, "v26")."""
     log = []
 
     def entry():

@@ -1,6 +1,8 @@
 """Per-layer and per-head densities (engine/layer_density.py): the configuration form, concatenating selections
 along heads, exact density accounting, and the engine honouring the densities for every method. CPU only."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,6 +142,15 @@ def test_concat_heads_refuses_parts_of_different_calls(problem):
         BlockSelection.concat_heads([a, b])
     with pytest.raises(ValueError, match="no parts"):
         TokenSelection.concat_heads([])
+    # mc_sparse parts with text rows: another count of rows, or (off CUDA, where comparing costs no wait) other rows
+    lse = kernels.attention_dense(q, k, q, return_lse=True, backend="torch")[1]
+    c, d = (policy_for("mc_sparse").select(q[:, i:i + 1], k[:, i:i + 1], lse[:, i:i + 1], problem.layout,
+                                           base_cfg("mc_sparse"), scale=None, backend="torch") for i in (0, 1))
+    assert c.dense_rows is not None and c.dense_rows.numel() == 64
+    assert TokenSelection.concat_heads([c, d]).dense_rows.numel() == 64
+    for rows in (d.dense_rows[:-1], d.dense_rows + 1):
+        with pytest.raises(ValueError, match="dense"):
+            TokenSelection.concat_heads([c, dataclasses.replace(d, dense_rows=rows)])
 
 
 # the engine ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the H100/H200 (nothing to carry): docs/kernel_notes.md, "v28". The whole-anchor GPU test (native allocator);
+# the query grouping's CUDA graphs under cudaMallocAsync (ComfyUI's default allocator), forced on, capturing PyTorch's
+# gathers (grouping_graph.graph_gather): bench/device_async_alloc.sh's probes (capture, engine, torch_gather) and the
+# GPU tests TESTS_K selects; then the mc_sparse anchor at 16 384 tokens (24 heads, bench/engine.py, d 0.15) under
+# cudaMallocAsync without the graphs (the default there) and with them, and under the native allocator.
+# Output: $OUT/v28/ (logs, engine JSON) and $OUT/async-alloc.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 SPARSE_ATTN_TUNE=first
+res="$OUT/v28"
+mkdir -p "$res"
+timeout 150 python3 -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k whole_anchor \
+  > "$res/whole-anchor.log" 2>&1
+echo "whole anchor: rc $? $(tail -1 "$res/whole-anchor.log")"
+STAGES="capture engine torch_gather" MODES=async-force TEST_MODES=force \
+  TESTS_K=${TESTS_K-grouping_graph or side_stream or cond_and_uncond or whole_anchor} bash bench/device_async_alloc.sh
+for run in async:1 async:force native:1; do
+  conf=$([ "${run%%:*}" = async ] && echo backend:cudaMallocAsync || echo "")
+  name=${run/:/-graphs-}
+  PYTORCH_CUDA_ALLOC_CONF=$conf SPARSE_ATTN_GROUPING_GRAPH=${run#*:} timeout 150 python3 bench/engine.py \
+    --out "$res/$name" --methods mc_sparse --heads 24 --frames 16 --height 32 --width 32 --overhead-reps 5 \
+    > "$res/$name.log" 2>&1 || { echo "$name: failed"; tail -5 "$res/$name.log"; continue; }
+  python3 - "$res/$name/engine.json" "$name" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))["mc_sparse"]
+print(sys.argv[2], {k: round(m[k], 3) for k in ("anchor_ms", "anchor_x_cudnn", "grouping_ms", "reuse_ms") if k in m})
+PY
+done
+grep -c "uncaptured free" "$res"/*.log 2>/dev/null | grep -v ":0$"
