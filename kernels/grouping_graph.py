@@ -21,11 +21,12 @@ Under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator) the graph 
 PyTorch's ``index_select`` (``gather_torch.gather_rows``) instead of the Triton kernel the caller passes: Triton's
 launcher refuses a pointer that a capture allocated under that backend ("cannot be accessed from Triton"), so the
 capture failed there, and freeing the failed capture's tensors aborted the process (docs/kernel_notes.md, "v25" and
-"v27"). Replayed with PyTorch's gathers the partition gives the same groups, at 16 384 tokens in 2.4-3.4 ms a call
-(8 heads) and 6.6-6.8 ms (40 heads) against 5.5-10.8 and 7.0-14.6 ms without a graph (H100, "v28"), but the anchor
-is no faster, so graphs stay off there unless SPARSE_ATTN_GROUPING_GRAPH=force (``enabled()``). The graph's output
-is allocated before the capture and written by a copy inside it, so nothing the capture allocated outlives it (an
-output allocated inside was freed outside the capture at ``release()``, which PyTorch warns of under that backend).
+"v27"). Replayed with PyTorch's gathers the partition gives the same groups, and an mc_sparse anchor at 4 608 tokens
+(24 heads) takes 7.0-8.7 ms instead of 13.5-15.1 ms without a graph, as under the native allocator (8.7-9.2 against
+15.9-17.6 ms); at 16 384 tokens, where the grouping hides beside the anchor's dense call, 22.4 against 21.4 ms
+(H100, docs/kernel_notes.md, "v28"). The graph's output is allocated before the capture and written by a copy inside
+it, so nothing the capture allocated outlives it (an output allocated inside was freed outside the capture at
+``release()``, which PyTorch warns of under that backend).
 """
 
 from __future__ import annotations
@@ -81,15 +82,10 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    """Whether graphs may be made (SPARSE_ATTN_GROUPING_GRAPH, read at each call): "0" never, "force" always, else
-    (the default "1") unless PyTorch's CUDA allocator is the cudaMallocAsync backend: there the graphs with PyTorch's
-    gathers work (the probes and GPU tests pass) but the anchor they serve is no faster (at 16 384 tokens, 24 heads:
-    22.4 ms with them, 21.4 ms without), because the grouping runs beside the anchor's dense call
+    """Whether graphs may be made (SPARSE_ATTN_GROUPING_GRAPH, read at each call): "0" never, else (the default "1";
+    "force", which earlier versions needed under cudaMallocAsync, means the same) always, under either allocator
     (docs/kernel_notes.md, "v28")."""
-    mode = os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1")
-    if mode == "0":
-        return False
-    return mode == "force" or not async_allocator()
+    return os.environ.get("SPARSE_ATTN_GROUPING_GRAPH", "1") != "0"
 
 
 def graph_gather(gather):

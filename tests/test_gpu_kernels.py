@@ -710,7 +710,9 @@ print("RESULT:" + json.dumps(dict(benched=len(benched), seconds=time.perf_counte
 
 def test_tunings_are_read_back_by_a_new_process(tmp_path):
     """The autotuners keep their tunings on disk (kernels/_triton_common.py, tune_options): a second process with the
-    same Triton cache times no configuration and computes the same outputs."""
+    same Triton cache times no configuration and computes the same outputs. With the Gluon kernels off: on Hopper
+    they take these calls (32 768 tokens, D 128) and tune nothing, while the autotuned Triton kernels serve what they
+    do not (shorter sequences, other head dims, other GPUs)."""
     import json
     import os
     import subprocess
@@ -720,6 +722,7 @@ def test_tunings_are_read_back_by_a_new_process(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "SPARSE_ATTN_TUNE"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["SPARSE_ATTN_GLUON"] = "0"
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", TUNE_CHILD, str(root)], env=env, capture_output=True, text=True,
@@ -1432,8 +1435,8 @@ def test_gluon_persistent_matches_twin(layout):
 def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
     """kernels/grouping_graph.py: the first call of a shape runs as it is, the second captures, later calls replay;
     every call gives the groups of the partition run as it is, for new queries too (a ragged N, B = 2); release()
-    frees the graphs; SPARSE_ATTN_GROUPING_GRAPH=0 captures nothing, nor does a sequence beyond MAX_TOKENS, nor the
-    cudaMallocAsync allocator (grouping_graph.enabled())."""
+    frees the graphs; SPARSE_ATTN_GROUPING_GRAPH=0 captures nothing, nor does a sequence beyond MAX_TOKENS. Under
+    either allocator (under cudaMallocAsync the graph holds PyTorch's gathers: grouping_graph.graph_gather)."""
     from comfyui_sparse_attention.kernels import gather_triton, grouping_graph, grouping_torch
     grouping_graph.release()
     graphed = n <= grouping_graph.MAX_TOKENS and grouping_graph.enabled()
@@ -1452,7 +1455,7 @@ def test_grouping_graph_replays_the_eager_groups(b, n, monkeypatch):
         assert torch.equal(got, wants[[0, 0, 1, 2, 0][i]]), f"call {i}"
         # a batch of two is grouped a sample at a time: its second sample is the shape's second call (a capture)
         assert len(grouping_graph._graphs) == (0 if (i == 0 and b == 1) or not graphed else 1)
-    # under cudaMallocAsync (SPARSE_ATTN_GROUPING_GRAPH=force) the graph holds PyTorch's gathers (graph_gather)
+    # under cudaMallocAsync the graph holds PyTorch's gathers (graph_gather)
     assert all(key[3] is grouping_graph.graph_gather(gather_triton.gather_rows) for key in grouping_graph._graphs)
     grouping_graph.release()
     assert not grouping_graph._graphs
@@ -1483,7 +1486,7 @@ def test_grouping_graph_failed_capture_no_room_and_eviction_run_as_they_are(monk
 
     from comfyui_sparse_attention.kernels import gather_triton, grouping_graph, grouping_torch
     if not grouping_graph.enabled():
-        pytest.skip("no grouping graphs under this allocator or setting (grouping_graph.enabled())")
+        pytest.skip("no grouping graphs under SPARSE_ATTN_GROUPING_GRAPH=0 (grouping_graph.enabled())")
     grouping_graph.release()
     qa, qb = qkv(3, 10001, 128, seed=40)[0], qkv(2, 9000, 128, seed=41)[0]
     want = {id(q): grouping_torch.group_queries(q, 128, 16, gather=gather_triton.gather_rows) for q in (qa, qb)}
