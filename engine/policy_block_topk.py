@@ -45,7 +45,7 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
         # per key segment: the smallest set of its free blocks reaching the mass share, plus its forced ones
         need = []
         for s in range(counts.shape[-1]):
-            cols = torch.nonzero(plan.owner == s).view(-1)
+            cols = plan.seg_cols[s]  # read once when the plan was built
             free = torch.where(f4[..., cols], torch.zeros_like(pooled[..., cols]), pooled[..., cols])
             share = torch.sort(free, -1, descending=True).values.cumsum(-1) / \
                 free.sum(-1, keepdim=True).clamp(min=1e-30)
