@@ -112,7 +112,8 @@ def group_points(points: torch.Tensor, group_size: int, gather) -> torch.Tensor:
     """``grouping_torch._group(points, group_size, gather, owned=True)``, replayed from a CUDA graph where it can be.
 
     points: fp32 (B, H, N, W) contiguous, on CUDA, the caller's scratch (it may change); group_size: queries per
-    group; gather: the row gather of each level (as ``_group``'s). Returns int32 (B, H, ceil(N / group_size),
+    group; gather: the row gather of each level (as ``_group``'s; a graph captures ``graph_gather(gather)``, the same
+    rows). Returns int32 (B, H, ceil(N / group_size),
     group_size), the same groups as ``_group`` (the graph replays its operators). Off CUDA, beyond MAX_TOKENS, inside
     another capture, when disabled, at a shape's first call, where memory is short or after a failed capture:
     ``_group`` itself.
@@ -122,12 +123,12 @@ def group_points(points: torch.Tensor, group_size: int, gather) -> torch.Tensor:
         return grouping_torch._group(points, group_size, gather, owned=True)
     # worker threads of a multi-GPU run share this module's graphs (their keys differ by device); a graph is captured
     # and replayed with its device current
-    gather = graph_gather(gather)
-    key = _key(points, group_size, gather)
+    captured = graph_gather(gather)
+    key = _key(points, group_size, captured)
     with _lock, torch.cuda.device(points.device):
         entry = None if key in _refused else _graphs.get(key)
         if entry is None and key in _seen and key not in _refused and _room(points):
-            entry = _capture(points, group_size, gather, key)
+            entry = _capture(points, group_size, captured, key)
         if entry is not None:
             # on the device's current stream, in order: the next call's copy into entry.points follows this clone
             _graphs.move_to_end(key)
@@ -152,8 +153,11 @@ def _capture(points: torch.Tensor, group_size: int, gather, key) -> _Graph | Non
     side.wait_stream(torch.cuda.current_stream(points.device))
     try:
         with torch.cuda.stream(side):
-            groups = torch.empty_like(grouping_torch._group(static.clone(), group_size, gather, owned=True))
+            warm = grouping_torch._group(static.clone(), group_size, gather, owned=True)
         torch.cuda.current_stream(points.device).wait_stream(side)
+        # the output on the caller's stream, as the input: the stream every replay and copy of this graph runs on
+        groups = torch.empty(warm.shape, dtype=warm.dtype, device=points.device)
+        del warm
         if _pool is None:
             _pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
