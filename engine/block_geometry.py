@@ -159,11 +159,19 @@ def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> 
     the same one: it is built once and kept, within PLANS_KEPT and PLAN_BYTES_KEPT (its 184 small operations were
     most of a block_topk anchor's host time at a few thousand tokens; docs/benchmarks.md, "The block plan kept").
     Callers must not write into its tensors."""
-    key = (n, layout, cfg.block_q, cfg.block_k, tuple(map(tuple, cfg.densities.table(cfg.density))), cfg.sink_blocks,
-           cfg.temporal_weight, torch.device(device), scale)
+    return kept_plan(("plan", n, layout, cfg, torch.device(device), scale),
+                     lambda: _build_plan(n, layout, cfg, device, scale))
+
+
+def kept_plan(key: tuple, build) -> BlockPlan:
+    """The plan kept under ``key`` (its kind, n, layout, cfg, device and scale), or ``build()``'s, kept from then on
+    within PLANS_KEPT and PLAN_BYTES_KEPT (the oldest go first). Of cfg only what a plan depends on is in the key."""
+    kind, n, layout, cfg, device, scale = key
+    key = (kind, n, layout, cfg.block_q, cfg.block_k, tuple(map(tuple, cfg.densities.table(cfg.density))),
+           cfg.sink_blocks, cfg.temporal_weight, device, scale)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _build_plan(n, layout, cfg, device, scale)
+        plan = _plans[key] = build()
         while len(_plans) > 1 and (len(_plans) > PLANS_KEPT or sum(map(_plan_bytes, _plans.values())) >
                                    PLAN_BYTES_KEPT + _plan_bytes(plan)):
             _plans.popitem(last=False)
@@ -198,7 +206,17 @@ def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> Block
     budget = torch.where(d_row >= 1.0, per_seg.expand_as(d_row), (d_row * per_seg).round().clamp(min=1))
     counts = torch.minimum(torch.maximum(budget, n_forced), per_seg.expand_as(d_row)).long()
     return BlockPlan(forced, nearness(tm, bq, bk, cfg.temporal_weight), bk.owner, counts, dense_pair,
-                     *_host_facts(n, bk, counts, cfg.block_q, cfg.block_k))
+                     *_host_facts(n, bk.owner, counts, cfg.block_q, cfg.block_k))
+
+
+def with_forced(plan: BlockPlan, forced: torch.Tensor, n: int, block_q: int, block_k: int) -> BlockPlan:
+    """``plan`` with more forced pairs: forced bool (nqb, nkb), a superset of plan.forced; each (query block, key
+    segment) keeps at least its forced blocks (counts raised to them), and the host facts are read again (once:
+    callers keep the result, as the hybrid policy does)."""
+    onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(torch.float32)  # (nkb, S)
+    counts = torch.maximum(plan.counts, (forced.to(onehot.dtype) @ onehot).long())
+    return BlockPlan(forced, plan.near, plan.owner, counts, plan.dense_pair,
+                     *_host_facts(n, plan.owner, counts, block_q, block_k))
 
 
 def block_sizes(n: int, block: int, device) -> torch.Tensor:
@@ -210,10 +228,10 @@ def block_sizes(n: int, block: int, device) -> torch.Tensor:
     return sizes.masked_fill_(torch.arange(nb, device=device) == nb - 1, float(n - (nb - 1) * block))
 
 
-def _host_facts(n: int, bk: Blocks, counts: torch.Tensor, block_q: int, block_k: int) -> tuple:
+def _host_facts(n: int, owner: torch.Tensor, counts: torch.Tensor, block_q: int, block_k: int) -> tuple:
     """A plan's (seg_cols, seg_widths, width, density): its few host reads, made once per plan."""
     n_seg, dev = counts.shape[-1], counts.device
-    seg_cols = tuple(torch.nonzero(bk.owner == s).view(-1) for s in range(n_seg))
+    seg_cols = tuple(torch.nonzero(owner == s).view(-1) for s in range(n_seg))
     kv_size = block_sizes(n, block_k, dev)
     mean_block = torch.stack([kv_size[c].mean() if c.numel() else kv_size.new_zeros(()) for c in seg_cols])
     q_rows = block_sizes(n, block_q, dev)

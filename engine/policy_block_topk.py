@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import block_plan, block_sizes, rows_topk_by_segment
+from .block_geometry import BlockPlan, block_plan, block_sizes, kept_plan, rows_topk_by_segment, with_forced
 from .config import SparseConfig
 from .context import TokenLayout
 from .policy import Policy
@@ -27,18 +27,9 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
     # weighted by each key block's size: a 1-token ragged last block must not win the top-k on its mean
     pooled = size_weighted(kernels.pooled_block_scores(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale),
                            k.shape[2], cfg.block_k)
-    plan = block_plan(n, layout, cfg, dev)
+    plan = hybrid_plan(n, layout, cfg, dev) if hybrid else block_plan(n, layout, cfg, dev)
     forced = plan.forced
-    if hybrid:  # the static half: its window blocks become forced too
-        win_idx, win_cnt = static_window(n, layout, cfg, dev, scale=0.5)
-        valid = torch.arange(win_idx.shape[-1], device=dev) < win_cnt.unsqueeze(-1)
-        rows = torch.arange(forced.shape[0], device=dev).unsqueeze(-1).expand_as(win_idx)
-        forced = forced.clone()
-        forced[rows[valid], win_idx[valid].long()] = True
     counts = plan.counts  # (nqb, S): the plan's own forced blocks are in them already
-    if hybrid:  # the window's forced blocks too
-        onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(pooled.dtype)  # (nkb, S)
-        counts = torch.maximum(counts, (forced.to(onehot.dtype) @ onehot).long())
     counts = counts.view(1, 1, *counts.shape).expand(b, h, -1, -1)
     f4 = forced.view(1, 1, *forced.shape)
     if cfg.mass is not None and not hybrid:
@@ -55,12 +46,29 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
             need.append(torch.where(dense, torch.full_like(keep, cols.numel()), keep))
         counts = torch.stack(need, -1)
     scores = torch.where(f4, torch.full_like(pooled, float("inf")), pooled)
-    # plain top-k keeps the plan's own counts (they include its forced blocks), whose widths the plan read once:
-    # no host synchronisation on the anchor's path (docs/kernel_notes.md, "v27")
-    own = not hybrid and cfg.mass is None
+    # plain top-k keeps the plan's own counts (they include its forced blocks; the hybrid's plan, its windows' too),
+    # whose widths the plan read once: no host synchronisation on the anchor's path (docs/kernel_notes.md, "v27")
+    own = hybrid or cfg.mass is None
     idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous(), plan if own else None)
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
                           block_pairs_on_device(idx, cnt, n, n, cfg.block_q, cfg.block_k), plan.density)
+
+
+def hybrid_plan(n: int, layout: TokenLayout, cfg: SparseConfig, device) -> BlockPlan:
+    """The hybrid policy's plan: the block plan with the static half's windows (``static_window`` at half the
+    densities) forced too. Like the plan it depends on the geometry and configuration alone, so it is built once and
+    kept (``kept_plan``): its widths and density are read once, not at every anchor (docs/kernel_notes.md, "v28")."""
+
+    def build() -> BlockPlan:
+        plan = block_plan(n, layout, cfg, device)
+        win_idx, win_cnt = static_window(n, layout, cfg, device, scale=0.5)
+        valid = torch.arange(win_idx.shape[-1], device=win_idx.device) < win_cnt.unsqueeze(-1)
+        rows = torch.arange(plan.forced.shape[0], device=win_idx.device).unsqueeze(-1).expand_as(win_idx)
+        forced = plan.forced.clone()
+        forced[rows[valid], win_idx[valid].long()] = True
+        return with_forced(plan, forced, n, cfg.block_q, cfg.block_k)
+
+    return kept_plan(("hybrid", n, layout, cfg, torch.device(device), 1.0), build)
 
 
 def size_weighted(pooled: torch.Tensor, n_k: int, block_k: int) -> torch.Tensor:

@@ -330,6 +330,37 @@ def test_the_block_plan_reads_its_widths_once(problem):
     assert plan.density == pytest.approx(exact, rel=0.02)  # each block counted at its segment's mean size
 
 
+def test_the_hybrid_plan_is_kept_and_selects_what_the_window_and_top_k_select():
+    """The hybrid policy's plan (the block plan with the static half's windows forced, kept like the plan): its
+    counts and host facts equal what the device gives, and the selection equals the one made without it (forced
+    window blocks set from the window's lists, counts raised to them, widths read back)."""
+    from comfyui_sparse_attention.engine.block_geometry import block_plan, rows_topk_by_segment
+    from comfyui_sparse_attention.engine.policy_block_topk import build_block_topk, hybrid_plan, size_weighted
+    from comfyui_sparse_attention.engine.policy_static import static_window
+    problem = SyntheticVideoAttention(frames=8, height=16, width=16, text=32, heads=2, head_dim=32, steps=2, seed=5)
+    cfg = SparseConfig(method="hybrid", **{**BASE, "density": 0.4})  # windows of 0.2 x 32 video blocks
+    n = problem.n
+    hp = hybrid_plan(n, problem.layout, cfg, "cpu")
+    assert hybrid_plan(n, problem.layout, cfg, torch.device("cpu")) is hp
+    plan = block_plan(n, problem.layout, cfg, "cpu")
+    win_idx, win_cnt = static_window(n, problem.layout, cfg, "cpu", scale=0.5)
+    forced = plan.forced.clone()
+    for r in range(win_idx.shape[0]):
+        forced[r, win_idx[r, :win_cnt[r]].long()] = True
+    assert torch.equal(hp.forced, forced) and not torch.equal(forced, plan.forced)
+    onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).float()
+    counts = torch.maximum(plan.counts, (forced.float() @ onehot).long())
+    assert torch.equal(hp.counts, counts)  # the window's forced blocks fit the budget here: counts as the plan's
+    assert list(hp.seg_widths) == counts.amax(0).tolist() and hp.width == int(counts.sum(-1).max())
+    q, k, _ = problem.qkv(0)
+    sel = build_block_topk(q, k, problem.layout, cfg, hybrid=True)
+    pooled = size_weighted(kernels.pooled_block_scores(q, k, block_q=64, block_k=64), n, 64)
+    scores = torch.where(forced, torch.full_like(pooled, float("inf")), pooled)
+    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.expand(*q.shape[:2], -1, -1).contiguous())
+    assert torch.equal(sel.kv_indices, idx) and torch.equal(sel.kv_counts, cnt)
+    assert sel.planned == hp.density == pytest.approx(float(sel.density), rel=0.02)
+
+
 def test_mc_sparse_lists_are_as_wide_as_the_budget_where_rows_are_short(problem):
     """Short key segments keep exactly their budget (keep_top's bisection), so the lists' width is known without
     reading the counts back: video keys 0.15 x 1024 plus the 32 text keys (a dense pair), rounded up to 16. A key

@@ -1102,7 +1102,7 @@ def test_an_anchors_store_never_waits_for_the_device(method):
 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("text", [0, 200])
-@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse", "hybrid"])
 def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
     """A whole anchor call as the engine makes it (bf16, 16 384 video tokens, with and without 200 text tokens
     ahead of them: ragged last blocks), and a reuse call after it, make no host synchronisation
@@ -1111,7 +1111,8 @@ def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
     layer's call tunes the kernels and builds the plan; the second layer's is the one watched. The densities the
     statistics read afterwards are the selections' exact ones. per_head: densities 0.05 and 0.15 on alternate heads
     of both layers (head groups by index tensors, made at layer 0's anchor and kept). (Key segments longer than
-    4 x 4096 tokens still read mc_sparse's list width back.)"""
+    4 x 4096 tokens still read mc_sparse's list width back.) hybrid: its plan, the block plan with the static half's
+    windows forced, is built at layer 0 and kept (docs/kernel_notes.md, "v28")."""
     from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.engine.selection import BlockSelection, block_pairs_fraction
     layout = TokenLayout(text_len=text, grid=(4, 64, 64))
