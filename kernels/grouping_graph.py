@@ -44,10 +44,13 @@ from .side_stream import async_allocator
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' layouts: a run has one or two)
-# longer sequences run as they are: there the anchor's dense call, launched first, runs longer than the grouping takes
-# to launch, so the launches hide behind it (Wan 14B, 75 600 tokens: anchor 298.7 ms with the graph, 298.1 without;
-# 16 384 tokens: 29.9 -> 25.2 ms; docs/kernel_notes.md, "v22"), and the graph would hold ~1.2 GB there for nothing
-MAX_TOKENS = 49152
+# longer sequences run as they are: there the anchor's dense call, beside which the grouping runs (side_stream.py),
+# takes longer than the grouping takes to launch, so the launches hide behind it. With the side stream (v23) the anchor
+# at 16 384 tokens (24 heads) is as fast without the graph as with it (native 21.97 / 21.83 against 21.92 / 21.33 ms;
+# cudaMallocAsync 21.36 against 22.37), at 4 608 tokens the graph halves it (docs/kernel_notes.md, "v28"). Beyond,
+# a graph would hold its pool through the run for nothing: ~1 GB at Wan 14B 480p (40 heads x 32 760 tokens), on the
+# cards whose residual cache needs it most. (v22, before the side stream, kept graphs up to 49 152 tokens.)
+MAX_TOKENS = 16384
 
 
 class _Graph:
