@@ -85,14 +85,15 @@ def graph_first_stage(K, GG):
 def torch_gather_stage(K, GG):
     """Captures the grouping with ``gather_torch.gather_rows`` (index_select) where the Triton gather's capture fails,
     checks the replays' groups against the uncaptured Triton path, and times per call (16 384 tokens, 8 and 40 heads):
-    as ComfyUI runs it today (cudaMallocAsync: no graph, Triton gathers) against the graph of PyTorch gathers."""
+    without a graph (Triton gathers, as under cudaMallocAsync before v28) against the graph, which captures PyTorch's
+    gathers under cudaMallocAsync (``graph_gather``; the caller's Triton gathers under the native allocator)."""
     GT, gather_triton = (load(f"kernels.{m}") for m in ("grouping_torch", "gather_triton"))
     for heads in (8, 40):
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(1, heads, 16384, 128, device="cuda", generator=g).to(torch.bfloat16)
         ways = {"triton gathers, no graph": dict(gather=gather_triton.gather_rows),
-                # as the engine calls it: group_points captures PyTorch's gathers there (graph_gather)
-                "torch gathers, graph": dict(gather=gather_triton.gather_rows, partition=GG.group_points)}
+                # as the engine calls it: group_points captures graph_gather(...) (PyTorch's gathers, cudaMallocAsync)
+                "graph": dict(gather=gather_triton.gather_rows, partition=GG.group_points)}
         want = GT.group_queries(q, 128, 16, gather=gather_triton.gather_rows)
         for name, kw in ways.items():
             for i in range(3):  # as it is, captured, replayed

@@ -2,8 +2,9 @@
 # On the H100/H200 (nothing to carry): the pack under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator;
 # docs/kernel_notes.md, "v25"). bench/async_graph_probe.py's stages, one process each: under the native allocator,
 # under cudaMallocAsync with the query grouping's CUDA graphs forced on (SPARSE_ATTN_GROUPING_GRAPH=force) and with
-# the default (graphs on there too since v28; before, off); then, under cudaMallocAsync, the GPU tests TESTS_K selects,
-# in one process with the default and in one with the graphs forced on; with FULL set, every GPU test of
+# the default (graphs on there too since v28, so the two now run the same; before, off); then, under cudaMallocAsync,
+# the GPU tests TESTS_K selects, in one process with the default and in one with the graphs forced on (the same since
+# v28: narrow with MODES and TEST_MODES); with FULL set, every GPU test of
 # tests/test_gpu_kernels.py under cudaMallocAsync (FULL_TIMEOUT seconds at most). MODES narrows the probes' settings
 # (native, async-force, async-default), TEST_MODES the tests' (1, force).
 # Everything lands in $OUT/async-alloc.tgz.

@@ -211,8 +211,9 @@ def _build_plan(n: int, layout: TokenLayout, cfg, device, scale: float) -> Block
 
 def with_forced(plan: BlockPlan, forced: torch.Tensor, n: int, block_q: int, block_k: int) -> BlockPlan:
     """``plan`` with more forced pairs: forced bool (nqb, nkb), a superset of plan.forced; each (query block, key
-    segment) keeps at least its forced blocks (counts raised to them), and the host facts are read again (once:
-    callers keep the result, as the hybrid policy does)."""
+    segment) keeps at least its forced blocks (counts raised to them where they would not fit: never for the hybrid
+    policy's windows, which count the plan's forced blocks at half its density), and the host facts are read again
+    (once: callers keep the result, as the hybrid policy does)."""
     onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).to(torch.float32)  # (nkb, S)
     counts = torch.maximum(plan.counts, (forced.to(onehot.dtype) @ onehot).long())
     return BlockPlan(forced, plan.near, plan.owner, counts, plan.dense_pair,

@@ -5,17 +5,18 @@ The partition of ``grouping_torch._group`` is hundreds of small operators a call
 is, 5.7 ms replayed. It never waits for the GPU, its shapes follow only the points' shape, and every layer of an
 anchor step calls it with the same shape, so from the second call of a shape its operators are replayed from one CUDA
 graph: a copy of the points into the graph's input, one replay, a copy of the groups out. Up to MAX_TOKENS tokens:
-beyond, the dense call before it hides its launches.
+beyond, the anchor's dense call, beside which the grouping runs (side_stream.py), hides its launches.
 
-What a graph holds: its input (the points: fp32 (B, H, N, W), 25 MB at 24 heads x 16 384 tokens with W = 16) and the
-partition's scratch in a memory pool every graph of this module shares (graphs never run at once; 336 MB reserved
-there). ``release()`` frees them all; the engine calls it at the end of every run and when it makes room after an
-out-of-memory error. A capture costs what PyTorch's ``torch.cuda.graph`` does on entry (a device synchronisation and
-an ``empty_cache``) once a shape a run, under this module's lock. Graphs assume the calls of one device are ordered on
-one stream (a replay and the next call's copy into its input): the engine's anchors call it on the side stream of
-kernels/side_stream.py, which waits for the current stream before each call and is waited for after it. At most
-``MAX_GRAPHS`` shapes are kept (the oldest goes), and none is made where free memory is short, inside another
-capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call): the call then runs as it is.
+What a graph holds: its input (the points: fp32 (B, H, N, W), 25 MB at 24 heads x 16 384 tokens with W = 16), its output
+(int32 groups, made before the capture) and the partition's scratch in a memory pool every graph of this module shares
+(graphs never run at once; 336 MB reserved there under the native allocator, v22). ``release()`` frees them all; the
+engine calls it at the end of every run and when it makes room after an out-of-memory error. A capture costs what
+PyTorch's ``torch.cuda.graph`` does on entry (a device synchronisation and an ``empty_cache``) once a shape a run, under
+this module's lock. Graphs assume the calls of one device are ordered on one stream (a replay and the next call's copy
+into its input): the engine's anchors call it on the side stream of kernels/side_stream.py, which waits for the current
+stream before each call and is waited for after it. At most ``MAX_GRAPHS`` shapes are kept (the oldest goes), and none
+is made where free memory is short, inside another capture, or under SPARSE_ATTN_GROUPING_GRAPH=0 (read at each call):
+the call then runs as it is.
 
 Under PyTorch's cudaMallocAsync backend (ComfyUI's default allocator) the graph gathers each level's rows with
 PyTorch's ``index_select`` (``gather_torch.gather_rows``) instead of the Triton kernel the caller passes: Triton's
@@ -47,9 +48,10 @@ MAX_GRAPHS = 4  # shapes kept (cond and uncond batched or apart, two experts' la
 # longer sequences run as they are: there the anchor's dense call, beside which the grouping runs (side_stream.py),
 # takes longer than the grouping takes to launch, so the launches hide behind it. With the side stream (v23) the anchor
 # at 16 384 tokens (24 heads) is as fast without the graph as with it (native 21.97 / 21.83 against 21.92 / 21.33 ms;
-# cudaMallocAsync 21.36 against 22.37), at 4 608 tokens the graph halves it (docs/kernel_notes.md, "v28"). Beyond,
-# a graph would hold its pool through the run for nothing: ~1 GB at Wan 14B 480p (40 heads x 32 760 tokens), on the
-# cards whose residual cache needs it most. (v22, before the side stream, kept graphs up to 49 152 tokens.)
+# cudaMallocAsync 21.36 against 22.37, one run each, 1 ms where the native pairs spread by 0.6 ms), while at 4 608
+# tokens the graph halves it (docs/kernel_notes.md, "v28"): the cap is the measured size where the gain had ended.
+# Beyond, a graph would hold its pool through the run for nothing: ~1 GB at Wan 14B 480p (40 heads x 32 760 tokens),
+# on the cards whose residual cache needs it most. (v22, before the side stream, kept graphs up to 49 152 tokens.)
 MAX_TOKENS = 16384
 
 

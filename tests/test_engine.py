@@ -330,15 +330,18 @@ def test_the_block_plan_reads_its_widths_once(problem):
     assert plan.density == pytest.approx(exact, rel=0.02)  # each block counted at its segment's mean size
 
 
-def test_the_hybrid_plan_is_kept_and_selects_what_the_window_and_top_k_select():
+@pytest.mark.parametrize("density", [0.4, 0.2])
+def test_the_hybrid_plan_is_kept_and_selects_what_the_window_and_top_k_select(density):
     """The hybrid policy's plan (the block plan with the static half's windows forced, kept like the plan): its
     counts and host facts equal what the device gives, and the selection equals the one made without it (forced
-    window blocks set from the window's lists, counts raised to them, widths read back)."""
+    window blocks set from the window's lists, counts raised to them, widths read back). The windows, at half the
+    density and counting the plan's forced blocks, never need more than the plan's counts, so the counts stay the
+    plan's (``with_forced`` raises counts only for a superset that would not fit)."""
     from comfyui_sparse_attention.engine.block_geometry import block_plan, rows_topk_by_segment
     from comfyui_sparse_attention.engine.policy_block_topk import build_block_topk, hybrid_plan, size_weighted
     from comfyui_sparse_attention.engine.policy_static import static_window
     problem = SyntheticVideoAttention(frames=8, height=16, width=16, text=32, heads=2, head_dim=32, steps=2, seed=5)
-    cfg = SparseConfig(method="hybrid", **{**BASE, "density": 0.4})  # windows of 0.2 x 32 video blocks
+    cfg = SparseConfig(method="hybrid", **{**BASE, "density": density})
     n = problem.n
     hp = hybrid_plan(n, problem.layout, cfg, "cpu")
     assert hybrid_plan(n, problem.layout, cfg, torch.device("cpu")) is hp
@@ -350,7 +353,8 @@ def test_the_hybrid_plan_is_kept_and_selects_what_the_window_and_top_k_select():
     assert torch.equal(hp.forced, forced) and not torch.equal(forced, plan.forced)
     onehot = torch.nn.functional.one_hot(plan.owner, plan.counts.shape[-1]).float()
     counts = torch.maximum(plan.counts, (forced.float() @ onehot).long())
-    assert torch.equal(hp.counts, counts)  # the window's forced blocks fit the budget here: counts as the plan's
+    assert torch.equal(hp.counts, counts)
+    assert torch.equal(counts, plan.counts)
     assert list(hp.seg_widths) == counts.amax(0).tolist() and hp.width == int(counts.sum(-1).max())
     q, k, _ = problem.qkv(0)
     sel = build_block_topk(q, k, problem.layout, cfg, hybrid=True)

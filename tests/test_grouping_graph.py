@@ -105,6 +105,12 @@ def test_under_cuda_malloc_async_the_graph_captures_pytorchs_gather(monkeypatch)
     rows, index = torch.randn(50, 16), torch.tensor([3, 0, 49, 3])
     assert torch.equal(gather_torch.gather_rows(rows, index), mine(rows, index))
 
+    def no_cuda():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", no_cuda)  # a build or machine without CUDA
+    assert grouping_graph.graph_gather(mine) is mine
+
 
 class _FakeGraph:
     """Stands in for torch.cuda.CUDAGraph: records, at reset, whether the graph's output tensor was already freed."""
