@@ -1,0 +1,100 @@
+"""The engine's own code on an anchor's and a reuse call's path reads nothing back from the tensors it computes
+(issue 14; docs/kernel_notes.md, "v27", "v28"): on a GPU each such read waits for the device. The GPU test
+(tests/test_gpu_kernels.py, test_a_whole_anchor_never_waits_for_the_device) watches the whole call with PyTorch's
+sync debug mode; this CPU twin watches the engine's part of it on every CI run, with a TorchFunctionMode that records
+the operations that read a tensor's values on the host (item, tolist, bool/int/float, nonzero, equal, boolean-mask
+indexing) when their caller is in engine/. The kernels' PyTorch twins may read (their Triton and Gluon paths do not,
+which the GPU test checks), so calls from kernels/ are let through. Not seen here: what waits on CUDA without reading
+(a host scalar written into a tensor of another dtype, v27's `q_rows[-1] = n`), which only the GPU test sees."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+
+from conftest import ROOT
+
+ENGINE, KERNELS = str(ROOT / "engine") + "/", str(ROOT / "kernels") + "/"
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal,
+         torch.unique, torch.Tensor.unique, torch.masked_select}
+# engine functions that read only off CUDA (on CUDA they take another branch): selection._same_rows compares the text
+# rows' values on the CPU only
+OFF_CUDA_ONLY = {"_same_rows"}
+INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+def _engine_caller() -> str | None:
+    """file:line of the innermost frame in the pack's engine/, or None where a frame in kernels/ comes first (a
+    kernel's PyTorch twin) or neither is on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(KERNELS):
+            return None
+        if name.startswith(ENGINE):
+            return None if frame.f_code.co_name in OFF_CUDA_ONLY else f"{Path(name).name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _bool_index(args) -> bool:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+class NoHostReads(TorchFunctionMode):
+    """While active, ``reads`` collects "operation at file:line" for each host read made from engine/ code."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS or (func in INDEXING and _bool_index(args)):
+            where = _engine_caller()
+            if where is not None:
+                self.reads.append(f"{getattr(func, '__name__', func)} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("text", [0, 40])
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse", "hybrid"])
+def test_an_anchor_and_a_reuse_call_read_nothing_back_in_the_engine(method, text, per_head):
+    """As the GPU test: layer 0's anchor builds the plans and the head-group indices, layer 1's anchor and reuse call
+    are watched (text tokens make ragged last blocks; per_head: densities 0.05 and 0.15 on alternate heads)."""
+    layout = TokenLayout(text_len=text, grid=(4, 16, 16))
+    n, h = text + 1024, 4
+    factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
+    eng = SparseEngine(SparseConfig(method=method, density=0.1, min_tokens=0, residual=True, block_q=64, block_k=64,
+                                    group_size=64, backend="torch", layer_densities=factors))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g) for _ in range(3))
+    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q, k, v, ctx[0])
+        with NoHostReads() as watch:
+            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
+            eng.attend(q, k, v, ctx[3])  # and its reuse call
+        stats = eng.end_run()
+    assert stats.layers[1].reuses == 1
+    assert watch.reads == []
+
+
+def test_the_watch_sees_a_read_in_the_engine():
+    """The watch itself: a read the engine makes is reported with its place; a kernel twin's is not."""
+    from comfyui_sparse_attention.engine import block_geometry
+    from comfyui_sparse_attention.kernels import threshold_torch
+    counts = torch.tensor([[1, 2], [3, 0]])
+    with NoHostReads() as watch:
+        block_geometry.rows_topk(torch.rand(2, 5), counts[:, 0])  # width=None: reads max(counts)
+        threshold_torch.keep_at_threshold(torch.rand(2, 8), torch.full((2, 1), 0.5), 3)  # the twin's own check
+        torch.equal(counts, counts)  # from here (tests/): not watched
+    assert len(watch.reads) == 1 and "block_geometry.py" in watch.reads[0]
