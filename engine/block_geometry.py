@@ -243,31 +243,32 @@ def _host_facts(n: int, owner: torch.Tensor, counts: torch.Tensor, block_q: int,
 
 
 def rows_topk_by_segment(scores: torch.Tensor, owner: torch.Tensor, counts: torch.Tensor,
-                         plan: BlockPlan | None = None):
+                         plan: BlockPlan | None = None, plan_counts: bool = True):
     """Per row and key segment, the ``counts`` highest-scoring columns of that segment, merged and sorted.
 
     scores: float (..., R, L) (+inf marks forced entries); owner: int64 (L,) segment of each column; counts:
     int (..., R, S) columns kept per row and segment. Returns (indices int32 (..., R, K) sorted with -1 past
-    each count, counts int32 (..., R)). ``plan``: the BlockPlan these are the owner and counts of (counts equal
-    to its own, expanded over leading dims): its columns and widths spare the host reads (no synchronisation);
-    None: read from the device.
+    each count, counts int32 (..., R)). ``plan``: the BlockPlan ``owner`` is the owner of: its segments' columns
+    spare a host read each; with ``plan_counts`` (counts equal to its own, expanded over leading dims) its widths
+    spare the rest (no synchronisation). None: everything read from the device.
     """
+    widths = plan is not None and plan_counts
     n_seg = counts.shape[-1]
     if n_seg == 1:
-        return rows_topk(scores, counts[..., 0], None if plan is None else plan.seg_widths[0])
+        return rows_topk(scores, counts[..., 0], plan.seg_widths[0] if widths else None)
     length = scores.shape[-1]
     parts, totals = [], []
     for s in range(n_seg):
         cols = torch.nonzero(owner == s).view(-1) if plan is None else plan.seg_cols[s]
         if cols.numel() == 0:
             continue
-        idx, cnt = rows_topk(scores[..., cols], counts[..., s], None if plan is None else plan.seg_widths[s])
+        idx, cnt = rows_topk(scores[..., cols], counts[..., s], plan.seg_widths[s] if widths else None)
         parts.append(torch.where(idx >= 0, cols[idx.clamp(min=0).long()].to(torch.int32), idx))
         totals.append(cnt)
     merged = torch.cat(parts, -1)
     total = torch.stack(totals, -1).sum(-1).to(torch.int32)
     merged = torch.sort(torch.where(merged < 0, torch.full_like(merged, length), merged), dim=-1).values
-    width = (int(total.max()) if total.numel() else 0) if plan is None else plan.width
+    width = plan.width if widths else (int(total.max()) if total.numel() else 0)
     merged = merged[..., :width]
     return torch.where(merged == length, torch.full_like(merged, -1), merged).contiguous(), total
 

@@ -48,8 +48,9 @@ def build_block_topk(q, k, layout: TokenLayout, cfg: SparseConfig, *, hybrid: bo
     scores = torch.where(f4, torch.full_like(pooled, float("inf")), pooled)
     # plain top-k keeps the plan's own counts (they include its forced blocks; the hybrid's plan, its windows' too),
     # whose widths the plan read once: no host synchronisation on the anchor's path (docs/kernel_notes.md, "v27")
+    # (with mass the counts follow the scores: the widths are read, the segments' columns still come from the plan)
     own = hybrid or cfg.mass is None
-    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous(), plan if own else None)
+    idx, cnt = rows_topk_by_segment(scores, plan.owner, counts.contiguous(), plan, plan_counts=own)
     return BlockSelection(idx.contiguous(), cnt.contiguous(), cfg.block_q, cfg.block_k,
                           block_pairs_on_device(idx, cnt, n, n, cfg.block_q, cfg.block_k), plan.density)
 

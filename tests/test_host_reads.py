@@ -88,6 +88,42 @@ def test_an_anchor_and_a_reuse_call_read_nothing_back_in_the_engine(method, text
     assert watch.reads == []
 
 
+OTHER_MODES = [dict(method="block_topk", residual_weighting="mass", anchor_steps="0,2"),
+               dict(method="block_topk", select_every_step=True), dict(method="block_topk", residual_precision="int4"),
+               dict(method="static"), dict(method="mc_sparse", residual_precision="int4"),
+               dict(method="mc_sparse", grouping="cuboid"), dict(method="mc_sparse", anchor_steps="0,2"),
+               dict(method="block_topk", mass=0.9)]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("mode", OTHER_MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items()))
+def test_other_modes_read_nothing_back_but_mass_widths(mode, batch):
+    """Layer 1's four calls (anchors at the steps its schedule says, reuse calls between; the residual weighted by the
+    mass after a later anchor, 4-bit residuals, cuboid groups, re-selection at every step, cond and uncond batched)
+    read nothing back in the engine; block_topk with ``mass`` reads only its lists' widths (its counts follow the
+    scores), never its key segments' columns (the plan's)."""
+    layout = TokenLayout(text_len=40, grid=(4, 16, 16))
+    n, h = 40 + 1024, 4
+    cfg = dict(density=0.1, min_tokens=0, residual=True, block_q=64, block_k=64, group_size=64, backend="torch")
+    eng = SparseEngine(SparseConfig(**{**cfg, **mode}))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch, h, n, 64, generator=g) for _ in range(3))
+    reads = []
+    with torch.inference_mode():
+        eng.begin_run()
+        for layer in (0, 1):
+            for step in range(4):
+                ctx = CallContext(layer=layer, step=step, total_steps=8, layout=layout)
+                with NoHostReads() as watch:
+                    eng.attend(q, k, v, ctx)
+                reads += watch.reads if layer == 1 else []
+        eng.end_run()
+    if mode.get("mass"):
+        assert reads and all(r.startswith("__int__ at block_geometry.py") for r in reads), reads
+    else:
+        assert reads == []
+
+
 def test_the_watch_sees_a_read_in_the_engine():
     """The watch itself: a read the engine makes is reported with its place; a kernel twin's is not."""
     from comfyui_sparse_attention.engine import block_geometry
