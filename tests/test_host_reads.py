@@ -1,11 +1,12 @@
-"""The engine's own code on an anchor's and a reuse call's path reads nothing back from the tensors it computes
-(issue 14; docs/kernel_notes.md, "v27", "v28"): on a GPU each such read waits for the device. The GPU test
+"""The pack's own code on an anchor's and a reuse call's path reads nothing back from the tensors it computes (issue 14;
+docs/kernel_notes.md, "v27", "v28"): on a GPU each such read waits for the device. The GPU test
 (tests/test_gpu_kernels.py, test_a_whole_anchor_never_waits_for_the_device) watches the whole call with PyTorch's
-sync debug mode; this CPU twin watches the engine's part of it on every CI run, with a TorchFunctionMode that records
+sync debug mode; this CPU twin watches the pack's part of it on every CI run, with a TorchFunctionMode that records
 the operations that read a tensor's values on the host (item, tolist, bool/int/float, nonzero, equal, boolean-mask
-indexing) when their caller is in engine/. The kernels' PyTorch twins may read (their Triton and Gluon paths do not,
-which the GPU test checks), so calls from kernels/ are let through. Not seen here: what waits on CUDA without reading
-(a host scalar written into a tensor of another dtype, v27's `q_rows[-1] = n`), which only the GPU test sees."""
+indexing) when their caller is in engine/ or nodes/. The kernels' PyTorch twins may read (their Triton and Gluon
+paths do not, which the GPU test checks), so calls from kernels/ are let through. Not seen here: what waits on CUDA
+without reading (a host scalar written into a tensor of another dtype, v27's `q_rows[-1] = n`), which only the GPU
+test sees."""
 
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEng
 
 from conftest import ROOT
 
-ENGINE, KERNELS = str(ROOT / "engine") + "/", str(ROOT / "kernels") + "/"
+WATCHED = (str(ROOT / "engine") + "/", str(ROOT / "nodes") + "/")
+TORCH = str(Path(torch.__file__).parent) + "/"
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
          torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal,
          torch.unique, torch.Tensor.unique, torch.masked_select}
@@ -28,18 +30,18 @@ OFF_CUDA_ONLY = {"_same_rows"}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
-def _engine_caller() -> str | None:
-    """file:line of the innermost frame in the pack's engine/, or None where a frame in kernels/ comes first (a
-    kernel's PyTorch twin) or neither is on the stack."""
+def _watched_caller(allowed: set) -> str | None:
+    """file:line of the frame that made the read, if it is the pack's engine/ or nodes/ code: the innermost frame
+    outside PyTorch's own files. None where that frame is in kernels/ (a kernel's PyTorch twin) or anyone else's code
+    (ComfyUI's models, this test), or where its function is in ``allowed`` or OFF_CUDA_ONLY."""
     frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith(KERNELS):
-            return None
-        if name.startswith(ENGINE):
-            return None if frame.f_code.co_name in OFF_CUDA_ONLY else f"{Path(name).name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return None
+    while frame is not None and (TORCH in frame.f_code.co_filename or frame.f_code is _MODE_CODE):
+        frame = frame.f_back  # PyTorch's dispatch, and another watch's own call of the operation
+    if frame is None or not frame.f_code.co_filename.startswith(WATCHED):
+        return None
+    if frame.f_code.co_name in OFF_CUDA_ONLY | allowed:
+        return None
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 
 def _bool_index(args) -> bool:
@@ -49,18 +51,22 @@ def _bool_index(args) -> bool:
 
 
 class NoHostReads(TorchFunctionMode):
-    """While active, ``reads`` collects "operation at file:line" for each host read made from engine/ code."""
+    """While active, ``reads`` collects "operation at file:line" for each host read made from engine/ or nodes/ code,
+    but for the functions named in ``allowed``."""
 
-    def __init__(self):
+    def __init__(self, allowed=()):
         super().__init__()
-        self.reads = []
+        self.reads, self.allowed = [], set(allowed)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in READS or (func in INDEXING and _bool_index(args)):
-            where = _engine_caller()
+            where = _watched_caller(self.allowed)
             if where is not None:
                 self.reads.append(f"{getattr(func, '__name__', func)} at {where}")
         return func(*args, **(kwargs or {}))
+
+
+_MODE_CODE = NoHostReads.__torch_function__.__code__
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -134,3 +140,76 @@ def test_the_watch_sees_a_read_in_the_engine():
         threshold_torch.keep_at_threshold(torch.rand(2, 8), torch.full((2, 1), 0.5), 3)  # the twin's own check
         torch.equal(counts, counts)  # from here (tests/): not watched
     assert len(watch.reads) == 1 and "block_geometry.py" in watch.reads[0]
+
+
+def test_a_comfyui_forward_reads_only_its_sigma_once():
+    """Through the ComfyUI side (nodes/patch.py's wrappers and attention override, driven as ComfyUI drives them:
+    tests/test_patch_runs.py): a forward's attention calls read nothing back. The one read is ``locate_call``'s, once
+    per forward before its first attention call: the current sigma and the run's schedule (on the GPU in ComfyUI),
+    where the device's queue holds only the sampler's update of the latent."""
+    from test_patch_runs import CFG, SIGMAS, STEPS, Executor, Guider, forward
+
+    from comfyui_sparse_attention.nodes.patch import SparseAttentionPatch
+    patch, guider, reads, located = SparseAttentionPatch(CFG), Guider(), [], []
+
+    def run(noise, latent, sampler, sigmas):
+        for step in range(STEPS):  # anchors at 0 and 2 ("every 2"), reuse calls at 1 and 3; two layers each
+            with NoHostReads() as everything, NoHostReads(allowed={"locate_call"}) as watch:
+                forward(patch, guider.model_options["transformer_options"], step, 1)
+            reads.extend(watch.reads)
+            located.append(sorted({r.split(" at ")[1] for r in everything.reads}))
+    patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+    assert reads == []
+    assert len(located) == STEPS and all(len(x) == 2 and all(p.startswith("forward.py") for p in x) for x in located)
+
+
+COMFY_BODY = """
+import sys, json, collections
+sys.path.insert(0, {tests!r})
+import comfy_child as C
+pack = C.load_pack()
+import comfy.patcher_extension as pe
+import test_host_reads as H
+from comfyui_sparse_attention.nodes.patch import install
+from comfyui_sparse_attention.engine import SparseConfig
+results = {{}}
+for family in {families!r}:
+    model, latent, pos, neg = C.build(family)
+    cfg = SparseConfig(method={method!r}, density=0.15, min_tokens=0, group_size=64, block_q=64, block_k=64,
+                       backend="torch", anchor_steps="0, 50%")
+    patched, patch = install(model, cfg)
+    C.sample(patched, latent, pos, neg, steps=5)  # a first run: plans built, kernels chosen
+    reads, forwards = [], []
+
+    def watched(executor, *args, **kwargs):  # around each model forward and so every attention call in it
+        forwards.append(1)
+        with H.NoHostReads(allowed={{"locate_call"}}) as watch:
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                reads.extend(watch.reads)
+    m = patched.clone()
+    m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, "host_reads_test", watched)
+    C.sample(m, latent, pos, neg, steps=5)
+    results[family] = dict(forwards=len(forwards), reads=dict(collections.Counter(reads)),
+                           stats=patch.last_stats.totals())
+print("RESULT:" + json.dumps(results, default=str))
+"""
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("method", ["mc_sparse", "block_topk"])
+def test_a_comfyui_forward_reads_nothing_back_in_the_pack(method):
+    """Sampling runs of ComfyUI's own tiny models (tests/comfy_child.py, every family it builds) with the patch
+    installed, 5 steps with anchors at 0 and half the run: inside every model forward (the pack's wrapper and every
+    attention call it overrides, anchors and reuse calls) the pack reads nothing back but the sigma ``locate_call``
+    reads once per forward."""
+    from comfy_subprocess import run_in_comfyui
+    from conftest import comfyui_path
+    families = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "ltxv", "hunyuan3d", "hunyuan3d_2_1")
+    got = run_in_comfyui(comfyui_path(), COMFY_BODY.format(tests=str(ROOT / "tests"), families=families,
+                                                           method=method), timeout=900)
+    assert set(got) == set(families)
+    for family, r in got.items():
+        assert r["forwards"] >= 5 and r["reads"] == {}, (family, r)
+        assert r["stats"]["anchors"] > 0 and r["stats"]["reuses"] > 0, (family, r["stats"])
