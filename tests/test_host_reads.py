@@ -3,10 +3,10 @@ docs/kernel_notes.md, "v27", "v28"): on a GPU each such read waits for the devic
 (tests/test_gpu_kernels.py, test_a_whole_anchor_never_waits_for_the_device) watches the whole call with PyTorch's
 sync debug mode; this CPU twin watches the pack's part of it on every CI run, with a TorchFunctionMode that records
 the operations that read a tensor's values on the host (item, tolist, bool/int/float, nonzero, equal, boolean-mask
-indexing) when their caller is in engine/ or nodes/. The kernels' PyTorch twins may read (their Triton and Gluon
-paths do not, which the GPU test checks), so calls from kernels/ are let through. Not seen here: what waits on CUDA
-without reading (a host scalar written into a tensor of another dtype, v27's `q_rows[-1] = n`), which only the GPU
-test sees."""
+indexing) when their caller is the pack's code (engine/, nodes/, kernels/). The kernels' PyTorch twins
+(kernels/*_torch.py) may read (their Triton and Gluon kernels do not, which the GPU test checks), so their calls are
+let through. Not seen here: what waits on CUDA without reading (a host scalar written into a tensor of another dtype,
+v27's `q_rows[-1] = n`), which only the GPU test sees."""
 
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEng
 
 from conftest import ROOT
 
-WATCHED = (str(ROOT / "engine") + "/", str(ROOT / "nodes") + "/")
+WATCHED = (str(ROOT / "engine") + "/", str(ROOT / "nodes") + "/", str(ROOT / "kernels") + "/")
 TORCH = str(Path(torch.__file__).parent) + "/"
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
          torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal,
@@ -31,13 +31,14 @@ INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
 def _watched_caller(allowed: set) -> str | None:
-    """file:line of the frame that made the read, if it is the pack's engine/ or nodes/ code: the innermost frame
-    outside PyTorch's own files. None where that frame is in kernels/ (a kernel's PyTorch twin) or anyone else's code
-    (ComfyUI's models, this test), or where its function is in ``allowed`` or OFF_CUDA_ONLY."""
+    """file:line of the frame that made the read, if it is the pack's code (engine/, nodes/, kernels/): the innermost
+    frame outside PyTorch's own files. None where that frame is a kernel's PyTorch twin (kernels/*_torch.py) or
+    anyone else's code (ComfyUI's models, this test), or where its function is in ``allowed`` or OFF_CUDA_ONLY."""
     frame = sys._getframe(2)
     while frame is not None and (TORCH in frame.f_code.co_filename or frame.f_code is _MODE_CODE):
         frame = frame.f_back  # PyTorch's dispatch, and another watch's own call of the operation
-    if frame is None or not frame.f_code.co_filename.startswith(WATCHED):
+    name = frame.f_code.co_filename if frame is not None else ""
+    if not name.startswith(WATCHED) or name.endswith("_torch.py"):  # not the pack's, or a kernel's PyTorch twin
         return None
     if frame.f_code.co_name in OFF_CUDA_ONLY | allowed:
         return None
@@ -51,8 +52,8 @@ def _bool_index(args) -> bool:
 
 
 class NoHostReads(TorchFunctionMode):
-    """While active, ``reads`` collects "operation at file:line" for each host read made from engine/ or nodes/ code,
-    but for the functions named in ``allowed``."""
+    """While active, ``reads`` collects "operation at file:line" for each host read the pack's code makes (not its
+    kernels' PyTorch twins), but for the functions named in ``allowed``."""
 
     def __init__(self, allowed=()):
         super().__init__()
