@@ -207,7 +207,7 @@ def test_a_comfyui_forward_reads_nothing_back_in_the_pack(method):
     reads once per forward."""
     from comfy_subprocess import run_in_comfyui
     from conftest import comfyui_path
-    families = ("wan", "flux", "sd3", "qwen_image", "hunyuan_video", "ltxv", "hunyuan3d", "hunyuan3d_2_1")
+    from test_comfyui_integration import FAMILIES as families  # every family comfy_child.build makes
     got = run_in_comfyui(comfyui_path(), COMFY_BODY.format(tests=str(ROOT / "tests"), families=families,
                                                            method=method), timeout=900)
     assert set(got) == set(families)
