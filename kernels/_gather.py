@@ -63,9 +63,11 @@ class Scratch:
         return sets[dtype]
 
     def buffer(self, name: str, numel: int) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements (contents undefined), reused across calls."""
+        """A flat buffer of at least ``numel`` elements (contents undefined), reused across calls. One made under
+        ``torch.inference_mode`` (ComfyUI samples there) is an inference tensor, which PyTorch lets no one write
+        outside that mode: a call outside it gets a fresh buffer."""
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < numel:
+        if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
             buf = torch.empty(numel, dtype=self.dtype, device=self.device)
             self._bufs[name] = buf
         return buf[:numel]

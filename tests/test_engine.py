@@ -726,3 +726,31 @@ def test_grouped_query_kv_stay_grouped_for_dense_calls_and_are_repeated_for_spar
         assert torch.allclose(out, want, atol=1e-4), step
     assert seen and set(seen) == {1}  # the dense calls got the grouped k/v as they are
     assert eng.end_run(log_summary=False).totals()["anchors"] == 1
+
+
+@pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
+def test_a_run_outside_inference_mode_after_one_inside(problem, method):
+    """ComfyUI samples under torch.inference_mode; a later run outside it (another tool in the process) must work: the
+    CPU twins' reused gather buffers (kernels/_gather.py, Scratch) made inside are inference tensors, which PyTorch
+    lets no one write outside that mode, so they are made afresh there. Both runs give the same outputs."""
+    from comfyui_sparse_attention.kernels._gather import Scratch
+    cfg = SparseConfig(method=method, **{**BASE, "anchor_steps": "0"})
+    q, k, v = problem.qkv(0)
+    ctx = [CallContext(layer=0, step=s, total_steps=4, layout=problem.layout) for s in (0, 1)]
+
+    def run():
+        eng = SparseEngine(cfg)
+        eng.begin_run()
+        outs = [eng.attend(q, k, v, c) for c in ctx]
+        eng.end_run(log_summary=False)
+        return outs
+
+    with torch.inference_mode():
+        inside = run()
+    outside = run()
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+    src, idx = torch.randn(6, 3), torch.tensor([5, 0, 2])
+    with torch.inference_mode():
+        Scratch.get(torch.float32, torch.device("cpu")).take("t", src, idx)
+    got = Scratch.get(torch.float32, torch.device("cpu")).take("t", src, idx)
+    assert not got.is_inference() and torch.equal(got, src[idx])
