@@ -118,7 +118,8 @@ class PinnedPool:
                 # free regions idle for a while go before new memory is locked (bounded hoarding when sizes change);
                 # recent ones stay: the entry being stored, or another device's engine, is about to take them
                 self._free_unused(before=time.monotonic() - STALE_S)
-                base = torch.empty(nbytes, dtype=torch.uint8)
+                with torch.inference_mode(False):  # writable by a later run outside inference mode too
+                    base = torch.empty(nbytes, dtype=torch.uint8)
                 if not self._register(base.data_ptr(), nbytes):
                     self._failed = True
                     log.info("sparse attention: page-locking host memory failed; host entries use torch's pinned "

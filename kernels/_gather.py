@@ -63,12 +63,13 @@ class Scratch:
         return sets[dtype]
 
     def buffer(self, name: str, numel: int) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements (contents undefined), reused across calls. One made under
-        ``torch.inference_mode`` (ComfyUI samples there) is an inference tensor, which PyTorch lets no one write
-        outside that mode: a call outside it gets a fresh buffer."""
+        """A flat buffer of at least ``numel`` elements (contents undefined), reused across calls. Made outside
+        ``torch.inference_mode`` (ComfyUI samples inside it): an inference tensor could not be written by a later
+        call outside that mode, while a normal tensor can be written in either."""
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
-            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        if buf is None or buf.numel() < numel:
+            with torch.inference_mode(False):
+                buf = torch.empty(numel, dtype=self.dtype, device=self.device)
             self._bufs[name] = buf
         return buf[:numel]
 

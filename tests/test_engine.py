@@ -731,8 +731,8 @@ def test_grouped_query_kv_stay_grouped_for_dense_calls_and_are_repeated_for_spar
 @pytest.mark.parametrize("method", ["block_topk", "mc_sparse"])
 def test_a_run_outside_inference_mode_after_one_inside(problem, method):
     """ComfyUI samples under torch.inference_mode; a later run outside it (another tool in the process) must work: the
-    CPU twins' reused gather buffers (kernels/_gather.py, Scratch) made inside are inference tensors, which PyTorch
-    lets no one write outside that mode, so they are made afresh there. Both runs give the same outputs."""
+    CPU twins' reused gather buffers (kernels/_gather.py, Scratch), made inside, were inference tensors, which PyTorch
+    lets no one write outside that mode; they are now made outside it. Both runs give the same outputs."""
     from comfyui_sparse_attention.kernels._gather import Scratch
     cfg = SparseConfig(method=method, **{**BASE, "anchor_steps": "0"})
     q, k, v = problem.qkv(0)
