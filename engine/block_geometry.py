@@ -159,16 +159,14 @@ def block_plan(n: int, layout: TokenLayout, cfg, device, scale: float = 1.0) -> 
     the same one: it is built once and kept, within PLANS_KEPT and PLAN_BYTES_KEPT (its 184 small operations were
     most of a block_topk anchor's host time at a few thousand tokens; docs/benchmarks.md, "The block plan kept").
     Callers must not write into its tensors."""
-    return kept_plan(("plan", n, layout, cfg, torch.device(device), scale),
-                     lambda: _build_plan(n, layout, cfg, device, scale))
+    return kept_plan("plan", n, layout, cfg, device, scale, lambda: _build_plan(n, layout, cfg, device, scale))
 
 
-def kept_plan(key: tuple, build) -> BlockPlan:
-    """The plan kept under ``key`` (its kind, n, layout, cfg, device and scale), or ``build()``'s, kept from then on
-    within PLANS_KEPT and PLAN_BYTES_KEPT (the oldest go first). Of cfg only what a plan depends on is in the key."""
-    kind, n, layout, cfg, device, scale = key
+def kept_plan(kind: str, n: int, layout: TokenLayout, cfg, device, scale: float, build) -> BlockPlan:
+    """The ``kind`` of plan kept for these arguments, or ``build()``'s, kept from then on within PLANS_KEPT and
+    PLAN_BYTES_KEPT (the oldest go first). Of cfg only what a plan depends on is in the key."""
     key = (kind, n, layout, cfg.block_q, cfg.block_k, tuple(map(tuple, cfg.densities.table(cfg.density))),
-           cfg.sink_blocks, cfg.temporal_weight, device, scale)
+           cfg.sink_blocks, cfg.temporal_weight, torch.device(device), scale)
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = build()

@@ -69,7 +69,7 @@ def hybrid_plan(n: int, layout: TokenLayout, cfg: SparseConfig, device) -> Block
         forced[rows[valid], win_idx[valid].long()] = True
         return with_forced(plan, forced, n, cfg.block_q, cfg.block_k)
 
-    return kept_plan(("hybrid", n, layout, cfg, torch.device(device), 1.0), build)
+    return kept_plan("hybrid", n, layout, cfg, device, 1.0, build)
 
 
 def size_weighted(pooled: torch.Tensor, n_k: int, block_k: int) -> torch.Tensor:
