@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -281,6 +282,37 @@ class Shape:
                         self.rec(tag, path + again, lambda idx=idx, cnt=cnt, path=path: BT.block_sparse_attention(
                             q, k, v, idx, cnt, block_q=128, block_k=128, validate=False, path=path), real,
                             target=dens)
+
+    def flex_ab(self, densities, repeats=4):
+        """The block kernel kernels/api.py picks (path "auto") against FlexAttention live on the same lists, uniform
+        and skewed, at each of ``densities``, the two alternated ``repeats`` times (variants "auto#i", "flex#i"), so a
+        ratio is a median over the run's own spread rather than one draw (docs/benchmarks.md: one skewed d 0.25 cell
+        measured 1.19x and 1.38x in two runs)."""
+        if self.flex is None:
+            return
+        q, k, v, BT = self.q, self.k, self.v, self.m["BT"]
+        for skewed in (False, True):
+            tag = "ab_skew" if skewed else "ab"
+            for dens in densities:
+                idx, cnt, real = self.block_lists(dens, skewed)
+                if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # Flex's first call compiles (~30 s)
+                    return
+                try:
+                    run = self.flex(q, k, v, idx, cnt, 128)
+                except Exception as exc:
+                    say(f"flex failed: {str(exc)[:300]}")
+                    return
+                ratios = []
+                for i in range(1, repeats + 1):
+                    ours = self.rec(tag, f"auto#{i}", lambda idx=idx, cnt=cnt: BT.block_sparse_attention(
+                        q, k, v, idx, cnt, block_q=128, block_k=128, validate=False), real, target=dens)
+                    theirs = self.rec(tag, f"flex#{i}", run, real, target=dens)
+                    if ours and theirs:
+                        ours["vs_flex"] = theirs["ms"] / ours["ms"]
+                        ratios.append(ours["vs_flex"])
+                if ratios:
+                    say(f"{self.name} {tag} d={dens}: vs Flex median {statistics.median(ratios):.2f} "
+                        f"(lowest {min(ratios):.2f}, highest {max(ratios):.2f}, {len(ratios)} pairs)")
 
     def gluon(self, densities, anchor_densities=(0.08, 0.1), flex=False, fused_densities=()):
         """The Gluon kernel (kernels/attention_gluon.py) against the TMA kernel and cuDNN: dense + LSE; block-sparse on
@@ -663,7 +695,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tests-k", default="", help="only the GPU tests pytest's -k selects")
     ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon",
-                                           "token", "persistent"),
+                                           "token", "persistent", "flex"),
                     default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
@@ -673,9 +705,10 @@ def main():
                          "tiling against the composed anchor (Shape.anchor_paths with tilings); gluon: the Gluon "
                          "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape); "
                          "token: the Gluon token kernel's variants (Shape.gluon_token); persistent: the Gluon block "
-                         "kernel's two grids at d 0.15-0.5 (Shape.persistent_ab)")
-    ap.add_argument("--densities", default="0.15,0.2,0.25,0.3,0.5", help="persistent plan: the densities")
-    ap.add_argument("--repeats", type=int, default=2, help="persistent plan: how often the two grids alternate")
+                         "kernel's two grids at d 0.15-0.5 (Shape.persistent_ab); flex: the automatic block "
+                         "kernel against live FlexAttention, alternated --repeats times at --densities (Shape.flex_ab)")
+    ap.add_argument("--densities", default="0.15,0.2,0.25,0.3,0.5", help="persistent and flex plans: the densities")
+    ap.add_argument("--repeats", type=int, default=2, help="persistent and flex plans: how often the two alternate")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -741,6 +774,9 @@ def main():
         plan = [(name, "gluon_token") for name in names]
     if args.plan == "persistent":
         plan = [(name, "persistent_ab", tuple(float(d) for d in args.densities.split(",")), args.repeats)
+                for name in names]
+    if args.plan == "flex":
+        plan = [(name, "flex_ab", tuple(float(d) for d in args.densities.split(",")), args.repeats)
                 for name in names]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]
