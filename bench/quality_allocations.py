@@ -11,7 +11,9 @@ finished.
         --anchors 0 --seeds 0,1 --alloc "a={0: [2, 1]}"      # CPU check of the whole path
 
 Each allocation is a ``layer_densities`` text (factors of the average; unlisted layers and heads keep 1), scaled so
-the factors average 1: every allocation computes the uniform density's pairs. Writes OUT/allocations.json
+the factors average 1: every allocation computes the uniform density's pairs. "NAME=anchors F0,F1; [LAYER_DENSITIES]"
+also sets the density factor of each layer's first, second, ... anchor (SparseConfig.anchor_density_factors); choosing
+factors that keep the reuse steps' mean density is the caller's part. Writes OUT/allocations.json
 (settings, per-video PSNR / SSIM of every allocation, means, gains over uniform) and OUT/allocations.md (the table).
 """
 
@@ -29,17 +31,23 @@ from quality_search import as_layer_densities, ints, sampling_arguments, say, te
 from search_model import start_factors
 
 
-def parse_allocs(specs: list[str]) -> list[tuple[str, str]]:
-    """['NAME=layer_densities text', ...] -> [(name, text)]; names unique, not 'uniform'."""
+def parse_allocs(specs: list[str]) -> list[tuple[str, str | None, str]]:
+    """['NAME=[anchors F0,F1,...;] LAYER_DENSITIES', ...] -> [(name, layer_densities text or None, anchor density
+    factors text or "")]; names unique, not 'uniform'. "anchors 1.5,0.8;" alone keeps every head at the uniform
+    density and sets the anchors' factors (SparseConfig.anchor_density_factors)."""
     out = []
     for spec in specs:
         name, sep, text = spec.partition("=")
-        name = name.strip()
-        if not sep or not name or not text.strip():
-            raise SystemExit(f"--alloc {spec!r}: expected NAME=LAYER_DENSITIES, e.g. 'searched={{0: [0.5, 1]}}'")
-        if name == "uniform" or name in (n for n, _ in out):
+        name, text, anchors = name.strip(), text.strip(), ""
+        if text.startswith("anchors"):
+            anchors, _, text = text.removeprefix("anchors").partition(";")
+            anchors, text = anchors.strip(), text.strip()
+        if not sep or not name or not (text or anchors):
+            raise SystemExit(f"--alloc {spec!r}: expected NAME=LAYER_DENSITIES, e.g. 'searched={{0: [0.5, 1]}}', "
+                             "or NAME=anchors F0,F1; [LAYER_DENSITIES]")
+        if name == "uniform" or name in (n for n, _, _ in out):
             raise SystemExit(f"--alloc {spec!r}: the name {name!r} is taken")
-        out.append((name, text.strip()))
+        out.append((name, text or None, anchors))
     return out
 
 
@@ -76,8 +84,13 @@ def run(args) -> dict:
     _, layer_density, device, ev, net, base_fields = testbed_setup(args, "allocations base")
     M, cfg = ev.M, net.cfg
     layers, heads = cfg.num_layers, cfg.num_heads
-    allocs = [("uniform", None)]
-    for name, text in parse_allocs(args.alloc):
+    allocs, anchor_factors = [("uniform", None)], {}
+    for name, text, anchors in parse_allocs(args.alloc):
+        if anchors:
+            anchor_factors[name] = layer_density.parse_anchor_factors(anchors)
+        if text is None:
+            allocs.append((name, None))
+            continue
         factors = start_factors(text, layers, heads, layer_density.parse_layer_densities)
         allocs.append((name, layer_density.layer_densities_text(as_layer_densities(factors, heads))))
     out = Path(args.out)
@@ -88,6 +101,7 @@ def run(args) -> dict:
             "command": "python bench/quality_allocations.py " + " ".join(sys.argv[1:]), "method": args.method,
             "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
             "size": args.size, "batch": args.batch, "seeds": seeds, "allocations": dict(allocs),
+            "anchor_density_factors": {name: list(f) for name, f in anchor_factors.items()},
             "testbed": {"layers": layers, "heads": heads, "tokens": math.prod(cfg.grid),
                         "random_init": bool(args.random_init_small),
                         "weights_sha256": None if args.random_init_small else sha256(weights)}}
@@ -109,6 +123,8 @@ def run(args) -> dict:
             config = dict(base_fields)
             if text is not None:
                 config["layer_densities"] = text
+            if name in anchor_factors:
+                config["anchor_density_factors"] = anchor_factors[name]
             attn = EngineAttention(config, args.steps, M.CONTEXT, dense_fn=M.sdpa_attention)
             t = time.perf_counter()
             with attn.run():
@@ -130,7 +146,8 @@ def run(args) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     testbed_arguments(ap)
-    ap.add_argument("--alloc", action="append", default=[], help="NAME=LAYER_DENSITIES (repeat for more)")
+    ap.add_argument("--alloc", action="append", default=[], help="NAME=LAYER_DENSITIES or NAME=anchors F0,F1,...; "
+                    "[LAYER_DENSITIES] (repeat for more)")
     ap.add_argument("--seeds", default="8,9,10,11", help="videos (class = seed %% 8); default: 4 of the search's "
                     "check videos")
     ap.add_argument("--batch", type=int, default=1, help="videos per sampling call (the JSON is rewritten after "

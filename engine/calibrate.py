@@ -433,6 +433,8 @@ def plain_fields(cfg: SparseConfig) -> dict:
             v = {k: x for k, x in dataclasses.asdict(v).items() if x is not None}
         elif f.name == "dense_layers":
             v = ",".join(map(str, v))
+        elif f.name == "anchor_density_factors":
+            v = list(v)  # YAML's safe dump writes lists, not tuples
         out[f.name] = v
     return out
 

@@ -14,7 +14,7 @@ from ..kernels.backend import BACKENDS
 from ..kernels.grouping_torch import GROUPING_DIMS
 from .messages import MAX_TEXT, shown
 from .modalities import Densities
-from .layer_density import parse_layer_densities
+from .layer_density import parse_anchor_factors, parse_layer_densities
 from .policy import method_names
 from .preset_yaml import read_yaml
 from .schedule import AnchorSchedule, parse_warmup
@@ -72,6 +72,9 @@ class SparseConfig:
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
     layer_densities: per-layer / per-head density factors relative to the image density, {layer: factor |
         [factor per head]} (engine/layer_density.py); unlisted layers and heads keep factor 1.
+    anchor_density_factors: the density factor of each layer's first, second, ... anchor of the run (past the list,
+        its last factor), times any layer_densities factor; () keeps every anchor at factor 1. Reuse steps keep
+        their anchor's selection, so a factor sets the density of the steps up to the next anchor.
     """
 
     method: str = "mc_sparse"
@@ -102,6 +105,7 @@ class SparseConfig:
     min_tokens: int = 8192
     backend: str = "auto"
     layer_densities: tuple = ()
+    anchor_density_factors: tuple = ()
 
     def __post_init__(self):
         # friendly forms: anchor_steps="10,26", dense_layers="0-2", densities={...}
@@ -155,6 +159,9 @@ class SparseConfig:
         # per-layer / per-head densities (engine/layer_density.py) ---------------------------------
         object.__setattr__(self, "layer_densities", parse_layer_densities(self.layer_densities))
         _check(not (self.layer_densities and self.mass is not None), "layer_densities",
+               "cannot be combined with mass (mass chooses each row's block count itself)")
+        object.__setattr__(self, "anchor_density_factors", parse_anchor_factors(self.anchor_density_factors))
+        _check(not (self.anchor_density_factors and self.mass is not None), "anchor_density_factors",
                "cannot be combined with mass (mass chooses each row's block count itself)")
         # ------------------------------------------------------------------------------------------
 

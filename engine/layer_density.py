@@ -18,6 +18,8 @@ import dataclasses
 import math
 
 FIELD = "layer_densities"
+ANCHOR_FIELD = "anchor_density_factors"
+MAX_ANCHOR_FACTORS = 64
 
 
 def parse_layer_densities(value) -> tuple:
@@ -72,9 +74,10 @@ def _layers_of(key) -> tuple[int, ...]:
     return layers
 
 
-def _number(x, key) -> float:
+def _number(x, key, field: str = FIELD) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)) or float(x) <= 0:
-        raise ValueError(f"{FIELD}: layer {key}: density factors must be positive numbers, got {x!r}")
+        where = f"layer {key}" if field == FIELD else "every factor"
+        raise ValueError(f"{field}: {where}: density factors must be positive numbers, got {x!r}")
     return float(x)
 
 
@@ -107,25 +110,58 @@ def _g(x: float) -> str:
     return format(x, ".6g")
 
 
-def head_densities(cfg, layer: int, heads: int) -> tuple[float, ...] | None:
-    """The image->image density of each of the ``heads`` heads of ``layer``, or None when the layer keeps the
-    configured density (no entry). ValueError when the entry lists a different number of heads."""
+def parse_anchor_factors(value) -> tuple[float, ...]:
+    """The normalised form of ``anchor_density_factors``: a tuple of positive floats, the density factor of a
+    layer's first, second, ... anchor of the run (anchors past the list keep its last factor).
+
+    Accepts None / "" / () (none: every anchor keeps factor 1), a list or tuple of numbers, or their text
+    ("1.5, 0.8" or "[1.5, 0.8]"). ValueError naming ``anchor_density_factors`` on anything else."""
+    if value is None or value == "" or value == ():
+        return ()
+    if isinstance(value, str):
+        text = value.strip().removeprefix("[").removesuffix("]")
+        if len(text) > 2000:
+            raise ValueError(f"{ANCHOR_FIELD}: {len(text)} characters; expected a few factors like '1.5, 0.8'")
+        parts = [t.strip() for t in text.split(",")]
+        try:
+            value = [float(t) for t in parts]
+        except ValueError:
+            raise ValueError(f"{ANCHOR_FIELD}: cannot read {value!r} (factors like '1.5, 0.8')") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{ANCHOR_FIELD}: expected a list of density factors, one per anchor, e.g. [1.5, 0.8]; "
+                         f"got {value!r}")
+    if len(value) > MAX_ANCHOR_FACTORS:
+        raise ValueError(f"{ANCHOR_FIELD}: {len(value)} factors listed (at most {MAX_ANCHOR_FACTORS})")
+    return tuple(_number(x, "of anchor", ANCHOR_FIELD) for x in value)
+
+
+def anchor_factor(cfg, index: int) -> float:
+    """The density factor of a layer's anchor number ``index`` (0 for its first of the run): 1 without
+    ``anchor_density_factors``, the last listed factor past the list."""
+    f = cfg.anchor_density_factors
+    return f[min(index, len(f) - 1)] if f else 1.0
+
+
+def head_densities(cfg, layer: int, heads: int, factor: float = 1.0) -> tuple[float, ...] | None:
+    """The image->image density of each of the ``heads`` heads of ``layer``, times ``factor`` (an anchor's
+    factor, ``anchor_factor``) and at most 1, or None when the layer keeps the configured density (no entry and
+    factor 1). ValueError when the entry lists a different number of heads."""
     entry = dict(cfg.layer_densities).get(layer) if cfg.layer_densities else None
-    if entry is None:
+    if entry is None and factor == 1.0:
         return None
-    base = cfg.image_density
+    base = cfg.image_density * factor
     if isinstance(entry, tuple):
         if len(entry) != heads:
             raise ValueError(f"{FIELD}: layer {layer} lists {len(entry)} head densities but its attention has "
                              f"{heads} heads")
         return tuple(min(1.0, base * f) for f in entry)
-    return (min(1.0, base * entry),) * heads
+    return (min(1.0, base * (1.0 if entry is None else entry)),) * heads
 
 
 def config_at(cfg, density: float):
     """``cfg`` with image->image density ``density`` and no per-layer factors (what one head group uses)."""
     return cfg.replace(density=density, densities=dataclasses.replace(cfg.densities, image_to_image=None),
-                       layer_densities=())
+                       layer_densities=(), anchor_density_factors=())
 
 
 def select_heads(policy, q, k, lse, layout, cfg, densities: tuple[float, ...] | None, *, scale, backend,

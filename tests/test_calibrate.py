@@ -269,10 +269,12 @@ def test_reuse_error_is_the_engines_reuse_step(recording):
 def test_preset_and_report(calibrated, tmp_path):
     rec, (curves, allocs, pairs, seconds) = calibrated
     a = allocs[0]
-    base = SparseConfig(block_q=64, block_k=64, group_size=64, warmup_steps=2, anchor_steps="2,10")
+    base = SparseConfig(block_q=64, block_k=64, group_size=64, warmup_steps=2, anchor_steps="2,10",
+                        anchor_density_factors=(1.5, 0.8))
     path = cal.write_preset(tmp_path / "p.yaml", cal.preset_text(a, rec, cal.plain_fields(base)))
     cfg = SparseConfig.from_yaml(path)
     assert cfg.method == "mc_sparse" and cfg.density == 0.15 and cfg.group_size == 64
+    assert cfg.anchor_density_factors == (1.5, 0.8)
     assert cfg.anchor_steps.steps == (2, 10) and cfg.warmup_steps == 2
     assert dict(cfg.layer_densities) == a.factors
     text = path.read_text()

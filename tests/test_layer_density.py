@@ -8,8 +8,9 @@ import torch
 
 from comfyui_sparse_attention import kernels
 from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine
-from comfyui_sparse_attention.engine.layer_density import (config_at, head_densities, layer_densities_dict,
-                                                           layer_densities_text, parse_layer_densities)
+from comfyui_sparse_attention.engine.layer_density import (anchor_factor, config_at, head_densities,
+                                                           layer_densities_dict, layer_densities_text,
+                                                           parse_anchor_factors, parse_layer_densities)
 from comfyui_sparse_attention.engine.policy import policy_for
 from comfyui_sparse_attention.engine.selection import BlockSelection, TokenSelection, block_pairs_fraction
 from comfyui_sparse_attention.engine.synthetic import SyntheticVideoAttention
@@ -92,6 +93,62 @@ def test_head_densities_scale_the_image_density_and_check_the_head_count():
         head_densities(cfg, 0, 4)
     one = config_at(cfg_i2i, 0.25)
     assert one.image_density == 0.25 and one.layer_densities == ()
+
+
+def test_anchor_factors_forms_and_errors_name_the_field(tmp_path):
+    assert parse_anchor_factors([1.5, 1]) == (1.5, 1.0) == parse_anchor_factors("1.5, 1")
+    assert parse_anchor_factors("[2, 0.5]") == (2.0, 0.5)
+    assert parse_anchor_factors("") == () == parse_anchor_factors(None)
+    assert SparseConfig(anchor_density_factors="1.5,0.8").anchor_density_factors == (1.5, 0.8)
+    for bad in ("x", [0], [-1.0], [1.0, float("nan")], [True], "1,,2", [], {"a": 1}, [1.0] * 65, 2.0):
+        with pytest.raises(ValueError, match="anchor_density_factors"):
+            SparseConfig(anchor_density_factors=bad)
+    with pytest.raises(ValueError, match="anchor_density_factors: cannot be combined with mass"):
+        SparseConfig(method="block_topk", mass=0.9, anchor_density_factors=[2.0, 0.5])
+    preset = tmp_path / "anchors.yaml"
+    preset.write_text("sparse:\n  method: mc_sparse\n  density: 0.1\n  anchor_density_factors: [1.5, 0.8]\n")
+    assert SparseConfig.from_yaml(preset).anchor_density_factors == (1.5, 0.8)
+    cfg = base_cfg("block_topk", anchor_density_factors=(2.0, 0.5), layer_densities={0: [0.5, 2.0]})
+    assert [anchor_factor(cfg, i) for i in range(4)] == [2.0, 0.5, 0.5, 0.5]  # past the list: the last factor
+    assert anchor_factor(base_cfg("block_topk"), 3) == 1.0
+    assert head_densities(cfg, 0, 2, 2.0) == pytest.approx((0.2, 0.8))  # times the head's factor
+    assert head_densities(cfg, 1, 3, 0.5) == pytest.approx((0.1,) * 3)  # an unlisted layer gets the anchor's
+    assert head_densities(cfg, 0, 2, 10.0) == (1.0, 1.0)  # capped at dense
+    assert head_densities(cfg, 1, 3) is None and config_at(cfg, 0.3).anchor_density_factors == ()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_anchor_selects_at_its_factor_and_a_new_run_starts_again(problem, method):
+    """Anchors at steps 0 and 2 with factors (1.5, 0.5): the first anchor's selection is the configuration's at
+    density 0.3, the second's at 0.1, and the reuse steps report their anchor's density; a third anchor keeps the
+    last factor; begin_run counts the anchors from the first again. Layer 1 lists per-head factors on top."""
+    cfg = base_cfg(method, anchor_steps=[0, 2, 3], anchor_density_factors=[1.5, 0.5],
+                   layer_densities={1: [0.5, 2.0, 1.0, 1.0]})
+    policy = policy_for(method)
+    n = problem.qkv(0)[0].shape[2]
+    eng = SparseEngine(cfg)
+    for _ in range(2):
+        eng.begin_run()
+        sels = {}
+        for step in range(4):
+            q, k, v = problem.qkv(step)
+            for layer in range(2):
+                eng.attend(q, k, v, CallContext(layer=layer, step=step, layout=problem.layout))
+                sels[step, layer] = eng.cache.peek(CallContext(layer=layer, step=step).key(n)).selection
+        stats = eng.end_run()
+        for step, factor in ((0, 1.5), (2, 0.5), (3, 0.5)):
+            q, k, v = problem.qkv(step)
+            lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")[1] if policy.needs_lse else None
+            for layer, heads in ((0, (1.0,) * 4), (1, (0.5, 2.0, 1.0, 1.0))):
+                for h, f in enumerate(heads):
+                    sl = slice(h, h + 1)
+                    alone = policy.select(q[:, sl], k[:, sl], None if lse is None else lse[:, sl], problem.layout,
+                                          config_at(cfg, min(1.0, 0.2 * factor * f)), scale=None, backend="torch")
+                    assert same_head(sels[step, layer], h, alone, 0), (method, step, layer, h)
+        d = [sum(head_density(sels[s, 0], h, n) for h in range(4)) / 4 for s in (0, 2)]
+        assert d[0] > 2 * d[1]
+        assert sels[1, 0] is sels[0, 0]  # step 1 reused the first anchor's selection
+        assert stats.layers[0].density == pytest.approx((2 * d[0] + 2 * d[1]) / 4, rel=1e-9)
 
 
 # concatenation along heads -------------------------------------------------------------------------------------
