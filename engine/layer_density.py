@@ -20,6 +20,7 @@ import math
 FIELD = "layer_densities"
 ANCHOR_FIELD = "anchor_density_factors"
 MAX_ANCHOR_FACTORS = 64
+NEARLY_DENSE = 1.0 - 2.0 ** -20  # a head at density 1 beside sparser ones: budgets round(d * n) = n below 2**19 keys
 
 
 def parse_layer_densities(value) -> tuple:
@@ -174,6 +175,10 @@ def select_heads(policy, q, k, lse, layout, cfg, densities: tuple[float, ...] | 
     handed to each group as its ``heads(...)``."""
     if densities is None:
         return policy.select(q, k, lse, layout, cfg, scale=scale, backend=backend, **_given(prepared))
+    if len(set(densities)) > 1 and max(densities) >= 1.0:
+        # a policy at density 1 may describe the call as dense rows with no query groups (mc_sparse), which cannot
+        # be concatenated with other heads' groups: those heads keep every key of their groups instead
+        densities = tuple(min(d, NEARLY_DENSE) for d in densities)
     groups: dict[float, list[int]] = {}
     for h, d in enumerate(densities):
         groups.setdefault(d, []).append(h)

@@ -258,6 +258,26 @@ def test_engine_with_per_head_list_of_the_wrong_length_names_the_layer(problem):
         eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_head_capped_at_density_1_beside_sparser_heads_computes_every_pair(problem, method):
+    """Head 0's factor takes it past density 1 (capped) while the others stay sparse: mc_sparse describes a call at
+    density 1 as dense rows without query groups, which used to fail concat_heads ("the parts differ in batch,
+    query groups and segments"); every method now selects, head 0 computes every (query, key) pair and its
+    output is the dense one."""
+    eng = SparseEngine(base_cfg(method, layer_densities={0: [10.0, 1.0, 1.0, 0.5]}))
+    q, k, v = problem.qkv(0)
+    n = q.shape[2]
+    eng.begin_run()
+    eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    sel = eng.cache.peek(CallContext(layer=0, step=0).key(n)).selection
+    assert head_density(sel, 0, n) == pytest.approx(1.0, abs=1e-12)
+    assert head_density(sel, 1, n) < 0.5 and head_density(sel, 3, n) < head_density(sel, 1, n)
+    dense = kernels.attention_dense(q, k, v, backend="torch")
+    sparse = sel.run(q, k, v, scale=None, backend="torch")
+    torch.testing.assert_close(sparse[:, 0], dense[:, 0], atol=2e-3, rtol=2e-3)
+    eng.end_run()
+
+
 def test_uniform_factors_change_nothing(problem):
     """Factor 1 everywhere selects exactly what the configuration without factors selects."""
     q, k, v = problem.qkv(0)

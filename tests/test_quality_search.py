@@ -117,25 +117,31 @@ def test_search_refuses_overlapping_seed_sets(tmp_path):
 def test_allocations_are_sampled_side_by_side_on_the_fake_testbed(tmp_path, bench_import):
     """bench/quality_allocations.py: uniform and every named allocation on each video, gains against uniform."""
     alloc = bench_import("quality_allocations")
-    assert alloc.parse_allocs(["a={0: [2, 1]}", "b = {1: 0.5}"]) == [("a", "{0: [2, 1]}"), ("b", "{1: 0.5}")]
-    for bad, why in (("a", "NAME=LAYER_DENSITIES"), ("uniform={0: 2}", "taken"), ("=x", "NAME=")):
+    assert alloc.parse_allocs(["a={0: [2, 1]}", "b = {1: 0.5}", "c=anchors 2, 0.5;", "d=anchors 2,0.5; {0: 3}"]) == [
+        ("a", "{0: [2, 1]}", ""), ("b", "{1: 0.5}", ""), ("c", None, "2, 0.5"), ("d", "{0: 3}", "2,0.5")]
+    for bad, why in (("a", "NAME=LAYER_DENSITIES"), ("uniform={0: 2}", "taken"), ("=x", "NAME="),
+                     ("e=anchors ;", "NAME=anchors")):
         with pytest.raises(SystemExit, match=why):
             alloc.parse_allocs([bad])
     with pytest.raises(SystemExit, match="taken"):
         alloc.parse_allocs(["a={0: 2}", "a={1: 2}"])
     out = tmp_path / "out"
     cmd = [sys.executable, str(BENCH / "quality_allocations.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
-           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0,2", "--density", "0.25",
            "--seeds", "0,1,2", "--batch", "2", "--device", "cpu", "--alloc", "same={0: 1}", "--alloc",
-           "tilted={0: [3, 1]}"]
+           "tilted={0: [3, 1]}", "--alloc", "flat=anchors 1, 1;", "--alloc", "early=anchors 2, 0.5; {0: [3, 1]}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((out / "allocations.json").read_text())
     res = doc["results"]
-    assert list(res) == ["uniform", "same", "tilted"]
+    assert list(res) == ["uniform", "same", "tilted", "flat", "early"]
     assert all(len(r["psnr"]) == len(r["ssim"]) == 3 and len(r["seconds"]) == 2 for r in res.values())
     # factors that average to 1 everywhere are the uniform density itself: the same videos
-    assert res["same"]["psnr"] == res["uniform"]["psnr"]
+    assert res["same"]["psnr"] == res["uniform"]["psnr"] == res["flat"]["psnr"]
+    # anchor factors: recorded, and the first anchor's doubled density serves step 1 (0.5 at the anchor of step 2)
+    assert doc["meta"]["anchor_density_factors"] == {"flat": [1.0, 1.0], "early": [2.0, 0.5]}
+    assert doc["meta"]["allocations"]["early"] == doc["meta"]["allocations"]["tilted"]
+    assert res["early"]["psnr"] != res["tilted"]["psnr"]
     assert doc["meta"]["allocations"]["uniform"] is None
     tilted = doc["meta"]["allocations"]["tilted"]
     assert tilted.startswith("{0: [") and res["tilted"]["psnr"] != res["uniform"]["psnr"]
