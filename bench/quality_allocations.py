@@ -85,9 +85,9 @@ def run(args) -> dict:
     M, cfg = ev.M, net.cfg
     layers, heads = cfg.num_layers, cfg.num_heads
     allocs, anchor_factors = [("uniform", None)], {}
-    for name, text, anchors in parse_allocs(args.alloc):
-        if anchors:
-            anchor_factors[name] = layer_density.parse_anchor_factors(anchors)
+    for name, text, factors_text in parse_allocs(args.alloc):
+        if factors_text:
+            anchor_factors[name] = layer_density.parse_anchor_factors(factors_text)
         if text is None:
             allocs.append((name, None))
             continue

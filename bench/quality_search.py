@@ -69,7 +69,9 @@ def section(doc: dict) -> str:
              f"{m['device']}, torch {m['versions'].get('torch')}, Triton {m['versions'].get('triton')}; {m['date']}; "
              f"`{m['command']}` ({m['wall_s']:.0f} s).", "",
              f"{m['method']} at average density {m['density']:g}; {m['steps']} steps, warm-up {m['warmup']}, anchors "
-             f"{m['anchors']}, blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
+             f"{m['anchors']}" + (f" (anchor density factors {m['anchor_factors']}, in every row, uniform's too)"
+                                   if m.get("anchor_factors") else "")
+             + f", blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
              f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled"
              + (f", and each complete round also the optimum of the per-head quadratic model fitted to its moves "
                 f"(bench/search_model.py; every head changed by at most {m['radius']:g})"
@@ -122,6 +124,8 @@ def run(args) -> dict:
 
     clock0 = time.perf_counter()
     eng, layer_density, device, ev, net, base_fields = testbed_setup(args, "search base")
+    if args.anchor_factors:  # every allocation sampled, uniform's too, moves density between the anchors alike
+        base_fields["anchor_density_factors"] = layer_density.parse_anchor_factors(args.anchor_factors)
     M, cfg = ev.M, net.cfg
     fit_seeds, check_seeds = ints(args.fit_seeds), ints(args.check_seeds)
     if set(fit_seeds) & set(check_seeds):
@@ -240,6 +244,7 @@ def run(args) -> dict:
             "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": "python bench/quality_search.py " + " ".join(sys.argv[1:]), "method": args.method,
             "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
+            "anchor_factors": args.anchor_factors,
             "size": args.size, "step": args.step, "mode": args.mode,
             "radius": args.radius if args.mode == "quadratic" else None,
             "fit_seeds": fit_seeds, "check_seeds": check_seeds,
@@ -292,6 +297,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--start", default="", help="layer_densities to start from (default: uniform), e.g. the "
                     "factors an earlier search printed, to continue it")
+    ap.add_argument("--anchor-factors", default="", help="SparseConfig.anchor_density_factors of every allocation "
+                    "(uniform's too), e.g. '1.3,0.8895': the per-head search under that split between the anchors")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop searching (then check) after this long")
     ap.add_argument("--fit-seeds", default="0,1,2,3,4,5,6,7")
     ap.add_argument("--check-seeds", default="8,9,10,11,12,13,14,15")

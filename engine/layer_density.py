@@ -136,6 +136,11 @@ def parse_anchor_factors(value) -> tuple[float, ...]:
     return tuple(_number(x, "of anchor", ANCHOR_FIELD) for x in value)
 
 
+def anchor_factors_text(value) -> str:
+    """The widget / preset form of ``anchor_density_factors``: "1.5, 0.8" ("" for none)."""
+    return ", ".join(_g(x) for x in parse_anchor_factors(value))
+
+
 def anchor_factor(cfg, index: int) -> float:
     """The density factor of a layer's anchor number ``index`` (0 for its first of the run): 1 without
     ``anchor_density_factors``, the last listed factor past the list."""

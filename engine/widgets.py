@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import SparseConfig, parse_layers
-from .layer_density import layer_densities_text, parse_layer_densities
+from .layer_density import anchor_factors_text, layer_densities_text, parse_anchor_factors, parse_layer_densities
 from .policy import method_names
 from .presets import PRESET_DIR, load_preset
 from .schedule import warmup_text
@@ -57,6 +57,8 @@ class Widget:
     step: float | None = None
     to_config: Callable[[Any], Any] = lambda v: v
     default: Callable[[SparseConfig], Any] | None = None
+    # widgets added after the first release are optional: API prompts saved before them still validate
+    optional: bool = False
 
     def default_value(self):
         if self.default is not None:
@@ -114,6 +116,13 @@ WIDGETS: tuple[Widget, ...] = (
            tooltip="Density per layer or per head, as factors of the density above (which stays the average): "
                    "'{0: 0.5, 3: [0.4, 1.6]}' (layer 0 at half, layer 3's two heads at 0.4x and 1.6x; unlisted "
                    "layers 1x). The Sparse Attention Calibrate node measures them on your model. '' = uniform."),
+    Widget("anchor_density_factors", "string", ("anchor_density_factors",), to_config=parse_anchor_factors,
+           default=lambda c: anchor_factors_text(c.anchor_density_factors),
+           tooltip="Density of each layer's 1st, 2nd, ... anchor, as factors of the density above (the last factor "
+                   "holds for later anchors): '1.5, 0.82' gives the steps after the first anchor 1.5x and the rest "
+                   "0.82x. Keep the steps' mean at 1 (with anchors at steps 2 and 10 of 30: 7 steps reuse the first, "
+                   "19 the second). On the quality testbed at density 0.10, +0.5 dB (docs/calibration.md, "
+                   "\"Density moved between anchors\"). '' = every anchor at 1x.", optional=True),
 )
 
 

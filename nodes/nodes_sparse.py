@@ -22,7 +22,7 @@ AUTO_PRESET = "auto (detect the model)"
 
 def widget_input(w):
     """A ComfyUI input for an engine widget declaration (engine/widgets.py)."""
-    common = dict(default=w.default_value(), tooltip=w.tooltip)
+    common = dict(default=w.default_value(), tooltip=w.tooltip, optional=w.optional)
     if w.kind == "combo":
         return io.Combo.Input(w.name, options=w.option_values(), **common)
     if w.kind == "float":
@@ -50,12 +50,13 @@ class SparseAttention(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, warmup_steps=None, dense_layers=None, anchor_steps=None, layer_densities=None):
+    def validate_inputs(cls, warmup_steps=None, dense_layers=None, anchor_steps=None, layer_densities=None,
+                        anchor_density_factors=None):
         # ComfyUI checks the numbers' ranges and the lists itself for every input not named here, and reports a
         # failure of this check on each input it names: so it names the free-text inputs only (a linked one is
         # not given and is checked when the node runs)
         texts = dict(warmup_steps=warmup_steps, dense_layers=dense_layers, anchor_steps=anchor_steps,
-                     layer_densities=layer_densities)
+                     layer_densities=layer_densities, anchor_density_factors=anchor_density_factors)
         try:
             config_from_widgets({k: v for k, v in texts.items() if v is not None})
         except ValueError as exc:

@@ -85,15 +85,19 @@ def test_validation_errors_name_the_input_that_is_wrong(tmp_path):
                   good=errors("SparseAttn_Patch", **widgets),
                   density=errors("SparseAttn_Patch", **{{**widgets, "density": 0.0}}),
                   anchors=errors("SparseAttn_Patch", **{{**widgets, "anchor_steps": "ten"}}),
+                  factors=errors("SparseAttn_Patch", **{{**widgets, "anchor_density_factors": "1.5, x"}}),
+                  factors_ok=errors("SparseAttn_Patch", **{{**widgets, "anchor_density_factors": "1.5, 0.8"}}),
                   preset=errors("SparseAttn_Preset", preset="nope", density_override=0.0),
                   override=errors("SparseAttn_Preset", preset="balanced", density_override=1.5)))
     """)
-    assert result["good"] == [], result
+    assert result["good"] == [] == result["factors_ok"], result  # the optional input may be left out or given
     assert result["fingerprints"] == result["expected"], result  # an edited preset file makes the node run again
     assert [(name, kind) for name, kind, _ in result["density"]] == [("density", "value_smaller_than_min")], result
     texts = {"warmup_steps", "dense_layers", "anchor_steps", "layer_densities"}
     assert {name for name, _, _ in result["anchors"]} == texts, result
     assert all("anchor_steps" in details for _, _, details in result["anchors"]), result
+    assert {name for name, _, _ in result["factors"]} == texts | {"anchor_density_factors"}, result
+    assert all("anchor_density_factors" in details for _, _, details in result["factors"]), result
     assert [name for name, _, _ in result["preset"]] == ["preset"], result
     assert "not one of the" in result["preset"][0][2] and str(ROOT) not in result["preset"][0][2], result
     assert [(name, kind) for name, kind, _ in result["override"]] == [("density_override", "value_bigger_than_max")]

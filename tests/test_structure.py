@@ -45,7 +45,7 @@ def test_node_defaults_fall_back_to_the_engines_when_the_preset_is_broken(tmp_pa
     names = [w.name for w in WIDGETS]  # permanent order: saved workflows store widget values by position
     assert names == ["method", "density", "block_size", "query_group_size", "warmup_steps", "warmup_layers",
                      "dense_layers", "anchor_steps", "residual_caching", "cache_offload", "min_tokens", "backend",
-                     "layer_densities"]
+                     "layer_densities", "anchor_density_factors"]
     assert [w for w in WIDGETS if w.name == "method"][0].option_values()[-1] == "dense"
 
 
