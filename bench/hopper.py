@@ -187,20 +187,27 @@ class Shape:
                 if r and ref:
                     r["vs_flex_ref"] = ref / r["ms"]
 
+    def flex_call(self, tag, dens, skewed):
+        """(FlexAttention's call on the lists of ``dens``, idx, cnt, kept share), or None when the budget has no room
+        for its compilation or Flex fails (said)."""
+        idx, cnt, real = self.block_lists(dens, skewed)
+        if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # a first call compiles (~30 s)
+            return None
+        try:
+            return self.flex(self.q, self.k, self.v, idx, cnt, 128), idx, cnt, real
+        except Exception as exc:
+            say(f"flex failed: {str(exc)[:300]}")
+            return None
+
     def flex_rows(self, densities, skewed=False):
         if self.flex is None:
             return
-        q, k, v = self.q, self.k, self.v
         tag = "flex128_skew" if skewed else "flex128"
         for dens in densities:
-            idx, cnt, real = self.block_lists(dens, skewed)
-            if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # a first call compiles (~30 s)
+            got = self.flex_call(tag, dens, skewed)
+            if got is None:
                 return
-            try:
-                run = self.flex(q, k, v, idx, cnt, 128)
-            except Exception as exc:
-                say(f"flex failed: {str(exc)[:300]}")
-                return
+            run, _, _, real = got
             r = self.rec(tag, "flex", run, real, target=dens)
             if r:
                 for o in self.rows:
@@ -294,14 +301,10 @@ class Shape:
         for skewed in (False, True):
             tag = "ab_skew" if skewed else "ab"
             for dens in densities:
-                idx, cnt, real = self.block_lists(dens, skewed)
-                if not self.budget.ok(f"{self.name} {tag} {dens}", need=40.0):  # Flex's first call compiles (~30 s)
+                got = self.flex_call(tag, dens, skewed)
+                if got is None:
                     return
-                try:
-                    run = self.flex(q, k, v, idx, cnt, 128)
-                except Exception as exc:
-                    say(f"flex failed: {str(exc)[:300]}")
-                    return
+                run, idx, cnt, real = got
                 ratios = []
                 for i in range(1, repeats + 1):
                     ours = self.rec(tag, f"auto#{i}", lambda idx=idx, cnt=cnt: BT.block_sparse_attention(
