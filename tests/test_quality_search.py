@@ -99,6 +99,24 @@ def test_no_rounds_samples_the_given_allocation(tmp_path):
     assert "No rounds: the allocation given with --start" in (out / "search.md").read_text()
 
 
+def test_anchor_factors_apply_to_every_allocation_the_search_samples(tmp_path):
+    """--anchor-factors: uniform and the searched allocation both move density between the anchors (the uniform row
+    differs from a search without them), and the report says so."""
+    docs = {}
+    for name, extra in (("plain", []), ("split", ["--anchor-factors", "2,0.5"])):
+        out = tmp_path / name
+        cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+               "--random-init-small", "--steps", "4", "--warmup", "0", "--anchors", "0,2", "--density", "0.25",
+               "--fit-seeds", "0,1", "--check-seeds", "2", "--rounds", "0", "--device", "cpu", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        docs[name] = json.loads((out / "search.json").read_text())
+    assert docs["split"]["meta"]["anchor_factors"] == "2,0.5" and not docs["plain"]["meta"]["anchor_factors"]
+    assert docs["split"]["result"]["uniform"]["fit"]["psnr"] != docs["plain"]["result"]["uniform"]["fit"]["psnr"]
+    report = (tmp_path / "split" / "search.md").read_text()
+    assert "(anchor density factors 2,0.5, in every row, uniform's too)" in report
+
+
 def test_search_refuses_start_factors_outside_the_bounds(tmp_path):
     cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out",
            str(tmp_path), "--random-init-small", "--fit-seeds", "0", "--check-seeds", "1", "--device", "cpu",
