@@ -72,9 +72,10 @@ class SparseConfig:
     min_tokens: calls with fewer tokens stay dense. backend: auto | triton | torch.
     layer_densities: per-layer / per-head density factors relative to the image density, {layer: factor |
         [factor per head]} (engine/layer_density.py); unlisted layers and heads keep factor 1.
-    anchor_density_factors: the density factor of each layer's first, second, ... anchor of the run (past the list,
-        its last factor), times any layer_densities factor; () keeps every anchor at factor 1. Reuse steps keep
-        their anchor's selection, so a factor sets the density of the steps up to the next anchor.
+    anchor_density_factors: density factors of the run's anchor spans: the first from the first sparse step (always
+        an anchor) up to the next anchor step of the schedule, the second from there to the one after, ... (past
+        the list, its last factor), times any layer_densities factor; () keeps every span at factor 1. A span's
+        anchors select at its factor and its reuse steps keep that selection (engine/schedule.py, span_index).
     """
 
     method: str = "mc_sparse"

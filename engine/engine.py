@@ -52,7 +52,6 @@ class SparseEngine:
         self._static: dict[tuple, object] = {}
         self._anchored_at: dict[tuple, int] = {}
         self._seen_at: dict[tuple, int] = {}  # the last step each key ran sparse (anchor or reuse)
-        self._anchors: dict[tuple, int] = {}  # each key's anchors this run (its anchor density factor's index)
         self._run_start: int | None = None  # the step of the run's first call (> 0: a later sampler of a split)
         self._first_sparse: int | None = None  # the run's first step with a sparse (anchor or reuse) call
         self._step: int | None = None
@@ -99,7 +98,6 @@ class SparseEngine:
         self._static.clear()
         self._anchored_at.clear()
         self._seen_at.clear()
-        self._anchors.clear()
         self._run_start = self._first_sparse = None
         self._step = None
         self._spill_warned.clear()  # out-of-memory warnings, once a run for each kind of call (_with_room)
@@ -324,7 +322,6 @@ class SparseEngine:
     def _anchor_with_room(self, q, k, v, ctx, key, scale, dense_fn):
         """An anchor; when it runs out of memory, the cache crowds its scratch: move half of the cache off
         the GPU and try again, then all of it (an error after that reaches the caller)."""
-        self._anchors[key] = self._anchors.get(key, 0) + 1  # once, however often a lack of room retries it
         return self._with_room(lambda: self._anchor(q, k, v, ctx, key, scale, dense_fn), "an anchor", q)
 
     def _with_room(self, fn, what: str, q: torch.Tensor, stop_prefetch: bool = False):
@@ -425,8 +422,12 @@ class SparseEngine:
     def _select(self, policy, q, k, lse, ctx, scale, prepared=None):
         # per-layer / per-head densities and the anchor's factor: heads grouped by density, one policy call per group
         # (engine/layer_density.py); None = the configured density for every head
-        factor = anchor_factor(self.cfg, self._anchors.get(ctx.key(q.shape[2]), 1) - 1)
-        dens = head_densities(self.cfg, ctx.layer, q.shape[1], factor)
+        cfg = self.cfg
+        factor = 1.0
+        if cfg.anchor_density_factors:  # by the step's place in the schedule (engine/schedule.py, span_index)
+            warmup = resolve_warmup(cfg.warmup_steps, ctx.total_steps)
+            factor = anchor_factor(cfg, max(0, cfg.anchor_steps.span_index(ctx.step, warmup, ctx.total_steps)))
+        dens = head_densities(cfg, ctx.layer, q.shape[1], factor)
         if policy.shape_only:
             b, h, n, _ = q.shape
             skey = (b, h, n, ctx.layout, str(q.device), dens)

@@ -76,7 +76,11 @@ def _layers_of(key) -> tuple[int, ...]:
 
 
 def _number(x, key, field: str = FIELD) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(float(x)) or float(x) <= 0:
+    try:
+        finite = isinstance(x, (int, float)) and math.isfinite(float(x))
+    except OverflowError:  # an int too large for a float (from YAML or a dict)
+        finite = False
+    if isinstance(x, bool) or not finite or float(x) <= 0:
         where = f"layer {key}" if field == FIELD else "every factor"
         raise ValueError(f"{field}: {where}: density factors must be positive numbers, got {x!r}")
     return float(x)
@@ -112,15 +116,18 @@ def _g(x: float) -> str:
 
 
 def parse_anchor_factors(value) -> tuple[float, ...]:
-    """The normalised form of ``anchor_density_factors``: a tuple of positive floats, the density factor of a
-    layer's first, second, ... anchor of the run (anchors past the list keep its last factor).
+    """The normalised form of ``anchor_density_factors``: a tuple of positive floats, the density factors of the
+    run's first, second, ... anchor span (engine/schedule.py, ``AnchorSchedule.span_index``; spans past the list
+    keep its last factor).
 
     Accepts None / "" / () (none: every anchor keeps factor 1), a list or tuple of numbers, or their text
     ("1.5, 0.8" or "[1.5, 0.8]"). ValueError naming ``anchor_density_factors`` on anything else."""
     if value is None or value == "" or value == ():
         return ()
     if isinstance(value, str):
-        text = value.strip().removeprefix("[").removesuffix("]")
+        text = value.strip().removeprefix("[").removesuffix("]").strip()
+        if not text:  # a cleared field ("", "  " or "[]"): none
+            return ()
         if len(text) > 2000:
             raise ValueError(f"{ANCHOR_FIELD}: {len(text)} characters; expected a few factors like '1.5, 0.8'")
         parts = [t.strip() for t in text.split(",")]
@@ -142,8 +149,8 @@ def anchor_factors_text(value) -> str:
 
 
 def anchor_factor(cfg, index: int) -> float:
-    """The density factor of a layer's anchor number ``index`` (0 for its first of the run): 1 without
-    ``anchor_density_factors``, the last listed factor past the list."""
+    """The density factor of anchor span ``index`` (0 for the run's first): 1 without ``anchor_density_factors``,
+    the last listed factor past the list."""
     f = cfg.anchor_density_factors
     return f[min(index, len(f) - 1)] if f else 1.0
 

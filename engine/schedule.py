@@ -229,6 +229,20 @@ class AnchorSchedule:
         first = warmup_steps + -(-(lo - warmup_steps) // every) * every  # first periodic anchor at or after lo
         return first <= step
 
+    def span_index(self, step: int, warmup_steps: int, total: int | None = None) -> int:
+        """Which anchor span of the run ``step`` lies in: 0 from the first sparse step (``warmup_steps``, always an
+        anchor) up to the next anchor step, 1 from there to the one after, ...; -1 during the warm-up. It depends on
+        the schedule alone, so every call of a step agrees whichever batch chunk it serves, whichever sampler of a
+        split run makes it, and whether the step anchors on the schedule or off it (a stand-in, or a new anchor
+        after a dropped entry: it takes the span of the step it runs at)."""
+        if step < warmup_steps:
+            return -1
+        points = {s for s in self.resolved(total) if warmup_steps < s <= step}
+        every = self.period(total)
+        if every > 0:
+            points.update(range(warmup_steps + every, step + 1, every))
+        return len(points)
+
     def stand_in_steps(self, total: int | None) -> int:
         """How many steps after a stand-in anchor (``due``) its selection serves the schedule's own anchors: 5 % of
         the run, at least 1 (1 when the run's length is unknown)."""

@@ -118,11 +118,12 @@ WIDGETS: tuple[Widget, ...] = (
                    "layers 1x). The Sparse Attention Calibrate node measures them on your model. '' = uniform."),
     Widget("anchor_density_factors", "string", ("anchor_density_factors",), to_config=parse_anchor_factors,
            default=lambda c: anchor_factors_text(c.anchor_density_factors),
-           tooltip="Density of each layer's 1st, 2nd, ... anchor, as factors of the density above (the last factor "
-                   "holds for later anchors): '1.5, 0.82' gives the steps after the first anchor 1.5x and the rest "
-                   "0.82x. Keep the steps' mean at 1 (with anchors at steps 2 and 10 of 30: 7 steps reuse the first, "
-                   "19 the second). On the quality testbed at density 0.10, +0.5 dB (docs/calibration.md, "
-                   "\"Density moved between anchors\"). '' = every anchor at 1x.", optional=True),
+           tooltip="Density between anchor steps, as factors of the density above: '1.5, 0.82' runs the steps from "
+                   "the first sparse step to the second anchor step at 1.5x and the rest at 0.82x (the last factor "
+                   "holds for later spans). Keep the steps' mean at 1 (warm-up 2, anchors at steps 2 and 10 of 30: "
+                   "7 reuse steps in the first span, 19 in the second). On the quality testbed at density 0.10, "
+                   "+0.5 dB (docs/calibration.md, \"Density moved between anchors\"). '' = 1x throughout.",
+           optional=True),
 )
 
 

@@ -98,9 +98,10 @@ def test_head_densities_scale_the_image_density_and_check_the_head_count():
 def test_anchor_factors_forms_and_errors_name_the_field(tmp_path):
     assert parse_anchor_factors([1.5, 1]) == (1.5, 1.0) == parse_anchor_factors("1.5, 1")
     assert parse_anchor_factors("[2, 0.5]") == (2.0, 0.5)
-    assert parse_anchor_factors("") == () == parse_anchor_factors(None)
+    assert parse_anchor_factors("") == () == parse_anchor_factors(None) == parse_anchor_factors("  ")
+    assert parse_anchor_factors(" [ ] ") == ()
     assert SparseConfig(anchor_density_factors="1.5,0.8").anchor_density_factors == (1.5, 0.8)
-    for bad in ("x", [0], [-1.0], [1.0, float("nan")], [True], "1,,2", [], {"a": 1}, [1.0] * 65, 2.0):
+    for bad in ("x", [0], [-1.0], [1.0, float("nan")], [True], "1,,2", [], {"a": 1}, [1.0] * 65, 2.0, [10 ** 400]):
         with pytest.raises(ValueError, match="anchor_density_factors"):
             SparseConfig(anchor_density_factors=bad)
     with pytest.raises(ValueError, match="anchor_density_factors: cannot be combined with mass"):
@@ -117,11 +118,25 @@ def test_anchor_factors_forms_and_errors_name_the_field(tmp_path):
     assert head_densities(cfg, 1, 3) is None and config_at(cfg, 0.3).anchor_density_factors == ()
 
 
+def test_anchor_spans_follow_the_schedule():
+    """span_index: 0 from the first sparse step to the next anchor step, then 1, ...; -1 in the warm-up; listed
+    steps, fractions and periodic anchors alike; an off-schedule step takes the span it lies in."""
+    from comfyui_sparse_attention.engine.schedule import AnchorSchedule
+
+    listed = AnchorSchedule.parse([2, 10])
+    assert [listed.span_index(s, 2, 30) for s in (0, 1, 2, 3, 9, 10, 29)] == [-1, -1, 0, 0, 0, 1, 1]
+    assert [listed.span_index(s, 0, 30) for s in (0, 1, 2, 10)] == [0, 0, 1, 2]  # step 0 anchors first
+    assert [AnchorSchedule.parse("every 5").span_index(s, 1, 30) for s in (1, 5, 6, 11, 29)] == [0, 0, 1, 2, 5]
+    fractions = AnchorSchedule.parse("20%, 50%")
+    assert [fractions.span_index(s, 0, 20) for s in (0, 3, 4, 9, 10, 19)] == [0, 0, 1, 1, 2, 2]
+    assert fractions.span_index(10, 0, None) == 0  # fractions of an unknown run resolve to nothing
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_each_anchor_selects_at_its_factor_and_a_new_run_starts_again(problem, method):
-    """Anchors at steps 0 and 2 with factors (1.5, 0.5): the first anchor's selection is the configuration's at
-    density 0.3, the second's at 0.1, and the reuse steps report their anchor's density; a third anchor keeps the
-    last factor; begin_run counts the anchors from the first again. Layer 1 lists per-head factors on top."""
+    """Anchors at steps 0, 2 and 3 with factors (1.5, 0.5): the first anchor's selection is the configuration's at
+    density 0.3, the second's at 0.1, and the reuse steps report their anchor's density; the third span keeps the
+    last factor; a second run starts from the first factor again. Layer 1 lists per-head factors on top."""
     cfg = base_cfg(method, anchor_steps=[0, 2, 3], anchor_density_factors=[1.5, 0.5],
                    layer_densities={1: [0.5, 2.0, 1.0, 1.0]})
     policy = policy_for(method)
@@ -256,6 +271,48 @@ def test_engine_with_per_head_list_of_the_wrong_length_names_the_layer(problem):
     eng.begin_run()
     with pytest.raises(ValueError, match="layer 0 lists 2 head densities"):
         eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+
+
+def _anchor_density(eng, ctx, n):
+    sel = eng.cache.peek(ctx.key(n)).selection
+    return sum(head_density(sel, h, n) for h in range(sel.kv_counts.shape[1])) / sel.kv_counts.shape[1]
+
+
+def test_anchor_factors_hold_across_chunk_flips_restarts_and_split_samplers(problem):
+    """The factor comes from the step's span of the schedule, not from how often a cache key anchored: a cond that
+    anchored batched at step 0 and alone at step 2 (ComfyUI splits cond / uncond when memory runs low) selects at
+    the second factor there; a run restarted without begin_run, and a second sampler starting at step 2, select
+    at the factor of the step they run at."""
+    cfg = base_cfg("block_topk", anchor_steps=[0, 2], anchor_density_factors=[1.5, 0.5])
+    q, k, v = problem.qkv(0)
+    both = [torch.cat([t, t]) for t in (q, k, v)]
+    n = q.shape[2]
+    reference = SparseEngine(cfg)
+    reference.begin_run()
+    first = CallContext(layer=0, step=0, layout=problem.layout)
+    reference.attend(q, k, v, first)
+    high = _anchor_density(reference, first, n)
+    reference.attend(q, k, v, CallContext(layer=0, step=2, layout=problem.layout))
+    low = _anchor_density(reference, first, n)
+    assert high > 2 * low
+    # batched at step 0, split at step 2: each part anchors as its key's first, at the second span's factor
+    eng = SparseEngine(cfg)
+    eng.begin_run()
+    eng.attend(*both, CallContext(layer=0, step=0, chunk=(1, 0), layout=problem.layout))
+    for cond in ((1,), (0,)):
+        part = CallContext(layer=0, step=2, chunk=cond, layout=problem.layout)
+        eng.attend(q, k, v, part)
+        assert _anchor_density(eng, part, n) == pytest.approx(low, rel=1e-9)
+    # the steps go back without begin_run (a restarted run): step 0 selects at the first factor again
+    eng.attend(q, k, v, first)
+    assert _anchor_density(eng, first, n) == pytest.approx(high, rel=1e-9)
+    eng.end_run()
+    # a second sampler of a split run, starting at step 2 (its first sparse step anchors there)
+    eng.begin_run()
+    late = CallContext(layer=0, step=2, layout=problem.layout, total_steps=4)
+    eng.attend(q, k, v, late)
+    assert _anchor_density(eng, late, n) == pytest.approx(low, rel=1e-9)
+    eng.end_run()
 
 
 @pytest.mark.parametrize("method", METHODS)
