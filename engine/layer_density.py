@@ -156,8 +156,8 @@ def anchor_factor(cfg, index: int) -> float:
 
 
 def head_densities(cfg, layer: int, heads: int, factor: float = 1.0) -> tuple[float, ...] | None:
-    """The image->image density of each of the ``heads`` heads of ``layer``, times ``factor`` (an anchor's
-    factor, ``anchor_factor``) and at most 1, or None when the layer keeps the configured density (no entry and
+    """The image->image density of each of the ``heads`` heads of ``layer``, times ``factor`` (the anchor
+    span's factor, ``anchor_factor``) and at most 1, or None when the layer keeps the configured density (no entry and
     factor 1). ValueError when the entry lists a different number of heads."""
     entry = dict(cfg.layer_densities).get(layer) if cfg.layer_densities else None
     if entry is None and factor == 1.0:
