@@ -75,13 +75,13 @@ def _layers_of(key) -> tuple[int, ...]:
     return layers
 
 
-def _number(x, key, field: str = FIELD) -> float:
+def _number(x, where: str, field: str = FIELD) -> float:
+    """x as a positive finite float; else ValueError "{field}: {where}: ..."."""
     try:
         finite = isinstance(x, (int, float)) and math.isfinite(float(x))
     except OverflowError:  # an int too large for a float (from YAML or a dict)
         finite = False
     if isinstance(x, bool) or not finite or float(x) <= 0:
-        where = f"layer {key}" if field == FIELD else "every factor"
         raise ValueError(f"{field}: {where}: density factors must be positive numbers, got {x!r}")
     return float(x)
 
@@ -90,8 +90,8 @@ def _factor(value, key):
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{FIELD}: layer {key}: an empty list of head factors")
-        return tuple(_number(x, key) for x in value)
-    return _number(value, key)
+        return tuple(_number(x, f"layer {key}") for x in value)
+    return _number(value, f"layer {key}")
 
 
 def layer_densities_text(value) -> str:
@@ -140,7 +140,7 @@ def parse_anchor_factors(value) -> tuple[float, ...]:
                          f"got {value!r}")
     if len(value) > MAX_ANCHOR_FACTORS:
         raise ValueError(f"{ANCHOR_FIELD}: {len(value)} factors listed (at most {MAX_ANCHOR_FACTORS})")
-    return tuple(_number(x, "of anchor", ANCHOR_FIELD) for x in value)
+    return tuple(_number(x, "every factor", ANCHOR_FIELD) for x in value)
 
 
 def anchor_factors_text(value) -> str:
