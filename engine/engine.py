@@ -356,8 +356,9 @@ class SparseEngine:
 
     def _anchor(self, q, k, v, ctx, key, scale, dense_fn):
         cfg, dev, policy = self.cfg, q.device, self.policy
-        # block selections come from q and k alone: select first, then the anchor call (one fused pass, or below
-        # density 0.12 cuDNN's dense call plus the sparse kernel forming R: kernels/api.py, FUSED_ANCHOR_ABOVE)
+        # block selections come from q and k alone: select first, then the anchor call (on Hopper one pass of the
+        # Gluon kernel; elsewhere one fused pass, or below density 0.12 a dense call plus the sparse kernel forming R:
+        # kernels/api.py, block_anchor_attention)
         if not policy.needs_lse:
             with self.stats.timed(ctx.layer, "selection", dev):
                 selection = self._select(policy, q, k, None, ctx, scale)

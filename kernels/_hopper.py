@@ -79,10 +79,10 @@ def gluon_import_problem(module: str = "attention_gluon") -> str | None:
 
 def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 128,
                   block_k: int = 128, auto: bool = True) -> str | None:
-    """Why the Gluon kernel of ``kind`` ("gluon_dense", "gluon_sparse"; "gluon_token": kernels/token_sparse_gluon.py,
-    query groups of block_q) cannot take q (B,H,Nq,D), k/v (B,H,Nk,D) with blocks of block_q x block_k, or None when
-    it can. ``auto``: the automatic choice, which also leaves it alone under SPARSE_ATTN_GLUON=0, after a failure of
-    this kind and below GLUON_MIN_TOKENS query tokens."""
+    """Why the Gluon kernel of ``kind`` ("gluon_dense", "gluon_sparse"; "gluon_anchor": kernels/anchor_gluon.py;
+    "gluon_token": kernels/token_sparse_gluon.py, query groups of block_q) cannot take q (B,H,Nq,D), k/v (B,H,Nk,D)
+    with blocks of block_q x block_k, or None when it can. ``auto``: the automatic choice, which also leaves it alone
+    under SPARSE_ATTN_GLUON=0, after a failure of this kind and below GLUON_MIN_TOKENS query tokens."""
     if auto:
         if os.environ.get("SPARSE_ATTN_GLUON", "1") == "0":
             return "SPARSE_ATTN_GLUON=0"
@@ -111,7 +111,7 @@ def gluon_problem(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         layouts = [rows_layout(t) for t in (q, k, v)]
         if None in layouts or layouts[1] != layouts[2]:
             return f"q/k/v layouts {layouts} (neither (B, H, N, D)- nor (B, N, H, D)-contiguous, or k and v differ)"
-    return gluon_import_problem()
+    return gluon_import_problem("anchor_gluon" if kind == "gluon_anchor" else "attention_gluon")
 
 
 def _gluon_token_problem(q, k, v, group: int, auto: bool) -> str | None:

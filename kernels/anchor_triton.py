@@ -23,7 +23,7 @@ from ._residual import FP8, RESIDUAL_PRECISIONS
 from ._triton_common import last_dim_contiguous
 from .block_sparse_torch import check_block_lists
 
-PATHS = ("auto", "tma", "persistent", "warp_spec")
+PATHS = ("auto", "tma", "persistent", "warp_spec", "gluon")
 
 
 def supported(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -40,8 +40,9 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     q: (B,H,Nq,D); k, v: (B,H,Nk,D) with 16-byte aligned bases and strides; kv_indices int32
     (B,H,ceil(Nq/block_q),max_k) sorted; kv_counts int32 (B,H,ceil(Nq/block_q)).
     Returns (out_dense, (r_data, r_scale)) or, with return_lse, (out_dense, lse, (r_data, r_scale)).
-    path: "auto"/"tma" (one program per query block), "persistent", "warp_spec". Compile failures raise
-    (the caller, kernels/api.py, falls back to the composed path).
+    path: "auto"/"tma" (one program per query block), "persistent", "warp_spec" (the TMA kernel's pass); "gluon"
+    (kernels/anchor_gluon.py: block_q 128, block_k 64 or 128, D 64 or 128, fp16/bf16; ValueError naming what it cannot
+    take). Compile failures raise (the caller, kernels/api.py, falls back to the composed path).
     """
     from . import attention_hopper
     b, h, nq, nk, d = check_qkv(q, k, v)
@@ -51,12 +52,18 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
         raise ValueError(f"residual_precision must be one of {RESIDUAL_PRECISIONS}, got {residual_precision!r}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    why = _hopper.tma_problem((k, v), _hopper.device_capability(k)) if not _hopper.interpreting() else None
-    if why is not None:
-        raise ValueError(f"block_anchor_attention: the fused kernel cannot run: {why}")
     fp8 = residual_precision == "fp8"
     if fp8 and FP8 is None:
         raise ValueError("residual_precision='fp8' needs torch.float8_e4m3fn")
+    if path == "gluon":
+        _hopper.use_gluon("gluon_anchor", q, k, v, block_q, block_k, path="gluon")  # or ValueError with the reason
+        from . import anchor_gluon
+        return anchor_gluon.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_k=block_k, scale=scale,
+                                                   residual_precision=residual_precision, return_lse=return_lse,
+                                                   return_mass=return_mass)
+    why = _hopper.tma_problem((k, v), _hopper.device_capability(k)) if not _hopper.interpreting() else None
+    if why is not None:
+        raise ValueError(f"block_anchor_attention: the fused kernel cannot run: {why}")
     idx = kv_indices.to(torch.int32).contiguous()
     cnt = kv_counts.to(torch.int32).contiguous()
     cmp_idx, cmp_cnt = attention_hopper.complement_lists(idx, cnt, n_kblk)

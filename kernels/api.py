@@ -155,7 +155,8 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
                                                              fill_ungrouped=fill_ungrouped)
 
 
-# Above this fraction of the (query, key) pairs the fused one-pass anchor is cheaper than one cuDNN dense call plus
+# Where the Gluon anchor cannot run (another GPU, blocks of 64 queries, fewer than GLUON_MIN_TOKENS tokens): above
+# this fraction of the (query, key) pairs the TMA kernels' fused one-pass anchor is cheaper than one dense call plus
 # the block-sparse kernel with the residual in its epilogue; below it, the composed path. Since the fused kernel
 # runs under the 128-register cap the two cost the same at 0.08-0.12 at Wan 14B and 0.12-0.15 at HunyuanVideo, and
 # the fused one is cheaper above (docs/kernel_notes.md, "v16"; 0.15 before, "v10").
@@ -171,9 +172,11 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     (r_data, r_scale)); residual_precision "model" (R in q's dtype, scale None) or "fp8" (float8_e4m3fn R,
     fp32 (B,H,Nq,1) scale); ``return_mass``: the residual is a (r_data, r_scale, mass) triple, mass fp32
     (B,H,Nq,2) for mass-weighted reuse (kernels/_residual.py). Semantics of ``anchor_torch.block_anchor_attention``.
-    On Hopper ``auto`` and ``triton`` run the fused one-pass kernel when the lists keep more than FUSED_ANCHOR_ABOVE
-    of the pairs, and otherwise the dense call (cuDNN where available) plus the block-sparse kernel with the residual
-    in its epilogue; elsewhere the dense and block-sparse primitives are composed, R formed in PyTorch.
+    On Hopper ``auto`` and ``triton`` run the Gluon kernel's one pass (kernels/anchor_gluon.py: the selected blocks,
+    then the complement, at the Gluon dense rate; docs/kernel_notes.md "v29") where ``_hopper.gluon_problem`` finds
+    nothing against it; otherwise the TMA kernels' fused one-pass kernel when the lists keep more than
+    FUSED_ANCHOR_ABOVE of the pairs, and the dense call (cuDNN where available) plus the block-sparse kernel with the
+    residual in its epilogue below; elsewhere the dense and block-sparse primitives are composed, R formed in PyTorch.
     ``density``: the fraction of pairs the lists keep when the caller knows it (the engine's selections do); without
     it the widest list's share of the KV blocks stands in, read on the host without a synchronisation (an upper
     bound: one dense row, e.g. text, makes it 1).
@@ -181,6 +184,13 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     if choose(backend, q, _why_not(q), "block_anchor_attention") == "triton":
         from . import _hopper, anchor_triton  # a compile failure: logged once, the composed path runs from now on
         q, k, v = _addressable(q, k, v)
+        if _hopper.use_gluon("gluon_anchor", q, k, v, block_q, block_k):  # one pass at the Gluon dense rate
+            done = _hopper.attempt("gluon_anchor", True, lambda: anchor_triton.block_anchor_attention(
+                q, k, v, kv_indices, kv_counts, block_q=block_q, block_k=block_k, scale=scale,
+                residual_precision=residual_precision, return_lse=return_lse, validate=validate,
+                return_mass=return_mass, path="gluon"))
+            if done is not None:
+                return done
         kept = density if density is not None else kv_indices.shape[-1] / -(-k.shape[2] // block_k)
         if kept > FUSED_ANCHOR_ABOVE and anchor_triton.supported(k, v):
             done = _hopper.attempt("anchor", True, lambda: anchor_triton.block_anchor_attention(

@@ -88,12 +88,12 @@ def _scores(s_raw, blk, n_kv, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows,
-              o_layout: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr, RESIDUAL: gl.constexpr,
-              MASS: gl.constexpr, WRITE_LSE: gl.constexpr, GATHER: gl.constexpr):
-    """Rows q_first ... of head bh (GATHER: the rows q_rows[q_first ...] lists, -1 for none): out = acc / l plus the
-    residual (times the mass weight), stored to Out; the row LSE (natural log, -inf for a row that attended nothing)
-    to Lse. Out/R are contiguous (B*H*N_Q, D), RS/Lse (B*H*N_Q), MS (B*H*N_Q, 2)."""
+def _finish(acc, m_i, l_i, bh, q_first, n_q, q_rows, o_layout: gl.constexpr, ROWS: gl.constexpr,
+            HEAD_D: gl.constexpr, GATHER: gl.constexpr):
+    """A consumer's rows finished: (out = acc / l fp32 [ROWS, HEAD_D] in o_layout, the row LSE (natural log, -inf for
+    a row that attended nothing), the rows' index in the contiguous (B*H*N_Q, ...) tensors, the elements' offsets in
+    the (B*H*N_Q, HEAD_D) ones, the rows' mask, the elements' mask). Rows q_first ... of head bh, or (GATHER) the
+    rows q_rows[q_first ...] lists, -1 for none."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     m_o = gl.convert_layout(m_i, row_o)
@@ -105,11 +105,21 @@ def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows,
     else:
         rows = q_first + gl.arange(0, ROWS, layout=row_o)
         ok = rows < n_q
-    flat = bh.to(gl.int64) * n_q + rows  # the rows' index in the contiguous (B*H*N_Q, ...) tensors
+    flat = bh.to(gl.int64) * n_q + rows
     lse = gl.where(empty, float("-inf"), (m_o + gl.log2(gl.where(empty, 1.0, l_o))) * LN2)
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
     offs = gl.expand_dims(flat, 1) * HEAD_D + gl.expand_dims(cols, 0)
-    ok2 = gl.expand_dims(ok, 1)
+    return out, lse, flat, offs, ok, gl.expand_dims(ok, 1)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, Out, Lse, R, RS, MS, bh, q_first, n_q, q_rows,
+              o_layout: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr, RESIDUAL: gl.constexpr,
+              MASS: gl.constexpr, WRITE_LSE: gl.constexpr, GATHER: gl.constexpr):
+    """Rows q_first ... of head bh (GATHER: the rows q_rows[q_first ...] lists, -1 for none): out = acc / l plus the
+    residual (times the mass weight), stored to Out; the row LSE (natural log, -inf for a row that attended nothing)
+    to Lse. Out/R are contiguous (B*H*N_Q, D), RS/Lse (B*H*N_Q), MS (B*H*N_Q, 2)."""
+    out, lse, flat, offs, ok, ok2 = _finish(acc, m_i, l_i, bh, q_first, n_q, q_rows, o_layout, ROWS, HEAD_D, GATHER)
     if RESIDUAL != 0:
         r = gl.load(R + offs, mask=ok2, other=0.0).to(gl.float32)
         if RESIDUAL == 2:
@@ -167,14 +177,29 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_D, 16])
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    return _attend_more(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_kv, qk_scale,
+                        base, acc, m_i, l_i, DENSE, ROWS, BLOCK_N, HEAD_D, STAGES, WARPS, GATHER, False)
+
+
+@gluon.jit
+def _attend_more(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row, count, n_kv, qk_scale, base,
+                 acc, m_i, l_i, DENSE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GATHER: gl.constexpr,
+                 CARRY: gl.constexpr):
+    """``_attend`` from a state (acc, m_i, l_i) as it returns them: CARRY, the walk goes on from that state (the
+    fused anchor's complement after its selected tiles: kernels/anchor_gluon.py); otherwise the state is the fresh
+    one (acc 0, m_i -inf, l_i 0) and the first tile starts it without rescaling."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if count > 0:
         # tile 0: scores and softmax; its PV is issued in the next iteration (or after the loop)
@@ -185,10 +210,18 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, idx_row,
         mbarrier.arrive(k_empty.index(s0), count=1)
         blk = 0 if DENSE else gl.load(idx_row)
         s = _scores(s_raw, blk, n_kv, qk_scale, s_layout, BLOCK_N)
-        m_i = gl.max(s, 1)
-        m_i = gl.where(m_i == float("-inf"), 0.0, m_i)
-        p = gl.exp2(s - gl.expand_dims(m_i, 1))
-        l_i = gl.sum(p, 1)
+        m_new = gl.max(s, 1)
+        if CARRY:
+            m_new = gl.maximum(m_i, m_new)
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        if CARRY:  # a row that kept nothing before has m_i -inf: alpha 0 on its zero state
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        else:
+            l_i = gl.sum(p, 1)
+        m_i = m_new
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for i in range(1, count):
             s_slot = (base + i) % STAGES
@@ -445,6 +478,20 @@ def _descriptor(rows: torch.Tensor, block_rows: int, d: int):
     return TensorDescriptor(rows, list(rows.shape), [rows.stride(0), 1], [block_rows, d], layout)
 
 
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bn: int):
+    """(q, k, v TMA descriptors, q's BNHD flag, k/v's BNHD flag) of (B,H,N,D) q and k/v for 128-row query tiles and
+    ``bn``-row K/V tiles (``as_rows``; k and v in different layouts: the two copied contiguous, one flag for both)."""
+    b, h, nk, d = k.shape
+    q_rows, q_bnhd = as_rows(q)
+    k_rows, k_bnhd = as_rows(k)
+    v_rows, v_bnhd = as_rows(v)
+    if k_bnhd != v_bnhd:
+        k_rows, v_rows = k.contiguous().view(b * h * nk, d), v.contiguous().view(b * h * nk, d)
+        k_bnhd = False
+    return (_descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), q_bnhd,
+            k_bnhd)
+
+
 def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=None, lse=None, res=None, mass=None,
               tiles=None, split=True, persistent=False):
     """Launch the kernel. q: (B,H,Nq,D), k/v: (B,H,Nk,D) fp16/bf16, D 64 or 128 (kernels/_hopper.py checks);
@@ -458,21 +505,16 @@ def attention(q, k, v, out, *, scale, block_k=128, idx=None, cnt=None, order=Non
     program per SM walking the rows in ``order`` (index order when None). Returns out."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    bn, stages = tiles or TILES[block_k]
-    q_rows, q_bnhd = as_rows(q)
-    k_rows, k_bnhd = as_rows(k)
-    v_rows, v_bnhd = as_rows(v)
-    if k_bnhd != v_bnhd:  # one flag for both: the odd one copied
-        k_rows, v_rows = k.contiguous().view(b * h * nk, d), v.contiguous().view(b * h * nk, d)
-        k_bnhd = False
-    residual, r_data, r_scale = residual_args(res, out)
-    nqb = triton.cdiv(nq, BLOCK_M)
     dense = idx is None
     if persistent and (dense or not split):
         raise ValueError("the persistent kernel takes block-sparse lists on the split layout only")
+    bn, stages = tiles or TILES[block_k]
+    q_desc, k_desc, v_desc, q_bnhd, k_bnhd = descriptors(q, k, v, bn)
+    residual, r_data, r_scale = residual_args(res, out)
+    nqb = triton.cdiv(nq, BLOCK_M)
     # what both kernels take first: the descriptors and the epilogue's tensors (out where one is absent)
-    head = (_descriptor(q_rows, BLOCK_M, d), _descriptor(k_rows, bn, d), _descriptor(v_rows, bn, d), out,
-            lse if lse is not None else out, r_data, r_scale, mass if mass is not None else out)
+    head = (q_desc, k_desc, v_desc, out, lse if lse is not None else out, r_data, r_scale,
+            mass if mass is not None else out)
     flags = dict(Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, RESIDUAL=residual,
                  MASS=mass is not None and res is not None, WRITE_LSE=lse is not None)
     if persistent:

@@ -336,12 +336,14 @@ def complement_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, n_kblk: 
     rows = kv_indices.reshape(-1, kv_indices.shape[-1]).long()
     cnt = kv_counts.reshape(-1, 1).long()
     valid = torch.arange(rows.shape[-1], device=rows.device).view(1, -1) < cnt
-    taken = torch.zeros((rows.shape[0], n_kblk + 1), dtype=torch.int32, device=rows.device)
-    taken.scatter_(1, torch.where(valid, rows, n_kblk), 1)
-    free = 1 - taken[:, :n_kblk]
+    taken = torch.zeros((rows.shape[0], n_kblk + 1), dtype=torch.bool, device=rows.device)
+    taken.scatter_(1, torch.where(valid, rows, n_kblk), True)
+    free = ~taken[:, :n_kblk]
     width = n_kblk
-    pos = torch.cumsum(free, 1) - 1  # slot of each free block in its row's complement list
+    # slot of each free block in its row's complement list (int32: the anchor's temporaries at Wan 14B with a CFG
+    # batch are 47 000 rows x 591 blocks)
+    pos = torch.cumsum(free, 1, dtype=torch.int32) - 1
     out = torch.full((rows.shape[0], width + 1), -1, dtype=torch.int32, device=rows.device)
     blk = torch.arange(n_kblk, device=rows.device, dtype=torch.int32).expand_as(free)
-    out.scatter_(1, torch.where(free.bool(), pos, width).long(), blk)
+    out.scatter_(1, torch.where(free, pos, width).long(), blk)
     return out[:, :width].reshape(*lead, width).contiguous(), (n_kblk - cnt.view(-1)).to(torch.int32).reshape(lead)

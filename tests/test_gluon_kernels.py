@@ -1,7 +1,8 @@
 """The Gluon Hopper kernels compiled for sm_90a on the CPU, every variant the dispatch can launch
 (tools/compile_report.py): kernels/attention_gluon.py dense with and without LSE, block-sparse with each residual
 (model dtype, fp8 with its scale, weighted by the mass), row order and both descriptor layouts, D 64 and 128
-(``compile_gluon``); kernels/token_sparse_gluon.py on int32 and compact lists with each residual
+(``compile_gluon``); kernels/anchor_gluon.py's one-pass block anchor with each residual precision
+(``compile_gluon_anchor``); kernels/token_sparse_gluon.py on int32 and compact lists with each residual
 (``compile_gluon_token``).
 Each must build without spilling and fit sm_90's shared memory. There is no interpreter for Gluon; the GPU tests
 (tests/test_gpu_kernels.py) check the numbers against the twins, and the dispatch rules and the token launch's
@@ -44,6 +45,24 @@ def test_every_variant_compiles_for_hopper_without_spills(report, name):
     assert "error" not in res, res
     assert res["spill"] == 0 and res["tma"] and res["wgmma"], res
     assert res["shared"] <= 232448, res  # sm_90's per-block opt-in maximum
+
+
+ANCHOR_VARIANTS = {
+    "fp8 residual, mass, lse (the engine's anchor)": dict(),
+    "model-dtype residual, no mass, no lse": dict(fp8=False, mass=False, lse=False),
+    "D64 bk64 fp16, transposed q/k/v": dict(d=64, block_k=64, dtype="fp16", q_bnhd=True, kv_bnhd=True),
+    "transposed k/v, fp8 residual": dict(kv_bnhd=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ANCHOR_VARIANTS))
+def test_every_anchor_variant_compiles_for_hopper_without_spills(report, name):
+    """kernels/anchor_gluon.py: the two walks keep one accumulator (the sparse output waits in memory), so the
+    consumers fit the dense kernel's register split without spilling."""
+    res = report.compile_gluon_anchor(**ANCHOR_VARIANTS[name])
+    assert "error" not in res, res
+    assert res["spill"] == 0 and res["tma"] and res["wgmma"], res
+    assert res["shared"] <= 232448, res
 
 
 TOKEN_VARIANTS = {
@@ -113,6 +132,65 @@ def test_gluon_token_rule_on_a_pretend_hopper(pretend_hopper):
     assert _hopper.gluon_problem("gluon_token", d64, d64, d64, auto=False) is None
     with pytest.raises(ValueError, match="groups of 64"):
         _hopper.use_gluon("gluon_token", bhnd, bhnd, bhnd, block_q=64, path="gluon")
+
+
+@pytest.mark.parametrize("precision,bk", [("fp8", 128), ("model", 64)])
+def test_anchor_api_hands_the_gluon_anchor_its_arguments(pretend_hopper, monkeypatch, precision, bk):
+    """kernels.api's block anchor on a pretend Hopper takes the Gluon one-pass anchor, which it hands the selected
+    lists, their complements (together every KV block of a row exactly once), the output buffers in the shapes and
+    dtypes the kernel writes, and the scale: a stand-in computing the twin from exactly what it is handed reproduces
+    kernels/anchor_torch.py's dense output, LSE, residual and mass (pure torch, no GPU). Blocks the kernel cannot take
+    are named."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+    from comfyui_sparse_attention.kernels import _residual, anchor_gluon, anchor_torch, api, block_sparse_torch
+    from comfyui_sparse_attention.kernels import dense_torch
+    _hopper, _, _, _ = pretend_hopper
+    monkeypatch.setattr(_hopper, "GLUON_MIN_TOKENS", 256)
+    monkeypatch.setattr(api, "choose", lambda *a: "triton")
+    gen = torch.Generator().manual_seed(5)
+    h, n, d = 2, 300, 128  # ragged: the last query and KV blocks are partial
+    q, k, v = (torch.randn(1, h, n, d, generator=gen).to(torch.bfloat16) for _ in range(3))
+    nqb, nkb = -(-n // 128), -(-n // bk)
+    idx = torch.full((1, h, nqb, nkb), -1, dtype=torch.int32)
+    cnt = torch.zeros((1, h, nqb), dtype=torch.int32)
+    for hh in range(h):
+        for r in range(nqb):
+            keep = torch.sort(torch.randperm(nkb, generator=gen)[:(hh + r) % (nkb + 1)]).values
+            idx[0, hh, r, :len(keep)] = keep.to(torch.int32)
+            cnt[0, hh, r] = len(keep)  # rows from empty to every block
+    seen = []
+
+    def stand_in(q_, k_, v_, sel, sel_cnt, cmp, cmp_cnt, out, r_data, *, scale, block_k, lse, r_scale, mass):
+        for row in range(sel.shape[2]):
+            for hh in range(h):
+                blocks = torch.cat([sel[0, hh, row, :sel_cnt[0, hh, row]], cmp[0, hh, row, :cmp_cnt[0, hh, row]]])
+                assert torch.equal(torch.sort(blocks).values, torch.arange(nkb, dtype=torch.int32))
+        assert out.shape == q_.shape and out.dtype == q_.dtype and lse is not None and lse.dtype == torch.float32
+        assert (r_data.dtype == _residual.FP8) == (precision == "fp8") == (r_scale is not None)
+        dense, dense_lse = dense_torch.attention_dense(q_, k_, v_, scale=scale, return_lse=True)
+        sparse, sparse_lse = block_sparse_torch.block_sparse_attention(q_, k_, v_, sel, sel_cnt, block_q=128,
+                                                                       block_k=block_k, scale=scale, return_lse=True)
+        data, sc = _residual.encode_residual(dense, precision, q_.dtype, minus=sparse)
+        out.copy_(dense)
+        lse.copy_(dense_lse)
+        r_data.copy_(data)
+        if r_scale is not None:
+            r_scale.copy_(sc)
+        if mass is not None:
+            mass.copy_(_residual.mass_of(dense_lse, sparse_lse))
+        seen.append(scale)
+        return out
+    monkeypatch.setattr(anchor_gluon, "anchor", stand_in)
+    got = api.block_anchor_attention(q, k, v, idx, cnt, block_q=128, block_k=bk, residual_precision=precision,
+                                     return_lse=True, return_mass=True, scale=0.07)
+    want = anchor_torch.block_anchor_attention(q, k, v, idx, cnt, block_q=128, block_k=bk, scale=0.07,
+                                               residual_precision=precision, return_lse=True, return_mass=True)
+    assert seen == [0.07]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for a, b in zip(got[2], want[2]):
+        assert (a is None and b is None) or torch.equal(a.float().nan_to_num(), b.float().nan_to_num())
+    assert "blocks 64x128" in _hopper.gluon_problem("gluon_anchor", q, k, v, block_q=64, block_k=128, auto=False)
 
 
 def test_rows_layout_addresses_comfyuis_views_without_a_copy(request):

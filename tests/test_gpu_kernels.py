@@ -299,11 +299,13 @@ def test_fp8_residual_store_rounds_as_torch_and_keeps_non_finite_nan():
 @pytest.mark.parametrize("precision", ["model", "fp8"])
 @pytest.mark.parametrize("n,d,bq,bk", [(32760, 128, 128, 128), (75600, 128, 128, 128), (4133, 64, 64, 64),
                                        (20000, 96, 64, 128)])
-def test_anchor_residual_epilogue_matches_twin(precision, n, d, bq, bk):
+def test_anchor_residual_epilogue_matches_twin(precision, n, d, bq, bk, monkeypatch):
     """Low-density anchors (lists narrower than kernels/api.py's FUSED_ANCHOR_ABOVE): the dense call plus the TMA
     block-sparse kernel forming R and the mass in its epilogue, against the twin, on an empty row, short rows and
-    ragged N; through kernels.api the composed path runs, not the fused pass, and its output is the dense one."""
+    ragged N; through kernels.api (the Gluon anchor off: test_gluon_anchor_matches_twin has it) the composed path
+    runs, not the fused pass, and its output is the dense one."""
     from comfyui_sparse_attention.kernels import _hopper, anchor_torch, anchor_triton, api
+    monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")
     h = 2
     q, k, v = qkv(h, n, d, seed=n + 9)
     nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
@@ -1292,6 +1294,59 @@ def test_gluon_batch_of_two_matches_twin(layout):
     idx, cnt = torch.cat([idx, idx.flip(1)]), torch.cat([cnt, cnt.flip(1)])  # another list per batch row
     got, want, _ = gluon_mass_reuse(q, k, v, idx, cnt, bq)
     assert rel(got[0], want[0]) <= 1e-2 and rel(got[1], want[1]) <= 1e-2
+
+
+@needs_hopper
+@pytest.mark.parametrize("n,d,bk,precision,layout,b", [(32760, 128, 128, "fp8", "bhnd", 1),
+                                                       (75600, 128, 128, "model", "bnhd", 1),
+                                                       (20000, 64, 64, "fp8", "bhnd", 1),
+                                                       (4133, 128, 64, "model", "bnhd", 1),
+                                                       (20000, 128, 128, "fp8", "bnhd", 2)])
+def test_gluon_anchor_matches_twin(n, d, bk, precision, layout, b, monkeypatch):
+    """kernels/anchor_gluon.py (the selected walk, the sparse output stashed in Out, the complement walk on from the
+    same state) against the twin on skewed lists (full rows, an empty row, ragged N), each residual precision, the
+    mass, a CFG batch and ComfyUI's transposed views: the dense output and LSE against fp32, R against the twin's; a
+    row that kept every block has R exactly 0 and an empty row R = its dense output; kernels.api takes this path."""
+    from comfyui_sparse_attention.kernels import _hopper, anchor_gluon, anchor_torch, anchor_triton
+    h, bq = 2, 128
+    parts = [qkv(h, n, d, seed=n + d + 31 * i) for i in range(b)]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    if layout == "bnhd":
+        q, k, v = _bnhd(q), _bnhd(k), _bnhd(v)
+    nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
+    idx, cnt = skewed_lists(h, nqb, nkb, max(2, nkb // 8), seed=bk + d)
+    if b == 2:
+        idx, cnt = torch.cat([idx, idx.flip(1)]), torch.cat([cnt, cnt.flip(1)])
+    out, lse, res = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk,
+                                                         residual_precision=precision, return_lse=True,
+                                                         return_mass=True, path="gluon")
+    ref, ref_lse = dense_torch_lse(q, k, v)
+    assert out.is_contiguous() and not torch.isnan(out).any()
+    for i in range(b):
+        assert rel(out[i], ref[i]) <= 1e-2
+    assert (lse - ref_lse).abs().max() < 2e-2
+    want = anchor_torch.block_residual(q, k, v, idx, cnt, out, lse, block_q=bq, block_k=bk,
+                                       residual_precision=precision, return_mass=True)
+    assert not torch.isnan(decoded(res[:2])).any()
+    assert rel(decoded(res[:2]), decoded(want[:2])) <= (2e-2 if precision == "model" else 6e-2)
+    full = decoded(res[:2])[0, :, :bq]  # query block 0 keeps every block: both walks end in the same state
+    assert torch.equal(full, torch.zeros_like(full))
+    empty = decoded(res[:2])[0, 0, bq:2 * bq]  # query block 1 of head 0 kept nothing: R is the dense output
+    if precision == "model":
+        assert torch.equal(res[0][0, 0, bq:2 * bq], out[0, 0, bq:2 * bq])
+    else:
+        assert rel(empty, out[0, 0, bq:2 * bq].float()) <= 4e-2
+    live = (want[2][..., 1] > math.log(1e-3)) & (res[2][..., 1] > math.log(1e-3))
+    assert live.float().mean() > 0.5 and not torch.isnan(res[2]).any()
+    assert (res[2] - want[2])[live].abs().max() < 2e-2
+    # kernels.api: this pass from GLUON_MIN_TOKENS query tokens on, at any density
+    calls = []
+    real = anchor_gluon.anchor
+    monkeypatch.setattr(anchor_gluon, "anchor", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    out2, res2 = K.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk, residual_precision=precision,
+                                          density=0.05)
+    assert calls == ([1] if n >= _hopper.GLUON_MIN_TOKENS else []) and "gluon_anchor" not in _hopper.broken()
+    assert rel(out2, out) <= 1e-3 and rel(decoded(res2), decoded(res[:2])) <= (1e-3 if calls else 6e-2)
 
 
 def dense_torch_lse(q, k, v):

@@ -63,6 +63,22 @@ def compile_one(fn, types, constexprs, divisible, config, arch: int = 90, source
                 wgmma="warp_group_dot " in ttgir)
 
 
+def gluon_types(d, bn, dtype, fp8, **more):
+    """The argument types kernels/attention_gluon.py's kernels and the anchor share: the three TMA descriptors (a
+    128-row query tile, ``bn``-row K/V tiles of head dim ``d`` in ``dtype``), the epilogue's pointers (the residual
+    fp8 or in ``dtype``), the lists and the scale; ``more`` adds or overrides."""
+    from triton.experimental.gluon import language as gl
+    block_m = load("kernels.attention_gluon").BLOCK_M
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
+    return dict(q_desc=f"tensordesc<{dtype}[{block_m}, {d}],{q_layout!r}>",
+                k_desc=f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
+                v_desc=f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
+                Out=f"*{dtype}", Lse="*fp32", R="*fp8e4nv" if fp8 else f"*{dtype}", RS="*fp32", MS="*fp32",
+                IDX="*i32", CNT="*i32", qk_scale="fp32", **more)
+
+
 def compile_gluon(*, dense, d=128, block_k=128, tiles=None, split=True, dtype="bf16", residual=0, mass=False,
                   lse=False, ordered=False, q_bnhd=False, kv_bnhd=False, persistent=False, arch: int = 90):
     """kernels/attention_gluon.py's kernel compiled (Triton >= 3.6 with Gluon) for one variant, as its ``attention``
@@ -70,18 +86,10 @@ def compile_gluon(*, dense, d=128, block_k=128, tiles=None, split=True, dtype="b
     ``split`` (two consumer warpgroups) or one 8-warp consumer, bf16/fp16, residual 0 none / 1 model dtype / 2 fp8,
     the mass, the LSE, heavy-first rows, the (B, N, H, D) descriptor layouts; ``persistent``: the persistent
     block-sparse kernel (``_attention_persistent``) instead. Returns ``compile_one``'s dict."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     mod = load("kernels.attention_gluon")
     bn, stages = tiles or mod.TILES[block_k]
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([mod.BLOCK_M, d], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gdt)
-    types = dict(q_desc=f"tensordesc<{dtype}[{mod.BLOCK_M}, {d}],{q_layout!r}>",
-                 k_desc=f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
-                 v_desc=f"tensordesc<{dtype}[{bn}, {d}],{kv_layout!r}>",
-                 Out=f"*{dtype}", Lse="*fp32", R="*fp8e4nv" if residual == 2 else f"*{dtype}", RS="*fp32", MS="*fp32",
-                 IDX="*i32", CNT="*i32", ORDER="*i32", qk_scale="fp32")
+    types = gluon_types(d, bn, dtype, residual == 2, ORDER="*i32")
     consts = dict(Q_BNHD=q_bnhd, KV_BNHD=kv_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, RESIDUAL=residual, MASS=mass,
                   WRITE_LSE=lse)
     if not persistent:
@@ -91,6 +99,21 @@ def compile_gluon(*, dense, d=128, block_k=128, tiles=None, split=True, dtype="b
     fn = mod._attention_persistent if persistent else mod._attention_fwd
     return compile_one(fn, types, consts, pointers, conf, arch, source=GluonASTSource)
 
+
+def compile_gluon_anchor(*, d=128, block_k=128, dtype="bf16", fp8=True, mass=True, lse=True, q_bnhd=False,
+                         kv_bnhd=False, arch: int = 90):
+    """kernels/anchor_gluon.py's fused anchor compiled for one variant, as its ``anchor`` launches it: head dim ``d``,
+    the tiles of ``block_k``, bf16/fp16, an fp8 or model-dtype residual, the mass, the LSE, the (B, N, H, D)
+    descriptor layouts. Returns ``compile_one``'s dict."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mod = load("kernels.anchor_gluon")
+    bn, stages = load("kernels.attention_gluon").TILES[block_k]
+    types = gluon_types(d, bn, dtype, fp8, CIDX="*i32", CCNT="*i32")
+    consts = dict(Q_BNHD=q_bnhd, KV_BNHD=kv_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, FP8_OUT=fp8, MASS=mass,
+                  WRITE_LSE=lse)
+    conf = argparse.Namespace(num_warps=4, num_stages=1, maxnreg=None)
+    pointers = ["Out", "Lse", "R", "RS", "MS", "IDX", "CNT", "CIDX", "CCNT"]
+    return compile_one(mod._anchor_fwd, types, consts, pointers, conf, arch, source=GluonASTSource)
 
 
 def compile_gluon_token(*, d=128, residual=0, compact=False, dtype="bf16", tiles=None, off32=None, arch: int = 90):
