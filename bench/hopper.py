@@ -235,6 +235,56 @@ class Shape:
             q, k, v, *self.block_lists(densities[0], False)[:2], block_q=128, block_k=128, residual_precision="fp8",
             validate=False, path="persistent"), config=lambda: AH.last_config("persistent"), target=densities[0])
 
+    def anchor_ab(self, densities, repeats=3):
+        """The block anchor as the engine calls it (fp8 residual with its mass), alternated ``repeats`` times per
+        density: the Gluon one-pass anchor (kernels/anchor_gluon.py), the Gluon dense call plus the TMA kernel
+        forming R in its epilogue (kernels/api.py's path before it), and above FUSED_ANCHOR_ABOVE the TMA fused pass;
+        a summary row per density with the medians (× cuDNN's dense call) and how far the Gluon anchor's dense output,
+        R and mass lie from the composed path's (``rel_out`` / ``rel_r``: relative L2; ``rel_mass``: largest
+        difference). Under --dry (no Gluon in the interpreter) the composed path's dense call is the TMA kernel's and
+        the Gluon rows are left out."""
+        q, k, v, AT, DT, api = self.q, self.k, self.v, self.m["AT"], self.m["DT"], self.m["API"]
+        kw = dict(block_q=128, block_k=128, residual_precision="fp8", validate=False, return_mass=True)
+        ours = "gluon" if DEV == "cuda" else "tma"
+        for dens in densities:
+            idx, cnt, real = self.block_lists(dens, False)
+
+            def gluon(idx=idx, cnt=cnt):
+                return AT.block_anchor_attention(q, k, v, idx, cnt, path="gluon", **kw)
+
+            def composed(idx=idx, cnt=cnt):
+                o, ls = DT.attention_dense(q, k, v, return_lse=True, path=ours)
+                return o, AT.block_residual(q, k, v, idx, cnt, o, ls, **kw)
+
+            def fused(idx=idx, cnt=cnt):
+                return AT.block_anchor_attention(q, k, v, idx, cnt, path="tma", **kw)
+            variants = [("gluon", gluon)] * (DEV == "cuda") + [(f"{ours}+epilogue", composed)]
+            variants += [("tma_fused", fused)] if dens > api.FUSED_ANCHOR_ABOVE else []
+            times = {name: [] for name, _ in variants}
+            for i in range(1, repeats + 1):
+                for name, fn in variants:
+                    r = self.rec("anchor_ab", f"{name}#{i}", fn, target=dens, kept=real)
+                    if r:
+                        times[name].append(r["ms"])
+            err = {}
+            if DEV == "cuda":
+                try:
+                    (go, gr), (co, cr) = gluon(), composed()
+                    dec = [r[0].float() * r[1] for r in (gr, cr)]
+                    err = dict(rel_out=float((go.float() - co.float()).norm() / co.float().norm()),
+                               rel_r=float((dec[0] - dec[1]).norm() / dec[1].norm().clamp(min=1e-30)),
+                               rel_mass=float((gr[2] - cr[2]).nan_to_num(0, 0, 0).abs().max()))
+                    del go, gr, co, cr, dec
+                except Exception as exc:
+                    err = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            summary = {name: statistics.median(t) for name, t in times.items() if t}
+            self.rows.append(dict(shape=self.name, kind="anchor_ab_median", variant="-", target=dens, kept=real,
+                                  medians=summary, cudnn=self.cudnn, **err))
+            say(f"{self.name} anchor d={dens}: medians " + ", ".join(
+                f"{n} {t:.2f} ms" + (f" ({t / self.cudnn:.3f}x cuDNN)" if self.cudnn else "")
+                for n, t in summary.items()) + f"; {err}")
+            torch.cuda.empty_cache()
+
     def anchor_paths(self, densities, tilings=False):
         """The block anchor as the engine calls it (fp8 residual with its mass) per density: the fused one-pass kernel
         (with ``tilings``, each candidate tiling of ``attention_hopper.ANCHOR_CONFIGS`` alone: docs/kernel_notes.md,
@@ -673,13 +723,19 @@ def table(meta, rows, tests, budget):
              "| shape | kernel | variant | d | ms | TF/s | x cuDNN | x d | vs Flex | note | config |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "medians" in r:  # Shape.anchor_ab's summary of the alternated calls
+            lines.append(f"| {r['shape']} | anchor medians | " + ", ".join(
+                f"{n} {t:.2f} ms" + (f" ({t / r['cudnn']:.3f}x cuDNN)" if r.get("cudnn") else "")
+                for n, t in r["medians"].items()) + f" | {r['target']} | | | | | | {r.get('error', '')[:80]} | |")
+            continue
         if "ms" not in r:
             lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {r.get('target', '')} | FAILED "
                          f"| | | | | | {r['error'][:80]} |")
             continue
         vf = f"{r['vs_flex']:.2f}" if "vs_flex" in r else (f"{r['vs_flex_ref']:.2f}*" if "vs_flex_ref" in r else "")
         cfg = r.get("config", "").replace("num_ctas: 1, ", "").replace(", maxnreg: None", "")
-        dens = r["target"] if r["kind"] == "anchor" and "target" in r else r["density"]  # an anchor's list density
+        # an anchor's list density
+        dens = r["target"] if r["kind"] in ("anchor", "anchor_ab") and "target" in r else r["density"]
         lines.append(f"| {r['shape']} | {r['kind']} | {r['variant']} | {dens:.3f} | {r['ms']:.3f} | "
                      f"{r['eff_tflops']:.0f} | {r.get('x_cudnn', 0):.2f} | {r.get('x_d', 0):.2f} | {vf} | "
                      f"{r.get('note', '')} | {cfg[:90]} |")
@@ -698,7 +754,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--tests-k", default="", help="only the GPU tests pytest's -k selects")
     ap.add_argument("--plan", choices=("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon",
-                                           "token", "persistent", "flex"),
+                                           "token", "persistent", "flex", "gluon_anchor"),
                     default="full",
                     help="full: every variant; rescale: eager against lazy rescaling only (Shape.rescale); loop: "
                          "plain loops against scores one tile ahead (Shape.loop); mass: the mass-weighted residual "
@@ -709,9 +765,13 @@ def main():
                          "kernel against the TMA kernel and cuDNN (Shape.gluon; live Flex on the first shape); "
                          "token: the Gluon token kernel's variants (Shape.gluon_token); persistent: the Gluon block "
                          "kernel's two grids at d 0.15-0.5 (Shape.persistent_ab); flex: the automatic block "
-                         "kernel against live FlexAttention, alternated --repeats times at --densities (Shape.flex_ab)")
-    ap.add_argument("--densities", default="0.15,0.2,0.25,0.3,0.5", help="persistent and flex plans: the densities")
-    ap.add_argument("--repeats", type=int, default=2, help="persistent and flex plans: how often the two alternate")
+                         "kernel against live FlexAttention, alternated --repeats times at --densities "
+                         "(Shape.flex_ab); gluon_anchor: the Gluon one-pass block anchor against the composed one, "
+                         "alternated (Shape.anchor_ab)")
+    ap.add_argument("--densities", default="0.15,0.2,0.25,0.3,0.5",
+                    help="persistent, flex and gluon_anchor plans: the densities")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="persistent, flex and gluon_anchor plans: how often the variants alternate")
     ap.add_argument("--dry", action="store_true", help="CPU + Triton interpreter, tiny shapes: checks the script")
     args = ap.parse_args()
     if args.dry:
@@ -727,7 +787,8 @@ def main():
     say(f"meta {meta}")
     tests = None if args.skip_tests else run_tests(out_dir, args.tests_timeout, args.tests_k)
     budget = Budget(args.budget)
-    mods = dict(K=load("kernels"), BT=load("kernels.block_sparse_triton"), AH=load("kernels.attention_hopper"),
+    mods = dict(K=load("kernels"), API=load("kernels.api"), BT=load("kernels.block_sparse_triton"),
+                AH=load("kernels.attention_hopper"),
                 DT=load("kernels.dense_triton"), AT=load("kernels.anchor_triton"),
                 TT=load("kernels.token_sparse_triton"), MT=load("kernels.mass_triton"),
                 CT=load("kernels.compact_torch"), DC=load("kernels.dense_cudnn"),
@@ -780,6 +841,9 @@ def main():
                 for name in names]
     if args.plan == "flex":
         plan = [(name, "flex_ab", tuple(float(d) for d in args.densities.split(",")), args.repeats)
+                for name in names]
+    if args.plan == "gluon_anchor":
+        plan = [(name, "anchor_ab", tuple(float(d) for d in args.densities.split(",")), args.repeats)
                 for name in names]
     if args.plan == "tilings":
         plan = [(name, "anchor_paths", (0.08, 0.15, 0.25), True) for name in names]

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
                                 reason="Triton not installed")
 
 
-PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon", "token")
+PLANS = ("full", "rescale", "loop", "mass", "anchor", "epilogue", "tilings", "gluon", "token", "gluon_anchor")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,14 @@ def test_hopper_bench_dry_run(dry_runs, plan):
             == paths
         assert sorted({r["target"] for r in rows if "target" in r}) == [0.05, 0.08, 0.1, 0.12, 0.15, 0.2, 0.25]
         assert len(rows) == 3 * 7 + 2 + 2  # and the cuDNN dense rows every shape starts with
+    elif plan == "gluon_anchor":  # no Gluon in the interpreter: the composed path and the TMA fused pass, alternated
+        dens = [0.15, 0.2, 0.25, 0.3, 0.5]  # the plan's default densities, all above FUSED_ANCHOR_ABOVE
+        assert kinds - {("dense", "cudnn"), ("dense_lse", "cudnn")} == {
+            ("anchor_ab", f"{p}#{i}") for p in ("tma+epilogue", "tma_fused") for i in (1, 2)} | {
+            ("anchor_ab_median", "-")}
+        summaries = [r for r in rows if r["kind"] == "anchor_ab_median"]
+        assert [r["target"] for r in summaries] == dens
+        assert all(set(r["medians"]) == {"tma+epilogue", "tma_fused"} for r in summaries)
     elif plan == "tilings":  # the fused anchor on each candidate tiling alone, then the composed path and the API's
         tilings = [r for r in rows if r["kind"] == "anchor" and r["variant"].startswith("fused_t")]
         assert {r["variant"] for r in tilings} == {f"fused_t{i}" for i in range(len(tilings) // 3)}
