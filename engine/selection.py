@@ -54,8 +54,8 @@ class BlockSelection:
         pass, or at low density one dense call plus the sparse kernel forming R; the planned density chooses):
         (out_dense (B, H, N, D), residual (data, scale) pair of R = dense - sparse in ``precision``: "fp8" or
         "model"; with ``mass`` a (data, scale, mass) triple, mass fp32 (B, H, N, 2) for mass-weighted reuse calls).
-        The path is chosen by the planned density, so the exact one may stay on the device (without either, the
-        kernels' host bound stands in)."""
+        Off the Gluon anchor the path is chosen by the planned density, so the exact one may stay on the device
+        (without either, the kernels' host bound stands in)."""
         known = self.planned if self.planned is not None else \
             None if isinstance(self.density, torch.Tensor) else self.density
         return kernels.block_anchor_attention(q, k, v, self.kv_indices, self.kv_counts, block_q=self.block_q,

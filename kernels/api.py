@@ -155,7 +155,8 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
                                                              fill_ungrouped=fill_ungrouped)
 
 
-# Where the Gluon anchor cannot run (another GPU, blocks of 64 queries, fewer than GLUON_MIN_TOKENS tokens): above
+# Where the Gluon anchor does not run (another GPU, or a reason _hopper.gluon_problem names: fewer than
+# GLUON_MIN_TOKENS tokens, 64-query blocks, another head dim or dtype, SPARSE_ATTN_GLUON=0, an earlier failure): above
 # this fraction of the (query, key) pairs the TMA kernels' fused one-pass anchor is cheaper than one dense call plus
 # the block-sparse kernel with the residual in its epilogue; below it, the composed path. Since the fused kernel
 # runs under the 128-register cap the two cost the same at 0.08-0.12 at Wan 14B and 0.12-0.15 at HunyuanVideo, and

@@ -48,7 +48,8 @@ def test_every_variant_compiles_for_hopper_without_spills(report, name):
 
 
 ANCHOR_VARIANTS = {
-    "fp8 residual, mass, lse (the engine's anchor)": dict(),
+    "fp8 residual, mass, lse": dict(),
+    "fp8 residual, mass, no lse (the engine's anchor)": dict(lse=False),
     "model-dtype residual, no mass, no lse": dict(fp8=False, mass=False, lse=False),
     "D64 bk64 fp16, transposed q/k/v": dict(d=64, block_k=64, dtype="fp16", q_bnhd=True, kv_bnhd=True),
     "transposed k/v, fp8 residual": dict(kv_bnhd=True),
@@ -191,6 +192,44 @@ def test_anchor_api_hands_the_gluon_anchor_its_arguments(pretend_hopper, monkeyp
     for a, b in zip(got[2], want[2]):
         assert (a is None and b is None) or torch.equal(a.float().nan_to_num(), b.float().nan_to_num())
     assert "blocks 64x128" in _hopper.gluon_problem("gluon_anchor", q, k, v, block_q=64, block_k=128, auto=False)
+
+
+def test_anchor_launch_binds_every_argument_to_its_parameter(monkeypatch):
+    """``anchor_gluon.anchor`` launches ``_anchor_fwd`` with positional arguments: bound to the kernel's own
+    parameter names (a stand-in for the launch, pure torch, no GPU), each lands where the kernel reads it."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    import torch
+    from comfyui_sparse_attention.kernels import _residual, anchor_gluon
+    names = anchor_gluon._anchor_fwd.arg_names
+    seen = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.update(zip(names, args), **kw, grid=grid)
+            return run
+    monkeypatch.setattr(anchor_gluon, "_anchor_fwd", Launch())
+    b, h, n, d, bk = 2, 3, 300, 64, 64
+    q = torch.zeros(b, h, n, d, dtype=torch.float16)
+    k = torch.zeros(b, n, h, d, dtype=torch.float16).transpose(1, 2)  # ComfyUI's transposed k/v
+    nqb, nkb = 3, 5
+    idx, cnt = torch.zeros(b, h, nqb, 2, dtype=torch.int32), torch.ones(b, h, nqb, dtype=torch.int32)
+    cmp_idx, cmp_cnt = torch.zeros(b, h, nqb, nkb, dtype=torch.int32), torch.full((b, h, nqb), 4, dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(b, h, n)
+    r_data, r_scale = torch.empty(b, h, n, d, dtype=_residual.FP8), torch.empty(b, h, n, 1)
+    mass = torch.empty(b, h, n, 2)
+    anchor_gluon.anchor(q, k, k, idx, cnt, cmp_idx, cmp_cnt, out, r_data, scale=0.5, block_k=bk, lse=lse,
+                        r_scale=r_scale, mass=mass)
+    assert set(names) <= set(seen), set(names) - set(seen)
+    assert seen["Out"] is out and seen["Lse"] is lse and seen["R"] is r_data and seen["RS"] is r_scale
+    assert seen["MS"] is mass and seen["IDX"] is idx and seen["CNT"] is cnt and seen["CIDX"] is cmp_idx
+    assert seen["CCNT"] is cmp_cnt and seen["grid"] == (b * h * nqb,)
+    assert (seen["H"], seen["N_Q"], seen["N_KV"], seen["NQB"], seen["MAX_K"], seen["MAX_C"]) == (h, n, n, nqb, 2, nkb)
+    assert seen["qk_scale"] == pytest.approx(0.5 * 1.4426950408889634)
+    assert seen["FP8_OUT"] and seen["MASS"] and seen["WRITE_LSE"] and not seen["Q_BNHD"] and seen["KV_BNHD"]
+    assert (seen["BLOCK_N"], seen["HEAD_D"]) == (bk, d)
+    with pytest.raises(ValueError, match="r_scale"):
+        anchor_gluon.anchor(q, k, k, idx, cnt, cmp_idx, cmp_cnt, out, r_data, scale=0.5, block_k=bk)
 
 
 def test_rows_layout_addresses_comfyuis_views_without_a_copy(request):

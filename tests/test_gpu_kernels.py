@@ -261,8 +261,9 @@ def test_dense_tma_matches_sdpa(path, n, d):
 @pytest.mark.parametrize("precision", ["model", "fp8"])
 @pytest.mark.parametrize("n,d,bq,bk,path", [(32760, 128, 128, 128, "tma"), (75600, 128, 128, 128, "persistent"),
                                              (4133, 64, 64, 64, "tma")])
-def test_anchor_matches_dense_and_sparse(precision, n, d, bq, bk, path):
+def test_anchor_matches_dense_and_sparse(precision, n, d, bq, bk, path, monkeypatch):
     from comfyui_sparse_attention.kernels import anchor_triton, block_sparse_torch
+    monkeypatch.setenv("SPARSE_ATTN_GLUON", "0")  # the public primitive's TMA paths (the Gluon anchor has its test)
     h = 2
     q, k, v = qkv(h, n, d, seed=n + 5)
     nqb, nkb = math.ceil(n / bq), math.ceil(n / bk)
@@ -1336,6 +1337,11 @@ def test_gluon_anchor_matches_twin(n, d, bk, precision, layout, b, monkeypatch):
         assert torch.equal(res[0][0, 0, bq:2 * bq], out[0, 0, bq:2 * bq])
     else:
         assert rel(empty, out[0, 0, bq:2 * bq].float()) <= 4e-2
+    assert rel(empty, ref[0, 0, bq:2 * bq].float()) <= (1e-2 if precision == "model" else 4e-2)
+    # the engine's call: the mass without the LSE (the kernel computes the LSE either way, so the same bits)
+    out3, res3 = anchor_triton.block_anchor_attention(q, k, v, idx, cnt, block_q=bq, block_k=bk,
+                                                      residual_precision=precision, return_mass=True, path="gluon")
+    assert torch.equal(out3, out) and all(a is None and b is None or torch.equal(a, b) for a, b in zip(res3, res))
     live = (want[2][..., 1] > math.log(1e-3)) & (res[2][..., 1] > math.log(1e-3))
     assert live.float().mean() > 0.5 and not torch.isnan(res[2]).any()
     assert (res[2] - want[2])[live].abs().max() < 2e-2

@@ -160,3 +160,28 @@ def test_residual_of_works_a_few_heads_at_a_time(precision, monkeypatch):
     assert not torch.isfinite(bad[9]) and torch.isfinite(torch.cat([bad[:9], bad[10:]])).all()
     with pytest.raises(ValueError, match="minus must have"):
         encode_residual(dense, precision, dense.dtype, minus=sparse[:, :4])
+
+
+def test_complement_lists_in_chunks():
+    """kernels/attention_hopper.py's complement lists (the fused anchors walk them after the selected blocks): each
+    row's KV blocks not in its list, sorted, padded with -1, with their counts; built a few rows at a time, the same
+    lists as all rows at once."""
+    from comfyui_sparse_attention.kernels.attention_hopper import complement_lists
+    gen = torch.Generator().manual_seed(11)
+    nkb = 7
+    idx = torch.full((2, 3, 5, nkb), -1, dtype=torch.int32)
+    cnt = torch.zeros((2, 3, 5), dtype=torch.int32)
+    for row in range(30):
+        keep = torch.sort(torch.randperm(nkb, generator=gen)[:row % (nkb + 1)]).values
+        idx.view(30, nkb)[row, :len(keep)] = keep.to(torch.int32)
+        cnt.view(30)[row] = len(keep)  # empty rows to full ones
+    lists, counts = complement_lists(idx, cnt, nkb)
+    assert lists.shape == (2, 3, 5, nkb) and lists.dtype == counts.dtype == torch.int32
+    for row in range(30):
+        kept = set(idx.view(30, nkb)[row, :cnt.view(30)[row]].tolist())
+        want = [b for b in range(nkb) if b not in kept]
+        assert counts.view(30)[row] == len(want)
+        assert lists.view(30, nkb)[row].tolist() == want + [-1] * (nkb - len(want))
+    chunked = complement_lists(idx, cnt, nkb, chunk_rows=4)
+    assert torch.equal(chunked[0], lists) and torch.equal(chunked[1], counts)
+
