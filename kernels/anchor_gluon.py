@@ -18,12 +18,13 @@ outputs rounded to Out's dtype, as the twin forms it; fp8 with a per-row scale a
 (1 for all-zero rows), a non-finite element NaN in its own element; the mass (log Z_C, log beta) from the two LSEs
 (kernels/_residual.py, ``mass_of``).
 
-Imported only where kernels/_hopper.py (``gluon_problem``, kind "gluon_anchor") finds nothing against it.
+Called through ``anchor_triton.block_anchor_attention(path="gluon")``, which checks the arguments, builds the lists and
+the output buffers the TMA anchor takes too, and launches ``anchor`` here; imported only where kernels/_hopper.py
+(``gluon_problem``, kind "gluon_anchor") finds nothing against it.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -140,28 +141,3 @@ def anchor(q, k, v, idx, cnt, cmp_idx, cmp_cnt, out, r_data, *, scale, block_k=1
         Q_BNHD=q_bnhd, KV_BNHD=k_bnhd, BLOCK_N=bn, HEAD_D=d, STAGES=stages, FP8_OUT=fp8, MASS=mass is not None,
         WRITE_LSE=lse is not None, num_warps=4)
     return out
-
-
-def block_anchor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
-                           kv_counts: torch.Tensor, *, block_k: int, scale: float, residual_precision: str = "model",
-                           return_lse: bool = False, return_mass: bool = False):
-    """``anchor_torch.block_anchor_attention``'s results from this kernel, for checked arguments (the caller,
-    ``anchor_triton.block_anchor_attention``, checks them): q (B,H,Nq,D), k/v (B,H,Nk,D) fp16/bf16; kv_indices int32
-    (B,H,ceil(Nq/128),max_k) sorted within kv_counts int32 (B,H,ceil(Nq/128)); blocks of 128 x block_k.
-    Returns (out, (r_data, r_scale)) or with return_lse (out, lse fp32 (B,H,Nq), (r_data, r_scale)); with
-    return_mass the residual is (r_data, r_scale, mass fp32 (B,H,Nq,2))."""
-    from .attention_hopper import complement_lists
-    b, h, nq, d = q.shape
-    idx = kv_indices.to(torch.int32).contiguous()
-    cnt = kv_counts.to(torch.int32).contiguous()
-    cmp_idx, cmp_cnt = complement_lists(idx, cnt, triton.cdiv(k.shape[2], block_k))
-    fp8 = residual_precision == "fp8"
-    out = torch.empty((b, h, nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else None
-    r_data = torch.empty((b, h, nq, d), dtype=FP8 if fp8 else q.dtype, device=q.device)
-    r_scale = torch.empty((b, h, nq, 1), dtype=torch.float32, device=q.device) if fp8 else None
-    mass = torch.empty((b, h, nq, 2), dtype=torch.float32, device=q.device) if return_mass else None
-    anchor(q, k, v, idx, cnt, cmp_idx, cmp_cnt, out, r_data, scale=scale, block_k=block_k, lse=lse, r_scale=r_scale,
-           mass=mass)
-    res = (r_data, r_scale) if mass is None else (r_data, r_scale, mass)
-    return (out, lse, res) if return_lse else (out, res)

@@ -55,13 +55,8 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     fp8 = residual_precision == "fp8"
     if fp8 and FP8 is None:
         raise ValueError("residual_precision='fp8' needs torch.float8_e4m3fn")
-    if path == "gluon":
-        _hopper.use_gluon("gluon_anchor", q, k, v, block_q, block_k, path="gluon")  # or ValueError with the reason
-        from . import anchor_gluon
-        return anchor_gluon.block_anchor_attention(q, k, v, kv_indices, kv_counts, block_k=block_k, scale=scale,
-                                                   residual_precision=residual_precision, return_lse=return_lse,
-                                                   return_mass=return_mass)
-    why = _hopper.tma_problem((k, v), _hopper.device_capability(k)) if not _hopper.interpreting() else None
+    gluon = path == "gluon" and _hopper.use_gluon("gluon_anchor", q, k, v, block_q, block_k, path="gluon")
+    why = None if gluon or _hopper.interpreting() else _hopper.tma_problem((k, v), _hopper.device_capability(k))
     if why is not None:
         raise ValueError(f"block_anchor_attention: the fused kernel cannot run: {why}")
     idx = kv_indices.to(torch.int32).contiguous()
@@ -73,10 +68,15 @@ def block_anchor_attention(q, k, v, kv_indices, kv_counts, *, block_q, block_k, 
     r_data = torch.empty((b, h, nq, d), dtype=FP8 if fp8 else q.dtype, device=q.device)
     r_scale = torch.empty((b, h, nq, 1), dtype=torch.float32, device=q.device) if fp8 else None
     mass = torch.empty((b, h, nq, 2), dtype=torch.float32, device=q.device) if return_mass else None
-    kind = "anchor" if path in ("auto", "tma") else path
-    attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
-                            mode=attention_hopper.MODE_ANCHOR, lse=lse, res_out=(r_data, r_scale), res_fp8=fp8,
-                            idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt, mass=mass)
+    if gluon:
+        from . import anchor_gluon
+        anchor_gluon.anchor(q, k, v, idx, cnt, cmp_idx, cmp_cnt, out, r_data, scale=scale, block_k=block_k, lse=lse,
+                            r_scale=r_scale, mass=mass)
+    else:
+        kind = "anchor" if path in ("auto", "tma") else path
+        attention_hopper.launch(kind, q, k, v, out, scale=scale, block_q=block_q, block_k=block_k,
+                                mode=attention_hopper.MODE_ANCHOR, lse=lse, res_out=(r_data, r_scale), res_fp8=fp8,
+                                idx=idx, cnt=cnt, cmp_idx=cmp_idx, cmp_cnt=cmp_cnt, mass=mass)
     res = (r_data, r_scale) if mass is None else (r_data, r_scale, mass)
     return (out, lse, res) if return_lse else (out, res)
 
