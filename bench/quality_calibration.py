@@ -204,6 +204,7 @@ def run(args) -> dict:
     # 3. uniform against calibrated, same schedule and average density
     rows, sensitivity = [], []
     heads_of = {}  # (method, target) -> the allocation among each layer's heads (scope "layer")
+    spans_of = {}  # (method, target, kind) -> the anchor spans' factors chosen from the recording
 
     def run_config(config, n=None):
         """(videos, stats) of the first n videos (all by default) sampled with the engine configuration."""
@@ -214,10 +215,12 @@ def run(args) -> dict:
         sync()
         return video, attn.stats
 
-    def measure_row(a, kind, factors):
+    def measure_row(a, kind, factors, spans=None):
         config = dict(base_fields, method=a.method, density=a.target)
         if factors is not None:
             config["layer_densities"] = layer_density.layer_densities_dict(factors)
+        if spans is not None:
+            config["anchor_density_factors"] = list(spans.factors)
         row = {"method": a.method, "density": a.target, "kind": kind, "config": _jsonable(config)}
         t = time.perf_counter()
         try:
@@ -246,6 +249,18 @@ def run(args) -> dict:
         heads_of[(a.method, a.target)] = heads
         say(f"{a.method} d{a.target:g} within layers: layer_densities {cal.layer_densities_text(heads.factors)}")
         measure_row(heads, "calibrated within layers", heads.factors)
+        if args.anchor_spans:  # density moved between the anchors' spans, chosen from the recording
+            for kind, factors, dens in (("uniform+spans", None, None), ("calibrated+spans", a.factors, a.densities)):
+                sp = cal.allocate_spans(mine, a.target, a.objective, args.steps, densities=dens,
+                                        source=rec.path.name)
+                spans_of[(a.method, a.target, kind)] = {"factors": list(sp.factors), "steps": list(sp.steps),
+                                                        "cost_uniform": sp.cost_uniform,
+                                                        "cost_calibrated": sp.cost_calibrated,
+                                                        "costs_by_first_factor": _first_span_costs(
+                                                            cal, mine, a, dens, args.steps, sp.steps)}
+                say(f"{a.method} d{a.target:g} {kind}: anchor_density_factors {list(sp.factors)} over span steps "
+                    f"{list(sp.steps)}; predicted error² {sp.cost_uniform:.5f} -> {sp.cost_calibrated:.5f}")
+                measure_row(a, kind, factors, sp)
         if args.sensitivity_videos <= 0:
             continue
         # how strongly each layer's attention error reaches the videos: only layer l sparse (uniform density), the
@@ -279,7 +294,8 @@ def run(args) -> dict:
     for a in allocs:
         found = {r["kind"]: r for r in rows
                  if r["method"] == a.method and r["density"] == a.target and "error" not in r}
-        for kind in ("calibrated", "calibrated within layers", "calibrated+sensitivity"):
+        for kind in ("calibrated", "calibrated within layers", "calibrated+sensitivity", "uniform+spans",
+                     "calibrated+spans"):
             if "uniform" in found and kind in found:
                 u, c = found["uniform"], found[kind]
                 gains.append({"method": a.method, "target": a.target, "kind": kind,
@@ -296,6 +312,7 @@ def run(args) -> dict:
                         "weights_sha256": None if args.random_init_small else sha256(weights)}}
     doc = {"meta": meta, "pairs": pairs, "pair_weights": pair_w, "rows": rows, "gains": gains,
            "sensitivity": sensitivity,
+           "spans": [{"method": m, "target": t, "kind": k, **v} for (m, t, k), v in spans_of.items()],
            "allocations": [{"method": a.method, "target": a.target, "objective": a.objective,
                             "cost_uniform": a.cost_uniform, "cost_calibrated": a.cost_calibrated,
                             "layer_densities": cal.layer_densities_text(a.factors),
@@ -314,6 +331,22 @@ def run(args) -> dict:
     for g in gains:
         say(f"{g['method']} at {g['target']:g}: {g['kind']} {g['gain_db']:+.2f} dB PSNR, {g['ssim_gain']:+.4f} SSIM")
     return doc
+
+
+FIRST_FACTORS = (0.6, 1.0, 1.2, 1.35, 1.5, 1.7, 2.0, 2.5)  # the first span's factors the testbed sampled (docs)
+
+
+def _first_span_costs(cal, curves, a, densities, total_steps, steps) -> dict:
+    """{f0: predicted cost} with the first span at f0 and the later spans sharing the rest equally (so the reuse
+    steps keep their pairs): the calibration's view of the first-span factors docs/calibration.md sampled."""
+    out = {}
+    rest = sum(steps[1:])
+    for f0 in FIRST_FACTORS:
+        if not rest or steps[0] * f0 >= sum(steps):
+            continue
+        f1 = (sum(steps) - steps[0] * f0) / rest
+        out[f0] = cal.span_cost(curves, a.target, a.objective, total_steps, [f0, f1], densities=densities)
+    return out
 
 
 def _mse(video, ref) -> float:
@@ -344,6 +377,10 @@ def main(argv=None):
     ap.add_argument("--sensitivity-videos", type=int, default=2,
                     help="videos sampled per layer to measure how strongly each layer's error reaches the output, "
                          "for the 'calibrated+sensitivity' rows (0: off)")
+    ap.add_argument("--anchor-spans", action="store_true",
+                    help="also sample the anchor spans' density factors chosen from the recording "
+                         "(engine/calibrate.py allocate_spans), on the uniform and on the calibrated per-head "
+                         "densities: rows 'uniform+spans' and 'calibrated+spans'")
     ap.add_argument("--device", default=None)
     ap.add_argument("--video", default=None, help="F,H,W pixels of the sampled videos (default: the testbed's); "
                     "smaller videos make a CPU check of the trained model affordable")

@@ -42,7 +42,10 @@ class Curve:
     selection was made, no residual (RMS over anchor steps); reuse / reuse_plain: rel-L2 at later recorded steps
     with the anchor's selection, with / without the anchor's residual (RMS over the pairs, each weighted by the
     share of reuse steps it stands for; None without pairs);
-    achieved: the exact density the head computed; weight: the head's share of its layer's output energy."""
+    achieved: the exact density the head computed; weight: the head's share of its layer's output energy;
+    anchors: the anchor steps measured, in order; reuse_spans / reuse_plain_spans: the reuse errors of each anchor's
+    own pairs (one list per anchor, [] for an anchor without a later recorded step), what ``allocate_spans``
+    trades between the anchors' spans."""
 
     method: str
     layer: int
@@ -53,6 +56,9 @@ class Curve:
     reuse_plain: list[float] | None
     achieved: list[float]
     weight: float
+    anchors: tuple[int, ...] = ()
+    reuse_spans: list[list[float]] | None = None
+    reuse_plain_spans: list[list[float]] | None = None
 
     def errors(self, objective: str) -> list[float]:
         out = {"fresh": self.fresh, "reuse": self.reuse, "reuse_plain": self.reuse_plain}[objective]
@@ -63,6 +69,18 @@ class Curve:
     def error_at(self, objective: str, d: float) -> float:
         """The error interpolated linearly at density d (clamped to the grid)."""
         return _interp(self.densities, self.errors(objective), d)
+
+    def span_error_at(self, objective: str, span: int, d: float) -> float:
+        """The reuse error of anchor ``span``'s own pairs (``anchors[span]``) at density d, interpolated as
+        ``error_at``; ValueError for the fresh objective or a span without a later recorded step."""
+        spans = {"reuse": self.reuse_spans, "reuse_plain": self.reuse_plain_spans}.get(objective)
+        if spans is None:
+            raise ValueError(f"objective {objective!r}: density moved between anchors is measured at reuse steps "
+                             "(reuse or reuse_plain, two or more recorded steps)")
+        if not spans[span]:
+            raise ValueError(f"anchor step {self.anchors[span]}: no later step was recorded before the next anchor, "
+                             "so its reuse steps cannot be measured; record one")
+        return _interp(self.densities, spans[span], d)
 
 
 @dataclass
@@ -191,6 +209,8 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
             fresh = torch.zeros(len(grid), h, dtype=torch.float64)
             reuse = torch.zeros(len(grid), h, dtype=torch.float64)
             plain = torch.zeros(len(grid), h, dtype=torch.float64)
+            by_anchor = {a: (torch.zeros(len(grid), h, dtype=torch.float64),
+                             torch.zeros(len(grid), h, dtype=torch.float64)) for a in anchors}
             achieved = torch.zeros(len(grid), h, dtype=torch.float64)
             for i, d in enumerate(grid):
                 cfg = config_at(base.replace(method=method), d)
@@ -214,24 +234,37 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
                                                    precision=residual_precision(cfg.residual_precision, q.device))
                         residual = Residual(*pair).stored_as(cfg.residual_precision)
                     residual = residual.unpacked()  # 4-bit storage measured as the reuse call reads it
+                    span_w = sum(pair_w[(a, s)] for s in later[a])
                     for s in later[a]:
                         q2, k2, v2, out2, _ = cache[s]
                         o = sel.run(q2, k2, v2, backend=cfg.backend)
-                        plain[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
+                        e_plain = _rel(o - out2, out2).pow(2)
                         if residual.mass is not None:
                             o = sel.run(q2, k2, v2, backend=cfg.backend, residual=residual)
                         else:
                             residual.add_to(o)
-                        reuse[i] += _rel(o - out2, out2).pow(2) * pair_w[(a, s)]
+                        e_reuse = _rel(o - out2, out2).pow(2)
+                        plain[i] += e_plain * pair_w[(a, s)]
+                        reuse[i] += e_reuse * pair_w[(a, s)]
+                        # the anchor's own RMS (its pairs' shares renormalised), for density moved between anchors
+                        share = pair_w[(a, s)] / span_w if span_w > 0 else 1.0 / len(later[a])
+                        by_anchor[a][0][i] += e_reuse * share
+                        by_anchor[a][1][i] += e_plain * share
                     del sel, out_s, residual
                 done += 1
                 if progress is not None:
                     progress(done, total)
             fresh, reuse, plain = fresh.sqrt(), reuse.sqrt(), plain.sqrt()
+            spans = [(r.sqrt(), p.sqrt(), bool(later[a])) for a, (r, p) in by_anchor.items()]
             for hh in range(h):
                 curves.append(Curve(method, layer, hh, tuple(grid), fresh[:, hh].tolist(),
                                     reuse[:, hh].tolist() if pairs else None,
-                                    plain[:, hh].tolist() if pairs else None, achieved[:, hh].tolist(), weight[hh]))
+                                    plain[:, hh].tolist() if pairs else None, achieved[:, hh].tolist(), weight[hh],
+                                    anchors=tuple(anchors),
+                                    reuse_spans=[r[:, hh].tolist() if has else [] for r, _, has in spans]
+                                    if pairs else None,
+                                    reuse_plain_spans=[p[:, hh].tolist() if has else [] for _, p, has in spans]
+                                    if pairs else None))
         del cache
     return curves
 
@@ -287,6 +320,27 @@ def _points(c: Curve, cs: list[float], target: float) -> tuple[list[float], list
     return xs, ys, ns
 
 
+def _spend(units, budget: float) -> list[float]:
+    """Greedy marginal allocation on lower convex hulls: ``units`` are (xs, costs) with xs ascending; each unit
+    starts at its first x and ``budget`` (in units of x) goes to the steepest cost decrease first, the last piece
+    possibly between two points. Returns the x each unit ends at."""
+    segments = []
+    for u, (xs, ys) in enumerate(units):
+        hull = _hull(xs, ys)
+        for j in range(len(hull) - 1):
+            (x0, y0), (x1, y1) = hull[j], hull[j + 1]
+            segments.append(((y1 - y0) / (x1 - x0), u, j, x1 - x0))
+    segments.sort(key=lambda s: (s[0], s[1], s[2]))
+    spent = [xs[0] for xs, _ in units]
+    for _slope, u, _j, length in segments:
+        if budget <= 1e-12:
+            break
+        take = min(length, budget)
+        spent[u] += take
+        budget -= take
+    return spent
+
+
 SCOPES = ("model", "layer")
 
 
@@ -320,25 +374,14 @@ def allocate(curves: list[Curve], target: float, objective: str, *, source: str 
     if not (grid[0] - 1e-12 <= target <= grid[-1] + 1e-12):
         raise ValueError(f"{source}: an average density of {target:g} cannot be met: the densities measured span "
                          f"{grid[0]:g}..{grid[-1]:g} (every head gets one of them)")
-    points, segments = {}, []
+    points = {}
     budget = 0.0
     for u, c in enumerate(curves):
         lw = 1.0 if layer_weights is None else float(layer_weights.get(c.layer, 1.0))
         cs = [lw * c.weight * e * e for e in c.errors(objective)]
         xs, ys, ns = points[u] = _points(c, cs, target)
         budget += _interp(grid, c.achieved, target) - xs[0]
-        hull = _hull(xs, ys)
-        for j in range(len(hull) - 1):
-            (x0, y0), (x1, y1) = hull[j], hull[j + 1]
-            segments.append(((y1 - y0) / (x1 - x0), u, j, x1 - x0))
-    segments.sort(key=lambda s: (s[0], s[1], s[2]))
-    spent = {u: points[u][0][0] for u in points}  # achieved density of each unit, from its lowest
-    for _slope, u, _j, length in segments:
-        if budget <= 1e-12:
-            break
-        take = min(length, budget)
-        spent[u] += take
-        budget -= take
+    spent = _spend([points[u][:2] for u in range(len(curves))], budget)  # achieved density of each unit
     densities, achieved = {}, {}
     cost_uniform = cost_cal = 0.0
     for u, c in enumerate(curves):
@@ -353,6 +396,96 @@ def allocate(curves: list[Curve], target: float, objective: str, *, source: str 
                        layer_weights=dict(layer_weights) if layer_weights else None)
     alloc.factors = _factors(densities, target)
     return alloc
+
+
+SPAN_FACTORS = tuple(round(0.25 + 0.05 * i, 2) for i in range(56))  # 0.25 ... 3.0, the factors a span may take
+
+
+@dataclass
+class SpanAllocation:
+    """Density factors of the anchor spans (``anchor_density_factors``) for one method at average density
+    ``target``: span i runs from anchor ``anchors[i]`` to the next; ``steps[i]`` of its steps reuse that anchor's
+    selection. The factors keep the mean over the reuse steps at 1 (sum of steps x factor = sum of steps). cost =
+    sum over spans of steps x sum over heads of weight x (the span's reuse error at density x factor)^2."""
+
+    method: str
+    target: float
+    objective: str
+    anchors: tuple[int, ...]
+    steps: tuple[int, ...]
+    factors: tuple[float, ...]
+    cost_uniform: float
+    cost_calibrated: float
+
+
+def span_steps(anchors, total_steps: int, source: str = "recording") -> tuple[int, ...]:
+    """The reuse steps of each anchor's span in a run of ``total_steps``: from the step after anchor i up to the
+    next anchor (the last anchor's up to the end). ValueError naming ``source`` when an anchor lies outside the run
+    or no span has a reuse step."""
+    anchors = sorted(set(anchors))
+    if not anchors or anchors[0] < 0 or anchors[-1] >= total_steps:
+        raise ValueError(f"{source}: anchor steps {anchors} must lie within the run's {total_steps} steps")
+    ends = anchors[1:] + [total_steps]
+    out = tuple(e - a - 1 for a, e in zip(anchors, ends))
+    if not any(out):
+        raise ValueError(f"{source}: anchors {anchors} leave no reuse step in a run of {total_steps} steps")
+    return out
+
+
+def allocate_spans(curves: list[Curve], target: float, objective: str, total_steps: int, *, densities=None,
+                   factors=SPAN_FACTORS, source: str = "recording") -> SpanAllocation:
+    """The density factor of each anchor's span (docs/calibration.md, "Density moved between anchors") that
+    minimises sum over spans of (its reuse steps) x sum over heads of weight x error^2, each head's error being the
+    reuse error of that anchor's own pairs at (its density x the span's factor), under sum of steps x factor = sum
+    of steps (the reuse steps compute the pairs they compute at factor 1). ``densities``: {(layer, head): density}
+    of a per-head allocation (default: ``target`` for every head). Greedy on the convex hulls of the spans' costs
+    over ``factors``, as ``allocate`` does over densities; a span without reuse steps keeps factor 1.
+    ValueError (naming ``source``) for the fresh objective, an anchor without a later recorded step, a run too short
+    for its anchors, or curves of several methods."""
+    if not curves:
+        raise ValueError(f"{source}: nothing to allocate (no curves)")
+    if len({c.method for c in curves}) > 1:
+        raise ValueError(f"{source}: allocate_spans takes one method's curves")
+    anchors = curves[0].anchors
+    steps = span_steps(anchors, total_steps, source)
+    factors = sorted(set(factors) | {1.0})
+
+    def cost(span: int, f: float) -> float:
+        return steps[span] * _span_cost(curves, span, f, target, objective, densities, source)
+
+    live = [i for i, n in enumerate(steps) if n > 0]
+    units = [([steps[i] * f for f in factors], [cost(i, f) for f in factors]) for i in live]
+    budget = sum(steps[i] * (1.0 - factors[0]) for i in live)
+    spent = _spend(units, budget)
+    out = [1.0] * len(steps)
+    for i, x in zip(live, spent):
+        out[i] = round(x / steps[i], 4)
+    return SpanAllocation(curves[0].method, target, objective, tuple(anchors), steps, tuple(out),
+                          sum(cost(i, 1.0) for i in live),
+                          sum(_interp(units[j][0], units[j][1], spent[j]) for j in range(len(live))))
+
+
+def _span_cost(curves, span: int, f: float, target: float, objective: str, densities, source: str) -> float:
+    """sum over heads of weight x (anchor ``span``'s reuse error at the head's density x f)^2."""
+    total = 0.0
+    for c in curves:
+        d = target if densities is None else densities[(c.layer, c.head)]
+        try:
+            e = c.span_error_at(objective, span, min(1.0, d * f))
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+        total += c.weight * e * e
+    return total
+
+
+def span_cost(curves: list[Curve], target: float, objective: str, total_steps: int, factors, *, densities=None,
+              source: str = "recording") -> float:
+    """The cost ``allocate_spans`` minimises, at the given ``factors`` (one per anchor span; later spans keep the
+    last, as the engine does): sum over spans of reuse steps x sum over heads of weight x error^2."""
+    steps = span_steps(curves[0].anchors, total_steps, source)
+    factors = list(factors) or [1.0]
+    return sum(n * _span_cost(curves, i, factors[min(i, len(factors) - 1)], target, objective, densities, source)
+               for i, n in enumerate(steps) if n > 0)
 
 
 def layer_costs(curves: list[Curve], objective: str, densities) -> dict:

@@ -195,6 +195,69 @@ def test_allocation_within_layers_keeps_each_layers_share():
         cal.allocate(steep, 0.1, "reuse", scope="heads")
 
 
+def span_curve(layer, head, spans, weight=0.5, grid=(0.05, 0.1, 0.2, 0.4), anchors=(2, 10)):
+    """A curve whose reuse errors differ by anchor span (``spans``: one error list per anchor)."""
+    live = [e for e in spans if e]
+    rms = [sum(e[i] ** 2 for e in live) ** 0.5 / len(live) ** 0.5 for i in range(len(grid))]
+    return cal.Curve("mc_sparse", layer, head, grid, rms, rms, rms, list(grid), weight, anchors=anchors,
+                     reuse_spans=[list(e) for e in spans], reuse_plain_spans=[list(e) for e in spans])
+
+
+def test_spans_move_density_to_the_span_whose_error_falls_fastest():
+    """allocate_spans: the first span's reuse error falls steeply with density, the second's hardly: density moves
+    to the first span's steps, the reuse steps keep their pairs (7 f0 + 19 f1 = 26 for anchors 2 and 10 of 30
+    steps), and the cost at the factors is span_cost's."""
+    steep, flat = [0.8, 0.4, 0.2, 0.1], [0.05, 0.045, 0.04, 0.035]
+    curves = [span_curve(0, h, (steep, flat)) for h in range(2)]
+    assert cal.span_steps((2, 10), 30) == (7, 19)
+    sp = cal.allocate_spans(curves, 0.1, "reuse", 30)
+    f0, f1 = sp.factors
+    assert sp.anchors == (2, 10) and sp.steps == (7, 19)
+    assert f0 > 1 > f1 and 7 * f0 + 19 * f1 == pytest.approx(26, abs=1e-3)
+    assert sp.cost_calibrated < sp.cost_uniform
+    assert sp.cost_uniform == pytest.approx(cal.span_cost(curves, 0.1, "reuse", 30, [1, 1]))
+    assert sp.cost_calibrated == pytest.approx(cal.span_cost(curves, 0.1, "reuse", 30, sp.factors), rel=1e-3)
+    # the same error in both spans: nothing to move
+    same = [span_curve(0, h, (steep, steep)) for h in range(2)]
+    assert cal.allocate_spans(same, 0.1, "reuse", 30).factors == (1.0, 1.0)
+    # per-head densities: a head already at 0.2 sits where the steep curve is flatter, so the spans move less
+    dens = {(0, 0): 0.2, (0, 1): 0.2}
+    assert 1 < cal.allocate_spans(curves, 0.1, "reuse", 30, densities=dens).factors[0] < f0
+    # a span factor never asks a head for more than everything
+    assert cal.span_cost(curves, 0.1, "reuse", 30, [20, 1]) == pytest.approx(
+        cal.span_cost(curves, 0.1, "reuse", 30, [10, 1]))
+
+
+def test_spans_refuse_what_they_cannot_measure():
+    curves = [span_curve(0, 0, ([0.4, 0.2, 0.1, 0.05], []))]  # anchor 10: no later step recorded
+    with pytest.raises(ValueError, match=r"rec\.safetensors: anchor step 10: no later step was recorded"):
+        cal.allocate_spans(curves, 0.1, "reuse", 30, source="rec.safetensors")
+    with pytest.raises(ValueError, match="objective 'fresh'"):
+        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4))], 0.1, "fresh", 30)
+    with pytest.raises(ValueError, match=r"x: anchor steps \[2, 10\] must lie within the run's 8 steps"):
+        cal.span_steps((2, 10), 8, "x")
+    with pytest.raises(ValueError, match="leave no reuse step"):
+        cal.span_steps((0, 1), 2)
+    with pytest.raises(ValueError, match="one method"):
+        other = span_curve(0, 1, ([0.4] * 4, [0.3] * 4))
+        other.method = "block_topk"
+        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4)), other], 0.1, "reuse", 30)
+
+
+def test_measure_keeps_each_anchors_reuse_error(recording):
+    """measure: the reuse error of each anchor's own pairs, whose weighted squares add up to the overall one."""
+    rec = load_recording(recording)
+    base = SparseConfig(block_q=64, block_k=64, group_size=64, backend="torch")
+    curves = cal.measure(rec, ["mc_sparse"], (0.1, 0.2), base, pairs=[(0, 1), (1, 2)], layers=[0])
+    for c in curves:
+        assert c.anchors == (0, 1) and len(c.reuse_spans) == 2
+        for i in range(2):
+            for objective, spans in (("reuse", c.reuse_spans), ("reuse_plain", c.reuse_plain_spans)):
+                both = 0.5 * spans[0][i] ** 2 + 0.5 * spans[1][i] ** 2
+                assert c.errors(objective)[i] ** 2 == pytest.approx(both, rel=1e-9)
+        assert c.span_error_at("reuse", 1, 0.15) == pytest.approx((c.reuse_spans[1][0] + c.reuse_spans[1][1]) / 2)
+
+
 def test_pairs_follow_the_anchors():
     assert cal.pairs_for([2, 6, 10, 20]) == [(2, 6), (6, 10), (10, 20)]
     assert cal.pairs_for([2, 6, 10, 20], anchors=[2, 10]) == [(2, 6), (10, 20)]
