@@ -256,22 +256,36 @@ def sol_override(density: float, min_tokens: int, counter: dict):
     return override
 
 
-def prewarm(eng, cfg, shape, dtype, device):
+def call_layout(patch_mod, model, latent, n_tokens: int):
+    """The token layout the patch gives a self-attention call of ``n_tokens`` tokens in a forward of ``latent``
+    (B, C, [T,] H, W): the model family's, as a sampling run computes it; None when the family cannot tell without
+    the run's transformer options (prewarm then compiles for a plain sequence)."""
+    family = patch_mod.family_of(model.get_model_object("diffusion_model"))
+    try:
+        return family.layout(n_tokens, tuple(latent.shape), {})
+    except Exception as exc:  # noqa: BLE001 - a family that needs the run's options: the plain sequence
+        log.info("prewarm: no layout for %d tokens from the latent alone (%s): a plain sequence", n_tokens, exc)
+        return None
+
+
+def prewarm(eng, cfg, shape, dtype, device, layout=None):
     """Compile and autotune one configuration's kernels: two runs of an anchor and a reuse call on random q/k/v
     (their own schedule: whatever the timed pattern is, the step after the anchor reuses, so the reuse kernels are
     tuned before timing). The first run anchors at step 0 and the second at step 1, so both kernel variants a
     preset's run meets are tuned: a block selection's anchors at step 0 keep the residual fixed, later ones write
-    and read the residual's mass (docs/method.md, "The residual weighted by the mass"). Returns the engine's
-    statistics of the second run's two calls."""
+    and read the residual's mass (docs/method.md, "The residual weighted by the mass"). ``layout``: the run's
+    token layout (``call_layout``): a video grid changes the selection's blocks and so the kernels' variants.
+    Returns the engine's statistics of the second run's two calls."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
     e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0,
                                      anchor_steps=eng.AnchorSchedule()))
+    extra = {} if layout is None else {"layout": layout}
     for first in (0, 1):
         e.begin_run()
         for step in (first, first + 1):
-            e.attend(q, k, v, eng.CallContext(layer=0, step=step))
+            e.attend(q, k, v, eng.CallContext(layer=0, step=step, **extra))
         stats = e.end_run()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -529,7 +543,7 @@ def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
             c = c.replace(residual_precision=args.residual_precision)
         if call_shape:
             t = time.perf_counter()
-            prewarm(eng, c, call_shape, dtype, device)
+            prewarm(eng, c, call_shape, dtype, device, call_layout(patch_mod, model, latent, call_shape[2]))
             log.info("%s %s@%s: kernels ready in %.1f s", name, method, dens, time.perf_counter() - t)
         sm, sp = patch_mod.install(model, c)
         probe = StepProbe(sp, device, args.out, f"{name}-{method}@{dens}", args.profile_step)
