@@ -295,24 +295,38 @@ def rows_topk(scores: torch.Tensor, counts: torch.Tensor,
 
 
 SAMPLE = 4096
+CAP_SIGMAS = 3.0  # keep_top's long rows keep at most k plus this many standard deviations of the sampled count
 
 
-def keep_bound(k: int, length: int) -> int | None:
-    """The most entries ``keep_top(scores, k)`` keeps in a row of ``length`` (+inf entries aside) where the host
-    knows it: k for short rows (L <= 4 * SAMPLE: bisection to exactly k), which sizes the compact lists without
-    reading their counts back (docs/kernel_notes.md, "v27"). None for long rows: a sampled threshold's count is k
-    only up to the sample's error (at Wan 14B the widest of ~47 000 rows kept over 1.44 k; docs/benchmarks.md)."""
+def _sample_rank(k: int, length: int) -> int:
+    """The rank among SAMPLE sampled columns whose value estimates a long row's k-th largest."""
+    return max(1, min(SAMPLE, round(k * SAMPLE / length)))
+
+
+def keep_bound(k: int, length: int) -> int:
+    """The most entries ``keep_top(scores, k)`` keeps in a row of ``length`` (+inf entries aside), known on the host:
+    k for short rows (L <= 4 * SAMPLE: bisection to exactly k); for long rows k plus CAP_SIGMAS standard deviations
+    of a random sample's count (relative deviation 1 / sqrt(rank), rank = k * SAMPLE / L: k * 1.15 at Wan 14B's
+    d = 0.1, k * 1.21 at 0.05), which keep_top enforces (a row over it has its threshold raised exactly). It sizes the
+    compact lists without reading their counts back (docs/kernel_notes.md, "v27"). The strided sample is not random:
+    at Wan 14B the widest uncapped row kept 1.44 k (docs/benchmarks.md, "What the per-layer times showed"), so more
+    rows than a random sample's ~0.1 % may meet the cap (bench/threshold_cap.py counts them)."""
     k = max(0, min(int(k), length))
-    return k if length <= 4 * SAMPLE or k in (0, length) else None
+    if length <= 4 * SAMPLE or k in (0, length):
+        return k
+    return min(length, k + math.ceil(CAP_SIGMAS * k / math.sqrt(_sample_rank(k, length))))
 
 
-def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "auto") -> torch.Tensor:
+def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "auto",
+             cap: bool = True) -> torch.Tensor:
     """About the ``k`` largest entries of each row, as a mask, without a full top-k.
 
     scores: float (..., L) >= 0, any strides (+inf marks forced entries). Returns bool (..., L). Each row keeps
     the entries above a threshold: for short rows (L <= 4 * SAMPLE) found by bisection in log space so the
     count is exactly k; for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
-    largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %).
+    largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %), and at most
+    ``keep_bound(k, L)``: a row over it keeps its ``keep_bound`` largest entries instead (its threshold raised
+    exactly, in the threshold kernel; ``cap=False`` leaves long rows uncapped, for bench/threshold_cap.py).
     Entries tied at the threshold fill the row up to k in index order (k equal keys beyond the budget keep k
     of them, never none). backend: where long rows apply their threshold (``kernels.keep_at_threshold``: on CUDA
     one Triton pass per row with no host synchronisation, docs/kernel_notes.md, "v21").
@@ -326,9 +340,9 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "a
     if length > 4 * SAMPLE:
         step = length / SAMPLE
         cols = (torch.arange(SAMPLE, device=scores.device, dtype=torch.float64) * step + step / 2).long()
-        rank = max(1, min(SAMPLE, round(k * SAMPLE / length)))
-        thresh = torch.topk(scores[..., cols], rank, dim=-1).values[..., -1:]
-        return kernels.keep_at_threshold(scores, thresh, k, backend=backend)
+        thresh = torch.topk(scores[..., cols], _sample_rank(k, length), dim=-1).values[..., -1:]
+        return kernels.keep_at_threshold(scores, thresh, k, cap=keep_bound(k, length) if cap else None,
+                                         backend=backend)
     finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
     top = finite.amax(-1, keepdim=True).clamp(min=1e-30)
     lo = torch.log(top) - 46.0  # e^-46 ~ 1e-20 of the row's largest value

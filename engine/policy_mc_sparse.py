@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .block_geometry import keep_bound, keep_top
+from .block_geometry import SAMPLE, keep_bound, keep_top
 from .config import SparseConfig
 from .context import Span, TokenLayout
 from .modalities import MODALITIES
@@ -36,10 +36,11 @@ def sparse_spans(n: int, layout: TokenLayout, cfg: SparseConfig) -> tuple[list[S
 
 
 def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=None, backend="auto",
-                    groups: dict | None = None) -> TokenSelection:
+                    groups: dict | None = None, cap: bool = True) -> TokenSelection:
     """q, k: (B, H, N, D); lse: fp32 (B, H, N) row LSE of dense attention; groups: the query groups of sparse spans
     already made, {(start, stop): int32 (B or 1, H or 1, G, C)} as ``segment_groups`` returns them, or None (spans
-    not in it are grouped here). Returns a TokenSelection."""
+    not in it are grouped here); cap: keep_top's cap on long rows (``keep_bound``), which makes the lists' width known
+    on the host (the engine's way; False only for bench/threshold_cap.py's baseline). Returns a TokenSelection."""
     b, h, n, _ = q.shape
     dev = q.device
     spans, dens, sparse = sparse_spans(n, layout, cfg)
@@ -64,10 +65,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
     ranking = ranking_queries(groups, cfg)
     budgets = {(i, j): (None if dens[i][j] >= 1.0 else max(1, round(dens[i][j] * sp.length)))
                for i, _, _ in ranges for j, sp in enumerate(spans) if sp.length}
-    # the most keys a group can keep, where the host knows it (short key segments: keep_top keeps exactly the budget):
-    # the lists' width without reading the counts back, so the selection does not wait for the device; long key
-    # segments' counts are read back once per chunk of heads (docs/kernel_notes.md, "v27")
-    bounds = [[sp.length if budgets[(i, j)] is None else keep_bound(budgets[(i, j)], sp.length)
+    # the most keys a group can keep (keep_top's keep_bound per key segment, a dense pair counting the whole segment):
+    # the lists' width known on the host, so the selection never reads the counts back (docs/kernel_notes.md, "v27";
+    # long key segments, L > 4 * SAMPLE, are capped at it by keep_top). cap=False: long rows uncapped, their width
+    # read back once per chunk of heads (the baseline bench/threshold_cap.py times)
+    bounds = [[sp.length if budgets[(i, j)] is None else
+               keep_bound(budgets[(i, j)], sp.length) if cap or sp.length <= 4 * SAMPLE else None
                for j, sp in enumerate(spans) if sp.length] for i, _, _ in ranges]
     bound = None if any(x is None for row in bounds for x in row) else max(map(sum, bounds))
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (kv_low, seg_ends, counts) per chunk
@@ -79,12 +82,12 @@ def build_mc_sparse(q, k, lse, layout: TokenLayout, cfg: SparseConfig, *, scale=
         regions = [(slice(g0, g0 + gn), slice(sp.start, sp.stop), budgets[(i, j)])
                    for i, g0, gn in ranges for j, sp in enumerate(spans) if sp.length]
         if len(regions) == 1 and regions[0][2] is not None:  # one segment (video alone): its mask is the whole
-            keep = keep_top(mass, regions[0][2], backend=backend)  # no copy into a mask of the whole (~1.5 ms)
+            keep = keep_top(mass, regions[0][2], backend=backend, cap=cap)  # no copy into a mask of the whole (~1.5 ms)
         else:
             keep = torch.empty(mass.shape, dtype=torch.bool, device=dev)
             for rows, cols, budget in regions:
                 keep[:, :, rows, cols] = True if budget is None else keep_top(mass[:, :, rows, cols], budget,
-                                                                               backend=backend)
+                                                                               backend=backend, cap=cap)
         del mass
         parts.append(kernels.compact_keep(keep, segment=SEGMENT, width=bound, backend=backend))  # int16 lists at once
         del keep

@@ -289,16 +289,16 @@ def group_kv_mass(q, k, lse, q_groups, *, scale=None, backend="auto", validate=T
     return selection_torch.group_kv_mass(q, k, lse, q_groups, scale=scale, validate=validate)
 
 
-def keep_at_threshold(scores, thresh, k, *, backend="auto"):
-    """A row threshold applied with a budget: scores float (..., L), thresh (..., 1) of its dtype, k int -> bool
-    (..., L), the entries above the threshold plus ties in index order up to k a row
-    (threshold_torch.keep_at_threshold)."""
-    threshold_torch.check_threshold_args(scores, thresh, k)
+def keep_at_threshold(scores, thresh, k, *, cap=None, backend="auto"):
+    """A row threshold applied with a budget: scores float (..., L), thresh (..., 1) of its dtype, k int, cap None or
+    an int >= k -> bool (..., L), the entries above the threshold plus ties in index order up to k a row, at most
+    ``cap`` a row (+inf entries aside) where cap is given (threshold_torch.keep_at_threshold)."""
+    threshold_torch.check_threshold_args(scores, thresh, k, cap)
     why = None if scores.dtype in FLOAT_DTYPES else f"dtype {scores.dtype} is not supported"
     if choose(backend, scores, why, "keep_at_threshold") == "triton":
         from . import threshold_triton
-        return threshold_triton.keep_at_threshold(scores, thresh, k)
-    return threshold_torch.keep_at_threshold(scores, thresh, k)
+        return threshold_triton.keep_at_threshold(scores, thresh, k, cap)
+    return threshold_torch.keep_at_threshold(scores, thresh, k, cap)
 
 
 def compact_keep(keep, *, segment=compact_torch.SEGMENT, width=None, backend="auto"):

@@ -365,11 +365,16 @@ def test_the_hybrid_plan_is_kept_and_selects_what_the_window_and_top_k_select(de
     assert sel.planned == hp.density == pytest.approx(float(sel.density), rel=0.02)
 
 
-def test_mc_sparse_lists_are_as_wide_as_the_budget_where_rows_are_short(problem):
-    """Short key segments keep exactly their budget (keep_top's bisection), so the lists' width is known without
-    reading the counts back: video keys 0.15 x 1024 plus the 32 text keys (a dense pair), rounded up to 16. A key
-    segment longer than 4 x 4096 tokens keeps a sampled threshold's count: its width is the widest row's, read back."""
+def test_mc_sparse_lists_are_as_wide_as_their_bound(problem):
+    """The lists' width is known without reading the counts back. Short key segments keep exactly their budget
+    (keep_top's bisection): video keys 0.15 x 1024 plus the 32 text keys (a dense pair), rounded up to 16. A key
+    segment longer than 4 x 4096 tokens keeps a sampled threshold's count, capped at keep_bound (docs/kernel_notes.md,
+    "v27"): its lists are keep_bound wide, also where the sample misleads every row (keys at the sampled columns that
+    hold no mass: every row over the cap keeps exactly its keep_bound largest keys, a subset of what it kept uncapped);
+    without the cap (cap=False) the width is the widest row's, read back."""
+    from comfyui_sparse_attention.engine.block_geometry import SAMPLE, keep_bound
     from comfyui_sparse_attention.engine.policy_mc_sparse import build_mc_sparse
+    from comfyui_sparse_attention.kernels.compact_torch import decode_lists
     cfg = SparseConfig(method="mc_sparse", **BASE)
     q, k, v = problem.qkv(0)
     lse = kernels.attention_dense(q, k, v, return_lse=True, backend="torch")[1]
@@ -379,8 +384,29 @@ def test_mc_sparse_lists_are_as_wide_as_the_budget_where_rows_are_short(problem)
     g = torch.Generator().manual_seed(2)
     q, k = (torch.randn(1, 1, n, 64, generator=g) for _ in range(2))
     lse = torch.logsumexp(q[0, 0] @ k[0, 0].T / 8.0, -1).view(1, 1, n)
+    bound = keep_bound(round(0.15 * n), n)
+    assert round(0.15 * n) < bound < 1.2 * round(0.15 * n)
     sel = build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend="torch")
-    assert sel.kv_low.shape[-1] == -(-int(sel.kv_counts.max()) // 16) * 16
+    assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
+    free = build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend="torch", cap=False)
+    assert free.kv_low.shape[-1] == -(-int(free.kv_counts.max()) // 16) * 16
+    assert torch.equal(sel.kv_counts, free.kv_counts.clamp(max=bound))  # random keys: few rows, if any, over it
+    # a misleading sample: the keys at the sampled columns point away from every query, so the sampled threshold
+    # lies below nearly every other key's mass and every row goes over the cap
+    step = n / SAMPLE
+    sampled = (torch.arange(SAMPLE, dtype=torch.float64) * step + step / 2).long()
+    q = q.abs() + 1.0
+    k = k.clone()
+    k[..., sampled, :] = -k[..., sampled, :].abs() - 1.0
+    lse = torch.logsumexp(q[0, 0] @ k[0, 0].T / 8.0, -1).view(1, 1, n)
+    sel = build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend="torch")
+    free = build_mc_sparse(q, k, lse, TokenLayout(), cfg, backend="torch", cap=False)
+    assert bool((free.kv_counts > 2 * bound).all()) and bool((sel.kv_counts == bound).all())
+    assert sel.kv_low.shape[-1] == -(-bound // 16) * 16
+    capped, loose = (decode_lists(s.kv_low, s.seg_ends)[0, 0] for s in (sel, free))
+    for r in (0, capped.shape[0] - 1):  # each capped row's keys are among the uncapped row's
+        kept = set(capped[r, :bound].tolist())
+        assert len(kept) == bound and kept <= set(loose[r, :int(free.kv_counts[0, 0, r])].tolist())
 
 
 def test_token_selection_compaction_round_trips():

@@ -460,8 +460,9 @@ def test_every_packed_mass_config_matches_twin(cfg):
 def test_keep_at_threshold_kernel_matches_twin_at_real_size():
     """kernels/threshold_triton.py at Wan 14B's anchor rows: a view of a padded mass buffer (591 of 600 groups,
     75 600 keys), a sampled threshold with underflowed zeros tied to it in one head (ties overflow the room there),
-    equal to the twin; keep_top through both backends equal; no host synchronisation in the kernel's call."""
-    from comfyui_sparse_attention.engine.block_geometry import keep_top
+    equal to the twin; keep_top through both backends equal; with a cap every row is over (docs/kernel_notes.md,
+    "v27"), equal to the twin and never above it; no host synchronisation in the kernel's call, capped or not."""
+    from comfyui_sparse_attention.engine.block_geometry import keep_bound, keep_top
     g = torch.Generator(device=DEV).manual_seed(4)
     buf = torch.rand(1, 3, 600, 75600, device=DEV, generator=g) ** 8
     buf[0, 1, :, 5000:] = 0.0
@@ -473,10 +474,17 @@ def test_keep_at_threshold_kernel_matches_twin_at_real_size():
     out = K.keep_at_threshold(mass, thresh, k, backend="triton")
     assert torch.equal(out, twin)
     assert torch.equal(keep_top(mass, k, backend="triton"), keep_top(mass, k, backend="torch"))
+    # a cap every row is over (a threshold of 0): each row's raised threshold bisected in its program, as the twin
+    cap = keep_bound(k, 75600)
+    low = torch.zeros_like(thresh)
+    capped = K.keep_at_threshold(mass, low, k, cap=cap, backend="triton")
+    assert torch.equal(capped, K.keep_at_threshold(mass, low, k, cap=cap, backend="torch"))
+    assert int(capped.sum(-1).max()) <= cap and int(capped[0, 0].sum(-1).min()) == cap  # distinct values: exact
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         K.keep_at_threshold(mass, thresh, k, backend="triton")
+        K.keep_at_threshold(mass, low, k, cap=cap, backend="triton")
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -1114,8 +1122,8 @@ def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
     layer's call tunes the kernels and builds the plan; the second layer's is the one watched. The densities the
     statistics read afterwards are the selections' exact ones. per_head: densities 0.05 and 0.15 on alternate heads
     of both layers (head groups by index tensors, made at layer 0's anchor and kept). (Key segments longer than
-    4 x 4096 tokens still read mc_sparse's list width back.) hybrid: its plan, the block plan with the static half's
-    windows forced, is built at layer 0 and kept (docs/kernel_notes.md, "v28")."""
+    4 x 4096 tokens: test_a_long_segment_mc_sparse_anchor_never_waits_for_the_device.) hybrid: its plan, the block
+    plan with the static half's windows forced, is built at layer 0 and kept (docs/kernel_notes.md, "v28")."""
     from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.engine.selection import BlockSelection, block_pairs_fraction
     layout = TokenLayout(text_len=text, grid=(4, 64, 64))
@@ -1142,6 +1150,43 @@ def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
             bound = round((0.15 if per_head else 0.1) * 16384) + text  # the text keys: a dense pair
             assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
             exact = float(sel.density)
+        stats = eng.end_run()
+    assert stats.layers[1].reuses == 1 and stats.layers[1].density == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("text", [0, 200])
+def test_a_long_segment_mc_sparse_anchor_never_waits_for_the_device(text, per_head):
+    """As test_a_whole_anchor_never_waits_for_the_device for mc_sparse with a key segment longer than 4 x SAMPLE
+    (20 480 video tokens, with and without 200 text tokens): keep_top's sampled threshold, capped at keep_bound, so the
+    lists are keep_bound wide (plus the text keys, a dense pair) and the anchor never reads their width back
+    (docs/kernel_notes.md, "v27"). per_head: densities 0.05 and 0.15 on alternate heads; the widest head group's bound
+    sizes the joined lists."""
+    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.engine.block_geometry import keep_bound
+    layout = TokenLayout(text_len=text, grid=(5, 64, 64))
+    video, h = 20480, 4
+    n = text + video
+    factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
+    eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.1, min_tokens=0, residual=True,
+                                    layer_densities=factors))
+    q, k, v = qkv(h, n, 128, seed=82)
+    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q, k, v, ctx[0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
+            eng.attend(q, k, v, ctx[3])  # and its reuse call
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        sel = eng.cache.on_device[ctx[2].key(n)].selection
+        assert isinstance(sel.density, torch.Tensor) and sel.density.device.type == "cuda"
+        bound = keep_bound(round((0.15 if per_head else 0.1) * video), video) + text  # the text keys: a dense pair
+        assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
+        exact = float(sel.density)
         stats = eng.end_run()
     assert stats.layers[1].reuses == 1 and stats.layers[1].density == pytest.approx(exact, rel=1e-9)
 

@@ -5,8 +5,9 @@ sync debug mode; this CPU twin watches the pack's part of it on every CI run, wi
 the operations that read a tensor's values on the host (item, tolist, bool/int/float, nonzero, equal, boolean-mask
 indexing) when their caller is the pack's code (engine/, nodes/, kernels/). The kernels' PyTorch twins
 (kernels/*_torch.py) may read (their Triton and Gluon kernels do not, which the GPU test checks), so their calls are
-let through. Not seen here: what waits on CUDA without reading (a host scalar written into a tensor of another dtype,
-v27's `q_rows[-1] = n`), which only the GPU test sees."""
+let through, but for the helpers there that the kernels' path runs too (SHARED_WITH_KERNELS). Not seen here: what
+waits on CUDA without reading (a host scalar written into a tensor of another dtype, v27's `q_rows[-1] = n`), which
+only the GPU test sees."""
 
 import sys
 from pathlib import Path
@@ -28,17 +29,24 @@ READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Te
 # rows' values on the CPU only
 OFF_CUDA_ONLY = {"_same_rows"}
 INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+# helpers in kernels/*_torch.py that the Triton path runs as well, whose reads wait for the device on CUDA too:
+# compact_triton.compact_keep sizes its lists with compact_torch.CompactLists (the width read back where no bound is
+# given: mc_sparse's long key segments before keep_top's cap, docs/kernel_notes.md, "v27")
+SHARED_WITH_KERNELS = {"CompactLists.__init__"}
 
 
 def _watched_caller(allowed: set) -> str | None:
     """file:line of the frame that made the read, if it is the pack's code (engine/, nodes/, kernels/): the innermost
-    frame outside PyTorch's own files. None where that frame is a kernel's PyTorch twin (kernels/*_torch.py) or
-    anyone else's code (ComfyUI's models, this test), or where its function is in ``allowed`` or OFF_CUDA_ONLY."""
+    frame outside PyTorch's own files. None where that frame is a kernel's PyTorch twin (kernels/*_torch.py, but for
+    SHARED_WITH_KERNELS) or anyone else's code (ComfyUI's models, this test), or where its function is in ``allowed``
+    or OFF_CUDA_ONLY."""
     frame = sys._getframe(2)
     while frame is not None and (TORCH in frame.f_code.co_filename or frame.f_code is _MODE_CODE):
         frame = frame.f_back  # PyTorch's dispatch, and another watch's own call of the operation
     name = frame.f_code.co_filename if frame is not None else ""
-    if not name.startswith(WATCHED) or name.endswith("_torch.py"):  # not the pack's, or a kernel's PyTorch twin
+    if not name.startswith(WATCHED):  # not the pack's
+        return None
+    if name.endswith("_torch.py") and frame.f_code.co_qualname not in SHARED_WITH_KERNELS:  # a kernel's twin
         return None
     if frame.f_code.co_name in OFF_CUDA_ONLY | allowed:
         return None
@@ -95,6 +103,45 @@ def test_an_anchor_and_a_reuse_call_read_nothing_back_in_the_engine(method, text
     assert watch.reads == []
 
 
+@pytest.mark.parametrize("text,per_head,cap", [(0, False, True), (40, True, True), (0, False, False)],
+                         ids=["video", "text-per-head", "uncapped"])
+def test_a_long_segment_mc_sparse_anchor_reads_nothing_back(monkeypatch, text, per_head, cap):
+    """mc_sparse with a key segment longer than 4 x SAMPLE (20 480 video tokens: keep_top's sampled threshold; with 40
+    text tokens and per-head densities 0.05 / 0.15 too): layer 1's anchor and reuse call read nothing back, since
+    keep_top caps long rows at keep_bound and the lists are that wide, known on the host (docs/kernel_notes.md, "v27").
+    Uncapped (build_mc_sparse(..., cap=False), main's way before the cap) the watch sees the lists' width read back
+    in CompactLists, the read the cap removes. ~3 s a case on the CPU."""
+    from comfyui_sparse_attention.engine import policy_mc_sparse
+    from comfyui_sparse_attention.engine.block_geometry import keep_bound
+    if not cap:
+        build = policy_mc_sparse.build_mc_sparse
+        monkeypatch.setattr(policy_mc_sparse, "build_mc_sparse", lambda *a, **kw: build(*a, **kw, cap=False))
+    layout = TokenLayout(text_len=text, grid=(5, 64, 64))
+    video, h = 20480, 2 if per_head else 1
+    n = text + video
+    factors = {layer: [0.5, 1.5] for layer in (0, 1)} if per_head else {}
+    eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.1, min_tokens=0, residual=True, group_size=64,
+                                    backend="torch", layer_densities=factors))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g) for _ in range(3))
+    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q, k, v, ctx[0])
+        with NoHostReads() as watch:
+            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
+            eng.attend(q, k, v, ctx[3])  # and its reuse call
+        (sel,) = [e.selection for key, e in eng.cache.on_device.items() if key == ctx[2].key(n)]
+        stats = eng.end_run()
+    assert stats.layers[1].reuses == 1
+    bound = keep_bound(round((0.15 if per_head else 0.1) * video), video) + text  # the text keys: a dense pair
+    if cap:
+        assert watch.reads == []
+        assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
+    else:
+        assert watch.reads and all(r.startswith("__int__ at compact_torch.py") for r in watch.reads), watch.reads
+
+
 OTHER_MODES = [dict(method="block_topk", residual_weighting="mass", anchor_steps="0,2"),
                dict(method="block_topk", select_every_step=True), dict(method="block_topk", residual_precision="int4"),
                dict(method="static"), dict(method="mc_sparse", residual_precision="int4"),
@@ -132,15 +179,21 @@ def test_other_modes_read_nothing_back_but_mass_widths(mode, batch):
 
 
 def test_the_watch_sees_a_read_in_the_engine():
-    """The watch itself: a read the engine makes is reported with its place; a kernel twin's is not."""
+    """The watch itself: a read the engine makes is reported with its place; a kernel twin's is not, but for a helper
+    the kernels' path shares (CompactLists reading the lists' width where no bound is given)."""
     from comfyui_sparse_attention.engine import block_geometry
-    from comfyui_sparse_attention.kernels import threshold_torch
+    from comfyui_sparse_attention.kernels import compact_torch, threshold_torch
     counts = torch.tensor([[1, 2], [3, 0]])
+    keep = torch.rand(2, 40) < 0.5
     with NoHostReads() as watch:
         block_geometry.rows_topk(torch.rand(2, 5), counts[:, 0])  # width=None: reads max(counts)
         threshold_torch.keep_at_threshold(torch.rand(2, 8), torch.full((2, 1), 0.5), 3)  # the twin's own check
+        threshold_torch.keep_at_threshold(torch.rand(2, 8), torch.full((2, 1), 0.1), 3, cap=4)  # and its bisection
+        compact_torch.compact_keep(keep, 16, width=40)  # a bound given: nothing read
+        compact_torch.compact_keep(keep, 16)  # none: the width read back, as the Triton path would
         torch.equal(counts, counts)  # from here (tests/): not watched
-    assert len(watch.reads) == 1 and "block_geometry.py" in watch.reads[0]
+    assert len(watch.reads) == 2, watch.reads
+    assert "block_geometry.py" in watch.reads[0] and watch.reads[1].startswith("__int__ at compact_torch.py")
 
 
 def test_a_comfyui_forward_reads_only_its_sigma_once():

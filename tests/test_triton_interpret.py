@@ -862,6 +862,47 @@ long = torch.rand(2, 17000, generator=g)
 long[0, :9000] = 0.0  # ties at a zero threshold that overflow the room
 for k in (100, 12000):
     same[f"keep_top-{k}"] = bool(torch.equal(keep_top(long, k, backend="torch"), keep_top(long, k, backend="triton")))
+
+# a cap: rows with more than cap entries above their threshold raise it to the (cap + 1)-th largest value, or to the
+# largest finite one (never below the threshold) where +inf entries alone exceed the cap; then as above
+def reference_capped(scores, thresh, k, cap):
+    rows, t = scores.reshape(-1, scores.shape[-1]).float(), thresh.reshape(-1, 1).float().clone()
+    for r in range(rows.shape[0]):
+        x = rows[r]
+        if int((x > t[r]).sum()) > cap:
+            v = torch.sort(x[~torch.isnan(x)], descending=True).values[cap]
+            if torch.isinf(v):
+                v = max(float(x[torch.isfinite(x)].max()), float(t[r]))
+            t[r] = v
+    return reference(scores.float(), t.view(thresh.shape), k)
+
+for name, k, cap in [("contiguous", 3, 3), ("contiguous", 50, 120), ("4-d slice", 20, 40), ("fp16", 10, 100),
+                     ("bf16", 0, 7), ("strided last", 100, 150), ("4-d slice", 250, 1000)]:
+    scores = views[name]
+    thresh = torch.zeros_like(scores[..., :1])  # far below: nearly every row over its cap
+    ref = reference_capped(scores, thresh, k, cap)
+    a = K.keep_at_threshold(scores, thresh, k, cap=cap, backend="torch")
+    b = K.keep_at_threshold(scores, thresh, k, cap=cap, backend="triton")
+    same[f"cap-{name}-{k}-{cap}"] = bool(torch.equal(a, ref) and torch.equal(b, ref))
+# +inf entries: 50 fit the cap beside the 10 largest finite ones; 70 alone exceed it and are all that is kept
+forced = torch.rand(3, 300, generator=g)
+forced[0, :50] = float("inf")
+forced[1, :70] = float("inf")
+thresh = torch.full((3, 1), 0.1)
+a = K.keep_at_threshold(forced, thresh, 60, cap=60, backend="torch")
+b = K.keep_at_threshold(forced, thresh, 60, cap=60, backend="triton")
+same["cap-inf"] = bool(torch.equal(a, b) and torch.equal(a, reference_capped(forced, thresh, 60, 60))
+                       and a.sum(-1).tolist() == [60, 70, 60] and bool(a[0, :50].all()) and bool(a[1, :70].all()))
+# keep_top's long rows whose sampled columns are all zero: a threshold of 0 would keep every other entry; the cap
+# keeps each row's keep_bound largest instead, exactly
+from comfyui_sparse_attention.engine.block_geometry import SAMPLE, keep_bound
+skewed = torch.rand(2, 17000, generator=g) + 0.5
+step = 17000 / SAMPLE
+skewed[:, (torch.arange(SAMPLE, dtype=torch.float64) * step + step / 2).long()] = 0.0
+bound = keep_bound(100, 17000)
+a, b = keep_top(skewed, 100, backend="torch"), keep_top(skewed, 100, backend="triton")
+top = torch.zeros_like(a).scatter_(1, torch.topk(skewed, bound, dim=-1).indices, True)
+same["keep_top-capped"] = bool(torch.equal(a, b) and torch.equal(a, top) and 100 < bound < 200)
 print("RESULT:" + json.dumps(same))
 """
 
@@ -870,9 +911,11 @@ def test_keep_at_threshold_kernel_matches_twin_in_interpreter(child):
     """kernels/threshold_triton.py keeps what its twin and the definition keep (entries above each row's threshold,
     ties in index order up to k): ties, forced +inf entries, NaN, an infinite threshold, k of 0 and beyond the row,
     fp16, bf16, 4-d slices read in place through two strides and one that needs a copy, a strided last dimension;
-    and keep_top's long rows (the sampled threshold) give the same mask through both backends."""
+    and keep_top's long rows (the sampled threshold) give the same mask through both backends. With a cap, a row
+    over it keeps what the definition keeps at its (cap + 1)-th largest value (+inf entries always), in both; and
+    keep_top's long rows never keep more than keep_bound, the largest entries where its sample misleads it."""
     same = child
-    assert len(same) == 8 * 4 + 8 + 2 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
+    assert len(same) == 8 * 4 + 8 + 2 + 2 + 7 + 2 and all(same.values()), {k: v for k, v in same.items() if not v}
 
 
 GATHER_CHILD = PREAMBLE + r"""
