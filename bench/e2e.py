@@ -275,10 +275,13 @@ def prewarm(eng, cfg, shape, dtype, device, layout=None):
     preset's run meets are tuned: a block selection's anchors at step 0 keep the residual fixed, later ones write
     and read the residual's mass (docs/method.md, "The residual weighted by the mass"). ``layout``: the run's
     token layout (``call_layout``): a video grid changes the selection's blocks and so the kernels' variants.
+    q/k/v are (B, H, N, D) views of (B, N, H, D) memory, as the model's calls are.
     Returns the engine's statistics of the second run's two calls."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(5)
-    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    # (B, H, N, D) views of (B, N, H, D) memory, as ComfyUI's attention hands them over: the Gluon kernels specialise
+    # on the layout (Q_BNHD / KV_BNHD), so contiguous tensors would leave the run's variants to compile in its steps
+    q, k, v = (torch.randn((b, n, h, d), generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
     e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0,
                                      anchor_steps=eng.AnchorSchedule()))
     extra = {} if layout is None else {"layout": layout}
