@@ -324,7 +324,8 @@ def run(args) -> dict:
                            for a in allocs],
            "curves": [{"method": c.method, "layer": c.layer, "head": c.head, "densities": list(c.densities),
                        "fresh": c.fresh, "reuse": c.reuse, "reuse_plain": c.reuse_plain, "achieved": c.achieved,
-                       "weight": c.weight} for c in curves]}
+                       "weight": c.weight, "anchors": list(c.anchors), "reuse_spans": c.reuse_spans,
+                       "reuse_plain_spans": c.reuse_plain_spans} for c in curves]}
     write_json(out / "calibration.json", doc)
     (out / "calibration.md").write_text(section(doc))
     say(f"wrote {out / 'calibration.json'} and {out / 'calibration.md'} ({meta['wall_s']:.0f} s in all)")
