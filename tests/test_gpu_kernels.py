@@ -1119,6 +1119,29 @@ def test_an_anchors_store_never_waits_for_the_device(method):
         assert fid[2] == pytest.approx(want, rel=5e-2)
 
 
+def layer_under_sync_debug(eng, qkv_, layout, inspect):
+    """Layer 0's anchor (it tunes the kernels and builds the plans), then layer 1's anchor and reuse call under
+    ``torch.cuda.set_sync_debug_mode("error")`` (a host synchronisation raises). qkv_: (q, k, v) (B, H, N, D) on CUDA.
+    Returns (``inspect`` of layer 1's cached selection, called before the run ends, the run's statistics)."""
+    from comfyui_sparse_attention.engine import CallContext
+    q, k, v = qkv_
+    n = q.shape[2]
+    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q, k, v, ctx[0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
+            eng.attend(q, k, v, ctx[3])  # and its reuse call
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        result = inspect(eng.cache.on_device[ctx[2].key(n)].selection)
+        stats = eng.end_run()
+    return result, stats
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("text", [0, 200])
 @pytest.mark.parametrize("method", ["block_topk", "mc_sparse", "hybrid"])
@@ -1132,33 +1155,21 @@ def test_a_whole_anchor_never_waits_for_the_device(method, text, per_head):
     of both layers (head groups by index tensors, made at layer 0's anchor and kept). (Key segments longer than
     4 x 4096 tokens: test_a_long_segment_mc_sparse_anchor_never_waits_for_the_device.) hybrid: its plan, the block
     plan with the static half's windows forced, is built at layer 0 and kept (docs/kernel_notes.md, "v28")."""
-    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.engine import SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.engine.selection import BlockSelection, block_pairs_fraction
     layout = TokenLayout(text_len=text, grid=(4, 64, 64))
     n, h = text + 16384, 4
     factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
     eng = SparseEngine(SparseConfig(method=method, density=0.1, min_tokens=0, residual=True, layer_densities=factors))
-    q, k, v = qkv(h, n, 128, seed=81)
-    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
-    with torch.inference_mode():
-        eng.begin_run()
-        eng.attend(q, k, v, ctx[0])
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
-            eng.attend(q, k, v, ctx[3])  # and its reuse call
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        sel = eng.cache.on_device[ctx[2].key(n)].selection
+    def exact_density(sel):
         assert isinstance(sel.density, torch.Tensor) and sel.density.device.type == "cuda"
         if isinstance(sel, BlockSelection):
-            exact = block_pairs_fraction(sel.kv_indices, sel.kv_counts, n, n, sel.block_q, sel.block_k)
-        else:
-            bound = round((0.15 if per_head else 0.1) * 16384) + text  # the text keys: a dense pair
-            assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
-            exact = float(sel.density)
-        stats = eng.end_run()
+            return block_pairs_fraction(sel.kv_indices, sel.kv_counts, n, n, sel.block_q, sel.block_k)
+        bound = round((0.15 if per_head else 0.1) * 16384) + text  # the text keys: a dense pair
+        assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
+        return float(sel.density)
+
+    exact, stats = layer_under_sync_debug(eng, qkv(h, n, 128, seed=81), layout, exact_density)
     assert stats.layers[1].reuses == 1 and stats.layers[1].density == pytest.approx(exact, rel=1e-9)
 
 
@@ -1170,7 +1181,7 @@ def test_a_long_segment_mc_sparse_anchor_never_waits_for_the_device(text, per_he
     lists are keep_bound wide (plus the text keys, a dense pair) and the anchor never reads their width back
     (docs/kernel_notes.md, "v27"). per_head: densities 0.05 and 0.15 on alternate heads; the widest head group's bound
     sizes the joined lists."""
-    from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine, TokenLayout
+    from comfyui_sparse_attention.engine import SparseConfig, SparseEngine, TokenLayout
     from comfyui_sparse_attention.engine.block_geometry import keep_bound
     layout = TokenLayout(text_len=text, grid=(5, 64, 64))
     video, h = 20480, 4
@@ -1178,24 +1189,13 @@ def test_a_long_segment_mc_sparse_anchor_never_waits_for_the_device(text, per_he
     factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
     eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.1, min_tokens=0, residual=True,
                                     layer_densities=factors))
-    q, k, v = qkv(h, n, 128, seed=82)
-    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
-    with torch.inference_mode():
-        eng.begin_run()
-        eng.attend(q, k, v, ctx[0])
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
-            eng.attend(q, k, v, ctx[3])  # and its reuse call
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        sel = eng.cache.on_device[ctx[2].key(n)].selection
+    def exact_density(sel):
         assert isinstance(sel.density, torch.Tensor) and sel.density.device.type == "cuda"
         bound = keep_bound(round((0.15 if per_head else 0.1) * video), video) + text  # the text keys: a dense pair
         assert sel.kv_low.shape[-1] == -(-bound // 16) * 16 and int(sel.kv_counts.max()) <= bound
-        exact = float(sel.density)
-        stats = eng.end_run()
+        return float(sel.density)
+
+    exact, stats = layer_under_sync_debug(eng, qkv(h, n, 128, seed=82), layout, exact_density)
     assert stats.layers[1].reuses == 1 and stats.layers[1].density == pytest.approx(exact, rel=1e-9)
 
 

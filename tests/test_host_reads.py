@@ -78,6 +78,23 @@ class NoHostReads(TorchFunctionMode):
 _MODE_CODE = NoHostReads.__torch_function__.__code__
 
 
+def watched_layer(eng, h: int, n: int, layout, seed: int):
+    """Layer 0's anchor (it builds the plans and the head-group indices), then layer 1's anchor and reuse call under
+    NoHostReads; q/k/v fp32 (1, h, n, 64). Returns (layer 1's cached selection, the run's statistics, the watch)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g) for _ in range(3))
+    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
+    with torch.inference_mode():
+        eng.begin_run()
+        eng.attend(q, k, v, ctx[0])
+        with NoHostReads() as watch:
+            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
+            eng.attend(q, k, v, ctx[3])  # and its reuse call
+        sel = eng.cache.on_device[ctx[2].key(n)].selection
+        stats = eng.end_run()
+    return sel, stats, watch
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("text", [0, 40])
 @pytest.mark.parametrize("method", ["block_topk", "mc_sparse", "hybrid"])
@@ -89,16 +106,7 @@ def test_an_anchor_and_a_reuse_call_read_nothing_back_in_the_engine(method, text
     factors = {layer: [0.5, 1.5, 0.5, 1.5] for layer in (0, 1)} if per_head else {}
     eng = SparseEngine(SparseConfig(method=method, density=0.1, min_tokens=0, residual=True, block_q=64, block_k=64,
                                     group_size=64, backend="torch", layer_densities=factors))
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, n, 64, generator=g) for _ in range(3))
-    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
-    with torch.inference_mode():
-        eng.begin_run()
-        eng.attend(q, k, v, ctx[0])
-        with NoHostReads() as watch:
-            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
-            eng.attend(q, k, v, ctx[3])  # and its reuse call
-        stats = eng.end_run()
+    _, stats, watch = watched_layer(eng, h, n, layout, seed=3)
     assert stats.layers[1].reuses == 1
     assert watch.reads == []
 
@@ -122,17 +130,7 @@ def test_a_long_segment_mc_sparse_anchor_reads_nothing_back(monkeypatch, text, p
     factors = {layer: [0.5, 1.5] for layer in (0, 1)} if per_head else {}
     eng = SparseEngine(SparseConfig(method="mc_sparse", density=0.1, min_tokens=0, residual=True, group_size=64,
                                     backend="torch", layer_densities=factors))
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, h, n, 64, generator=g) for _ in range(3))
-    ctx = [CallContext(layer=layer, step=step, total_steps=8, layout=layout) for layer in (0, 1) for step in (0, 1)]
-    with torch.inference_mode():
-        eng.begin_run()
-        eng.attend(q, k, v, ctx[0])
-        with NoHostReads() as watch:
-            eng.attend(q, k, v, ctx[2])  # layer 1's anchor
-            eng.attend(q, k, v, ctx[3])  # and its reuse call
-        (sel,) = [e.selection for key, e in eng.cache.on_device.items() if key == ctx[2].key(n)]
-        stats = eng.end_run()
+    sel, stats, watch = watched_layer(eng, h, n, layout, seed=5)
     assert stats.layers[1].reuses == 1
     bound = keep_bound(round((0.15 if per_head else 0.1) * video), video) + text  # the text keys: a dense pair
     if cap:
