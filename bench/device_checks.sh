@@ -4,7 +4,8 @@
 # run touches (FIRST: a pytest -k expression; default the engine, the fast launch and the replay, the fp8 residual read
 # as bytes, the TMA variants), then a ComfyUI run of Wan 2.1 1.3B 480p x 81 (E2E_MODELS: the bench/e2e.py models, in
 # turn) with the presets' block_topk 0.08 schedule, every step timed through comfy.sample with a step callback, then
-# (QUALITY=1) the presets' setting on the quality testbed at 30 steps (bench/grids/preset_check.yaml). Packed into $OUT/checks.tar.gz.
+# (QUALITY=1) the presets' setting on the quality testbed at 30 steps (bench/grids/preset_check.yaml). Packed into
+# $OUT/checks.tar.gz.
 #   [FIRST=...] [E2E_MODELS="wan13b wan14b"] [E2E_S=...] [QUALITY=1] bash bench/device_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -258,14 +258,29 @@ def sol_override(density: float, min_tokens: int, counter: dict):
 
 def call_layout(patch_mod, model, latent, n_tokens: int):
     """The token layout the patch gives a self-attention call of ``n_tokens`` tokens in a forward of ``latent``
-    (B, C, [T,] H, W): the model family's, as a sampling run computes it; None when the family cannot tell without
-    the run's transformer options (prewarm then compiles for a plain sequence)."""
+    (B, C, [T,] H, W): the model family's, as a sampling run computes it (checked equal to the run's for every model
+    of MODELS); a family that needs the run's transformer options gives its fallback layout, and None where it
+    raises (prewarm then compiles for a plain sequence)."""
     family = patch_mod.family_of(model.get_model_object("diffusion_model"))
     try:
         return family.layout(n_tokens, tuple(latent.shape), {})
     except Exception as exc:  # noqa: BLE001 - a family that needs the run's options: the plain sequence
         log.info("prewarm: no layout for %d tokens from the latent alone (%s): a plain sequence", n_tokens, exc)
         return None
+
+
+def prewarm_qkv(shape, dtype, device, memory: str, seed: int = 5):
+    """Random q, k, v (B, H, N, D) for ``prewarm``: contiguous (``memory`` "bhnd": the calls of Flux, HunyuanVideo
+    and others, which hand ComfyUI (B, H, N, D) tensors with skip_reshape) or views of (B, N, H, D) memory ("bnhd":
+    Wan's calls, (B, N, H·D) reshaped by ComfyUI's attention)."""
+    b, h, n, d = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    if memory == "bhnd":
+        return tuple(torch.randn((b, h, n, d), generator=g, device=device, dtype=dtype) for _ in range(3))
+    return tuple(torch.randn((b, n, h, d), generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
+
+
+PREWARM_MEMORY = ("bnhd", "bhnd")
 
 
 def prewarm(eng, cfg, shape, dtype, device, layout=None):
@@ -275,21 +290,19 @@ def prewarm(eng, cfg, shape, dtype, device, layout=None):
     preset's run meets are tuned: a block selection's anchors at step 0 keep the residual fixed, later ones write
     and read the residual's mass (docs/method.md, "The residual weighted by the mass"). ``layout``: the run's
     token layout (``call_layout``): a video grid changes the selection's blocks and so the kernels' variants.
-    q/k/v are (B, H, N, D) views of (B, N, H, D) memory, as the model's calls are.
-    Returns the engine's statistics of the second run's two calls."""
-    b, h, n, d = shape
-    g = torch.Generator(device=device).manual_seed(5)
-    # (B, H, N, D) views of (B, N, H, D) memory, as ComfyUI's attention hands them over: the Gluon kernels specialise
-    # on the layout (Q_BNHD / KV_BNHD), so contiguous tensors would leave the run's variants to compile in its steps
-    q, k, v = (torch.randn((b, n, h, d), generator=g, device=device, dtype=dtype).transpose(1, 2) for _ in range(3))
+    Both memory orders a model's calls can have are warmed (``prewarm_qkv``): the Gluon kernels specialise on it
+    (Q_BNHD / KV_BNHD), and a variant left out compiled inside the timed steps (docs/benchmarks.md, "Whole runs on
+    the Gluon kernels"). Returns the engine's statistics of the last run's two calls."""
     e = eng.SparseEngine(cfg.replace(warmup_steps=0, warmup_layers=0, dense_layers=(), min_tokens=0,
                                      anchor_steps=eng.AnchorSchedule()))
     extra = {} if layout is None else {"layout": layout}
-    for first in (0, 1):
-        e.begin_run()
-        for step in (first, first + 1):
-            e.attend(q, k, v, eng.CallContext(layer=0, step=step, **extra))
-        stats = e.end_run()
+    for memory in PREWARM_MEMORY:
+        q, k, v = prewarm_qkv(shape, dtype, device, memory)
+        for first in (0, 1):
+            e.begin_run()
+            for step in (first, first + 1):
+                e.attend(q, k, v, eng.CallContext(layer=0, step=step, **extra))
+            stats = e.end_run()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return stats

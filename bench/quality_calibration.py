@@ -251,8 +251,8 @@ def run(args) -> dict:
         measure_row(heads, "calibrated within layers", heads.factors)
         if args.anchor_spans:  # density moved between the anchors' spans, chosen from the recording
             for kind, factors, dens in (("uniform+spans", None, None), ("calibrated+spans", a.factors, a.densities)):
-                sp = cal.allocate_spans(mine, a.target, a.objective, args.steps, densities=dens,
-                                        source=rec.path.name)
+                sp = cal.allocate_spans(mine, a.target, a.objective, args.steps, warmup_steps=args.warmup,
+                                        densities=dens, source=rec.path.name)
                 spans_of[(a.method, a.target, kind)] = {"factors": list(sp.factors), "steps": list(sp.steps),
                                                         "cost_uniform": sp.cost_uniform,
                                                         "cost_calibrated": sp.cost_calibrated,

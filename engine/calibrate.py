@@ -169,12 +169,14 @@ def _rel(diff: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, pairs=None, weights=None,
-            layers=None, device="cpu", dtype=None, progress=None) -> list[Curve]:
+            anchors=None, layers=None, device="cpu", dtype=None, progress=None) -> list[Curve]:
     """Error curves for every recorded layer (or ``layers``), head and method at each density of ``grid``.
 
     base: the configuration measured (block / group sizes, grouping, residual precision, densities of text
     pairs; its density and layer_densities are ignored). pairs: (anchor, later) step pairs (default
-    ``pairs_for(rec.steps)``); weights: each pair's share (default equal; ``pair_weights``). Errors over several
+    ``pairs_for(rec.steps)``); weights: each pair's share (default equal; ``pair_weights``); anchors: the recorded
+    steps where selections are made (default: the pairs' anchors), each measured fresh, one without a later recorded
+    step keeping [] as its span's reuse errors (``Curve.reuse_spans``). Errors over several
     anchors or pairs are root-mean-square (pairs weighted), so squared errors add. device / dtype: where and in which
     dtype to compute (default: fp16 on CUDA, fp32 elsewhere). progress(done, total): called after each (layer,
     method, density)."""
@@ -187,7 +189,9 @@ def measure(rec: Recording, methods, grid, base: SparseConfig | None = None, *, 
     pairs = pairs_for(rec.steps) if pairs is None else list(pairs)
     weights = pair_weights(pairs) if weights is None else list(weights)
     pair_w = dict(zip(pairs, weights))
-    anchors = sorted({a for a, _ in pairs}) or [rec.steps[0]]
+    # every anchor named (an anchor without a later recorded step keeps [] as its span's errors), else the pairs'
+    anchors = sorted(set(anchors) | {a for a, _ in pairs}) if anchors else sorted({a for a, _ in pairs})
+    anchors = anchors or [rec.steps[0]]
     later = {a: [s for aa, s in pairs if aa == a] for a in anchors}
     layers = list(rec.layers if layers is None else layers)
     total, done = len(layers) * len(methods) * len(grid), 0
@@ -432,21 +436,32 @@ def span_steps(anchors, total_steps: int, source: str = "recording") -> tuple[in
     return out
 
 
-def allocate_spans(curves: list[Curve], target: float, objective: str, total_steps: int, *, densities=None,
-                   factors=SPAN_FACTORS, source: str = "recording") -> SpanAllocation:
+def allocate_spans(curves: list[Curve], target: float, objective: str, total_steps: int, *, warmup_steps: int,
+                   densities=None, factors=SPAN_FACTORS, source: str = "recording") -> SpanAllocation:
     """The density factor of each anchor's span (docs/calibration.md, "Density moved between anchors") that
     minimises sum over spans of (its reuse steps) x sum over heads of weight x error^2, each head's error being the
     reuse error of that anchor's own pairs at (its density x the span's factor), under sum of steps x factor = sum
     of steps (the reuse steps compute the pairs they compute at factor 1). ``densities``: {(layer, head): density}
     of a per-head allocation (default: ``target`` for every head). Greedy on the convex hulls of the spans' costs
-    over ``factors``, as ``allocate`` does over densities; a span without reuse steps keeps factor 1.
-    ValueError (naming ``source``) for the fresh objective, an anchor without a later recorded step, a run too short
-    for its anchors, or curves of several methods."""
+    over ``factors``, as ``allocate`` does over densities; a span without reuse steps keeps factor 1. The curves'
+    anchors must be every anchor of the run, the first at ``warmup_steps`` (the engine's first span starts at the
+    first sparse step: engine/schedule.py, ``span_index``), so factor i is the engine's span i.
+    ValueError (naming ``source``) for the fresh objective, an anchor without a later recorded step, a first anchor
+    off the first sparse step, curves of several methods or anchors, a head missing from ``densities``, or a run
+    too short for its anchors."""
     if not curves:
         raise ValueError(f"{source}: nothing to allocate (no curves)")
-    if len({c.method for c in curves}) > 1:
-        raise ValueError(f"{source}: allocate_spans takes one method's curves")
+    if len({c.method for c in curves}) > 1 or len({c.anchors for c in curves}) > 1:
+        raise ValueError(f"{source}: allocate_spans takes one method's curves, measured at the same anchors")
     anchors = curves[0].anchors
+    if not anchors or anchors[0] != warmup_steps:
+        raise ValueError(f"{source}: the run's first span starts at its first sparse step ({warmup_steps}, after the "
+                         f"warm-up), but the first anchor measured is step {anchors[0] if anchors else None}: "
+                         "measure at every anchor of the run, the first where the warm-up ends")
+    if densities is not None:
+        missing = [(c.layer, c.head) for c in curves if (c.layer, c.head) not in densities]
+        if missing:
+            raise ValueError(f"{source}: densities: no density for (layer, head) {missing[:4]}")
     steps = span_steps(anchors, total_steps, source)
     factors = sorted(set(factors) | {1.0})
 
@@ -713,8 +728,8 @@ def calibrate(rec: Recording, methods, targets, *, base: SparseConfig | None = N
     if obj not in OBJECTIVES:
         raise ValueError(f"objective: must be one of {OBJECTIVES}, got {obj!r}")
     weights = pair_weights(pairs, anchors, rec.total_steps)
-    curves = measure(rec, methods, grid, base, pairs=pairs, weights=weights, layers=layers, device=device,
-                     progress=progress)
+    curves = measure(rec, methods, grid, base, pairs=pairs, weights=weights, anchors=anchors, layers=layers,
+                     device=device, progress=progress)
     allocations = [allocate([c for c in curves if c.method == m], t, obj, source=rec.path.name,
                             layer_weights=layer_weights, scope=scope) for m in methods for t in targets]
     return curves, allocations, pairs, time.perf_counter() - t0

@@ -210,7 +210,7 @@ def test_spans_move_density_to_the_span_whose_error_falls_fastest():
     steep, flat = [0.8, 0.4, 0.2, 0.1], [0.05, 0.045, 0.04, 0.035]
     curves = [span_curve(0, h, (steep, flat)) for h in range(2)]
     assert cal.span_steps((2, 10), 30) == (7, 19)
-    sp = cal.allocate_spans(curves, 0.1, "reuse", 30)
+    sp = cal.allocate_spans(curves, 0.1, "reuse", 30, warmup_steps=2)
     f0, f1 = sp.factors
     assert sp.anchors == (2, 10) and sp.steps == (7, 19)
     assert f0 > 1 > f1 and 7 * f0 + 19 * f1 == pytest.approx(26, abs=1e-3)
@@ -219,10 +219,10 @@ def test_spans_move_density_to_the_span_whose_error_falls_fastest():
     assert sp.cost_calibrated == pytest.approx(cal.span_cost(curves, 0.1, "reuse", 30, sp.factors), rel=1e-3)
     # the same error in both spans: nothing to move
     same = [span_curve(0, h, (steep, steep)) for h in range(2)]
-    assert cal.allocate_spans(same, 0.1, "reuse", 30).factors == (1.0, 1.0)
+    assert cal.allocate_spans(same, 0.1, "reuse", 30, warmup_steps=2).factors == (1.0, 1.0)
     # per-head densities: a head already at 0.2 sits where the steep curve is flatter, so the spans move less
     dens = {(0, 0): 0.2, (0, 1): 0.2}
-    assert 1 < cal.allocate_spans(curves, 0.1, "reuse", 30, densities=dens).factors[0] < f0
+    assert 1 < cal.allocate_spans(curves, 0.1, "reuse", 30, warmup_steps=2, densities=dens).factors[0] < f0
     # a span factor never asks a head for more than everything
     assert cal.span_cost(curves, 0.1, "reuse", 30, [20, 1]) == pytest.approx(
         cal.span_cost(curves, 0.1, "reuse", 30, [10, 1]))
@@ -231,17 +231,22 @@ def test_spans_move_density_to_the_span_whose_error_falls_fastest():
 def test_spans_refuse_what_they_cannot_measure():
     curves = [span_curve(0, 0, ([0.4, 0.2, 0.1, 0.05], []))]  # anchor 10: no later step recorded
     with pytest.raises(ValueError, match=r"rec\.safetensors: anchor step 10: no later step was recorded"):
-        cal.allocate_spans(curves, 0.1, "reuse", 30, source="rec.safetensors")
+        cal.allocate_spans(curves, 0.1, "reuse", 30, warmup_steps=2, source="rec.safetensors")
     with pytest.raises(ValueError, match="objective 'fresh'"):
-        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4))], 0.1, "fresh", 30)
+        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4))], 0.1, "fresh", 30, warmup_steps=2)
     with pytest.raises(ValueError, match=r"x: anchor steps \[2, 10\] must lie within the run's 8 steps"):
         cal.span_steps((2, 10), 8, "x")
     with pytest.raises(ValueError, match="leave no reuse step"):
         cal.span_steps((0, 1), 2)
+    ok = [span_curve(0, 0, ([0.4, 0.2, 0.1, 0.05], [0.3, 0.2, 0.1, 0.05]))]
+    with pytest.raises(ValueError, match=r"first sparse step \(0, after the warm-up\).*is step 2"):
+        cal.allocate_spans(ok, 0.1, "reuse", 30, warmup_steps=0)  # factor 0 would land on the engine's span [0, 2)
+    with pytest.raises(ValueError, match=r"densities: no density for \(layer, head\) \[\(0, 0\)\]"):
+        cal.allocate_spans(ok, 0.1, "reuse", 30, warmup_steps=2, densities={(1, 0): 0.1})
     with pytest.raises(ValueError, match="one method"):
         other = span_curve(0, 1, ([0.4] * 4, [0.3] * 4))
         other.method = "block_topk"
-        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4)), other], 0.1, "reuse", 30)
+        cal.allocate_spans([span_curve(0, 0, ([0.4] * 4, [0.3] * 4)), other], 0.1, "reuse", 30, warmup_steps=2)
 
 
 def test_measure_keeps_each_anchors_reuse_error(recording):
@@ -256,6 +261,19 @@ def test_measure_keeps_each_anchors_reuse_error(recording):
                 both = 0.5 * spans[0][i] ** 2 + 0.5 * spans[1][i] ** 2
                 assert c.errors(objective)[i] ** 2 == pytest.approx(both, rel=1e-9)
         assert c.span_error_at("reuse", 1, 0.15) == pytest.approx((c.reuse_spans[1][0] + c.reuse_spans[1][1]) / 2)
+
+
+def test_an_anchor_without_a_later_step_is_kept_and_refused(recording):
+    """measure with anchors 0 and 2 of steps (0, 1, 2): anchor 2 has no later recorded step, so its span keeps no
+    reuse errors and allocate_spans refuses to guess them, instead of moving every factor one span."""
+    rec = load_recording(recording)
+    base = SparseConfig(block_q=64, block_k=64, group_size=64, backend="torch")
+    pairs = cal.pairs_for(rec.steps, [0, 2])
+    assert pairs == [(0, 1)]
+    curves = cal.measure(rec, ["mc_sparse"], (0.1, 0.2), base, pairs=pairs, anchors=[0, 2], layers=[0])
+    assert all(c.anchors == (0, 2) and c.reuse_spans[1] == [] and len(c.reuse_spans[0]) == 2 for c in curves)
+    with pytest.raises(ValueError, match="anchor step 2: no later step was recorded"):
+        cal.allocate_spans(curves, 0.1, "reuse", 4, warmup_steps=0)
 
 
 def test_pairs_follow_the_anchors():

@@ -56,3 +56,25 @@ def test_calibration_bench_end_to_end(tmp_path):
     assert "Target (+1.5 dB PSNR at density 0.10)" not in md  # 0.10 not measured here
     assert (out / "calibration-report.md").is_file()
     assert not list(out.glob("*.safetensors"))  # the recording stays out of the results
+
+
+def test_calibration_bench_samples_the_spans_chosen_from_the_recording(tmp_path):
+    """--anchor-spans: rows 'uniform+spans' and 'calibrated+spans' run with the anchor_density_factors that
+    allocate_spans chose (kept in the JSON with the first span's cost curve), the reuse steps keeping their pairs."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_calibration.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "6", "--warmup", "0", "--anchors", "0,3", "--record-steps", "0,1,3,4",
+           "--seeds", "0,1", "--batch", "2", "--densities", "0.25", "--methods", "mc_sparse", "--device", "cpu",
+           "--sensitivity-videos", "0", "--anchor-spans"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    doc = json.loads((out / "calibration.json").read_text())
+    kinds = [r["kind"] for r in doc["rows"]]
+    assert kinds == ["uniform", "calibrated", "calibrated within layers", "uniform+spans", "calibrated+spans"]
+    for span in doc["spans"]:
+        assert span["steps"] == [2, 2] and len(span["factors"]) == 2
+        assert sum(n * f for n, f in zip(span["steps"], span["factors"])) == pytest.approx(4, abs=1e-3)
+        assert span["cost_calibrated"] <= span["cost_uniform"] + 1e-12 and span["costs_by_first_factor"]
+        row = next(r for r in doc["rows"] if r["kind"] == span["kind"])
+        assert SparseConfig.from_dict(row["config"]).anchor_density_factors == tuple(span["factors"])
+    assert all(c["anchors"] == [0, 3] and len(c["reuse_spans"]) == 2 for c in doc["curves"])
