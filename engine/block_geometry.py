@@ -325,8 +325,9 @@ def keep_top(scores: torch.Tensor, k: int, iters: int = 20, *, backend: str = "a
     the entries above a threshold: for short rows (L <= 4 * SAMPLE) found by bisection in log space so the
     count is exactly k; for long rows estimated from a fixed sample of SAMPLE columns (the k*SAMPLE/L-th
     largest sampled value), one pass instead of ~20, so the count is k up to sampling noise (a few %), and at most
-    ``keep_bound(k, L)``: a row over it keeps its ``keep_bound`` largest entries instead (its threshold raised
-    exactly, in the threshold kernel; ``cap=False`` leaves long rows uncapped, for bench/threshold_cap.py).
+    ``keep_bound(k, L)``: a row over it keeps its largest entries instead, at most ``keep_bound`` (fewer where values
+    tie at the (keep_bound + 1)-th largest; its threshold raised exactly, in the threshold kernel; ``cap=False``
+    leaves long rows uncapped, for bench/threshold_cap.py).
     Entries tied at the threshold fill the row up to k in index order (k equal keys beyond the budget keep k
     of them, never none). backend: where long rows apply their threshold (``kernels.keep_at_threshold``: on CUDA
     one Triton pass per row with no host synchronisation, docs/kernel_notes.md, "v21").
