@@ -28,10 +28,8 @@ def _from_key(key):
 
 
 @triton.jit
-def _keep_fwd(s_ptr, t_ptr, out_ptr, INNER, L, stride_outer, stride_inner, K, CAP, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = s_ptr + (row // INNER) * stride_outer + (row % INNER) * stride_inner
-    t = tl.load(t_ptr + row).to(tl.float32)  # compared in fp32: exact for fp16 / bf16 scores too
+def _count_above(base, t, L, BLOCK: tl.constexpr):
+    """How many of the row's L entries at ``base`` lie above the fp32 threshold t (a pass over the row)."""
     offs = tl.arange(0, BLOCK)
     above_n = tl.full([], 0, tl.int32)
     for start in range(0, L, BLOCK):
@@ -39,6 +37,16 @@ def _keep_fwd(s_ptr, t_ptr, out_ptr, INNER, L, stride_outer, stride_inner, K, CA
         inside = cols < L
         s = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
         above_n += tl.sum(((s > t) & inside).to(tl.int32), 0)
+    return above_n
+
+
+@triton.jit
+def _keep_fwd(s_ptr, t_ptr, out_ptr, INNER, L, stride_outer, stride_inner, K, CAP, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + (row // INNER) * stride_outer + (row % INNER) * stride_inner
+    t = tl.load(t_ptr + row).to(tl.float32)  # compared in fp32: exact for fp16 / bf16 scores too
+    offs = tl.arange(0, BLOCK)
+    above_n = _count_above(base, t, L, BLOCK)
     if above_n > CAP:  # the threshold raised until at most CAP lie above it (threshold_torch.raised_threshold)
         lo = _order_key(t).to(tl.int64)
         hi = tl.full([], -2147483648, tl.int64)  # the largest finite value's key
@@ -58,12 +66,7 @@ def _keep_fwd(s_ptr, t_ptr, out_ptr, INNER, L, stride_outer, stride_inner, K, CA
             lo = tl.where(over_n > CAP, mid, lo)
             hi = tl.where(over_n > CAP, hi, mid)
         t = _from_key(hi)
-        above_n = tl.full([], 0, tl.int32)
-        for start in range(0, L, BLOCK):
-            cols = start + offs
-            inside = cols < L
-            s = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-            above_n += tl.sum(((s > t) & inside).to(tl.int32), 0)
+        above_n = _count_above(base, t, L, BLOCK)
     room = tl.maximum(K - above_n, 0)
     tied_n = tl.full([], 0, tl.int32)  # ties before this block
     for start in range(0, L, BLOCK):
