@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from _pack import load
+from engine import timed
 
 log = logging.getLogger("bench.threshold_cap")
 
@@ -47,22 +48,16 @@ def sync(device) -> None:
 
 
 def median_ms(fn, reps: int, device) -> float:
-    """Median ms of ``reps`` calls of ``fn`` after one warm-up call: CUDA events on CUDA, wall time elsewhere."""
+    """Median ms of ``reps`` calls of ``fn`` after one warm-up call: CUDA events on CUDA (bench/engine.py's
+    ``timed``), wall time elsewhere."""
+    if torch.device(device).type == "cuda":
+        return timed(fn, reps)
     fn()
-    sync(device)
     times = []
     for _ in range(reps):
-        if torch.device(device).type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
