@@ -1,7 +1,7 @@
 """Kernel benchmark on one CUDA GPU: dense, block-sparse, token-sparse and exact selection (pass 1 + 2).
 
 Usage (one call on the H200, see docs/benchmarks.md):
-    python bench/kernels.py --out DIR [--shapes flux,wan13b,...] [--quick]
+    python bench/kernels.py --out DIR [--shapes flux,wan13b,...] [--quick] [--densities 0.5,0.25] [--block-sizes 128]
 Writes DIR/kernels.json (every measurement) and DIR/kernels.md (tables). Times are medians of
 ``triton.testing.do_bench``; effective TF/s counts 4*B*H*Nq*Nk*D times the density actually kept.
 """
@@ -9,6 +9,7 @@ Writes DIR/kernels.json (every measurement) and DIR/kernels.md (tables). Times a
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import math
@@ -86,7 +87,7 @@ def flex_runner():
     return run
 
 
-def bench_shape(name, K, flex, densities, rows):
+def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64)):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     h, n, d = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -106,7 +107,7 @@ def bench_shape(name, K, flex, densities, rows):
     rec("ours_dense", bench(lambda: K.attention_dense(q, k, v, backend="triton")))
     rec("ours_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True, backend="triton")))
     rec("auto_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True)))  # cuDNN + LSE
-    for bs in (128, 64):
+    for bs in block_sizes:
         nb = math.ceil(n / bs)
         for skewed in (False, True):
             for dens in densities:
@@ -147,6 +148,14 @@ def bench_shape(name, K, flex, densities, rows):
     p2_tok = bench(lambda: K.group_kv_mass(q, k, lse, groups, backend="triton", validate=False))
     p1 = min(r["ms"] for r in rows if r["shape"] == name and r["kind"] in ("ours_dense_lse", "auto_dense_lse"))
     rec("pass2_token_mass", p2_tok, pass1_plus_pass2_vs_cudnn=(p1 + p2_tok) / cudnn_ms)
+    return kernel_paths(K, q)
+
+
+def kernel_paths(K, q):
+    """Which kernel each family ran on ``q``'s shape after the runs: "gluon", or why not (the pointer/TMA path)."""
+    hop = importlib.import_module(K.__name__ + "._hopper")
+    kinds = {"gluon_dense": {}, "gluon_sparse": {}, "gluon_token": {"block_q": 128}}
+    return {kind: hop.gluon_problem(kind, q, q, q, **kw) or "gluon" for kind, kw in kinds.items()}
 
 
 def main():
@@ -155,6 +164,9 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--quick", action="store_true", help="fewer densities (smoke run)")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--densities", default="", help="block-sparse target densities, comma-separated (default "
+                    "1,0.5,0.25,0.1,0.05; --quick: 1,0.25,0.1)")
+    ap.add_argument("--block-sizes", default="128,64", help="block sizes of the block-sparse masks, comma-separated")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     K = load("kernels")
@@ -166,8 +178,13 @@ def main():
                 cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M"))
     log.info("meta %s", meta)
     densities = (1.0, 0.25, 0.1) if args.quick else DENSITIES
+    if args.densities:
+        densities = tuple(float(x) for x in args.densities.split(","))
+    block_sizes = tuple(int(x) for x in args.block_sizes.split(","))
+    meta["paths"] = {}
     for name in args.shapes.split(","):
-        bench_shape(name, K, flex, densities, rows)
+        meta["paths"][name] = bench_shape(name, K, flex, densities, rows, block_sizes)
+        log.info("%s ran on: %s", name, meta["paths"][name])
         torch.cuda.empty_cache()
         (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (out_dir / "kernels.md").write_text(render(meta, rows))
@@ -177,6 +194,8 @@ def main():
 def render(meta, rows):
     lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, "
              f"{meta['date']}. bf16, B=1. ms = median of do_bench; TF/s = effective (work kept).", ""]
+    if meta.get("paths"):
+        lines += [f"Kernels run (\"gluon\", or why not): {meta['paths']}", ""]
     for name in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == name]
         h, n, d = rs[0]["heads"], rs[0]["tokens"], rs[0]["head_dim"]
