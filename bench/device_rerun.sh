@@ -6,7 +6,7 @@
 #   hyv-quality    HunyuanVideo with the hunyuan_video_quality preset, anchor / reuse / anchor / reuse timed, its
 #                  dense step from HYV_DENSE (an e2e.json of an earlier run; default measured here) (HYV_Q_S, 260)
 #   wan14b-methods Wan 2.1 14B with mc_sparse 0.1 and ComfyUI's Sol-Attn 0.1 under the model's preset schedule, the
-#                  same pattern; dense from WAN14B_DENSE (default docs/bench-runs/gluon-e2e-1/gluon/e2e.json)
+#                  same pattern; dense from WAN14B_DENSE (default measured here)
 #                  (METHODS_S, 260)
 #   wan14b-quality Wan 2.1 14B with the wan21_t2v_14b_quality preset, the same pattern and dense (WAN14B_Q_S, 200)
 # Results under $OUT/rerun/<part>/, packed into $OUT/rerun.tar.gz.
@@ -16,18 +16,17 @@ cd "$(dirname "$0")/.."
 source bench/device_part.sh
 new_root /tmp/rerun
 record_gpu
-wan14b_dense=${WAN14B_DENSE:-docs/bench-runs/gluon-e2e-1/gluon/e2e.json}
-e2e() { env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --pattern ArAr --total-steps 30 --log-compiles "$@"; }
+e2e=(env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --pattern ArAr --total-steps 30 --log-compiles)
 for p in ${PARTS:-kernels hyv-quality wan14b-methods wan14b-quality}; do
   case $p in
     kernels) part kernels "${KERNELS_S:-200}" python3 bench/kernels.py --out "$root/kernels" \
       --shapes wan14b,hyv,wan13b --densities 0.5,0.25,0.1 --block-sizes 128 ;;
-    hyv-quality) part hyv-quality "${HYV_Q_S:-260}" e2e --models hyv --preset hunyuan_video_quality \
+    hyv-quality) part hyv-quality "${HYV_Q_S:-260}" "${e2e[@]}" --models hyv --preset hunyuan_video_quality \
       --modes block_topk@0.15 ${HYV_DENSE:+--reuse-dense "$HYV_DENSE"} ;;
-    wan14b-methods) part wan14b-methods "${METHODS_S:-260}" e2e --models wan14b --modes mc_sparse@0.1,sol@0.1 \
-      --reuse-dense "$wan14b_dense" ;;
-    wan14b-quality) part wan14b-quality "${WAN14B_Q_S:-200}" e2e --models wan14b --preset wan21_t2v_14b_quality \
-      --modes block_topk@0.15 --reuse-dense "$wan14b_dense" ;;
+    wan14b-methods) part wan14b-methods "${METHODS_S:-260}" "${e2e[@]}" --models wan14b --modes mc_sparse@0.1,sol@0.1 \
+      ${WAN14B_DENSE:+--reuse-dense "$WAN14B_DENSE"} ;;
+    wan14b-quality) part wan14b-quality "${WAN14B_Q_S:-200}" "${e2e[@]}" --models wan14b --preset wan21_t2v_14b_quality \
+      --modes block_topk@0.15 ${WAN14B_DENSE:+--reuse-dense "$WAN14B_DENSE"} ;;
     *) echo "unknown part $p" >&2 ;;
   esac
 done

@@ -25,6 +25,7 @@ from .cache import Entry, SelectionCache, split_chunk
 from .config import SparseConfig
 from .context import CallContext
 from .layer_density import anchor_factor, head_densities, select_heads
+from .messages import oom_report
 from .policy import policy_for
 from .residual import Residual, residual_precision, weighs_by_mass
 from .selection import BlockSelection
@@ -334,6 +335,7 @@ class SparseEngine:
                 return fn()
             except torch.OutOfMemoryError as exc:
                 # room is made after this block: inside it the traceback holds the failed attempt's tensors
+                why = oom_report(exc)
                 failed = exc.with_traceback(None)
             released = kernels.release_graphs()  # the grouping's graphs: their memory comes back first
             freed = self.cache.spill(share, stop_prefetch=stop_prefetch)
@@ -342,8 +344,8 @@ class SparseEngine:
                 raise failed
             level = logging.DEBUG if what in self._spill_warned else logging.WARNING
             self._spill_warned.add(what)
-            log.log(level, "sparse attention: out of memory at %s; moved %.0f MB of cache off the GPU "
-                    "(a lower cache_budget_mb avoids this)", what, freed / 2**20)
+            log.log(level, "sparse attention: out of memory at %s (%s); moved %.0f MB of cache off the GPU "
+                    "(a lower cache_budget_mb avoids this)", what, why, freed / 2**20)
             if q.is_cuda:
                 torch.cuda.empty_cache()
         return fn()

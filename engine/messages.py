@@ -1,7 +1,10 @@
 """How configuration errors show the value they refuse: its repr, cut short (a widget or a YAML value can hold
-megabytes; an error message must stay readable and small)."""
+megabytes; an error message must stay readable and small); and how a log line names an out-of-memory error."""
 
 from __future__ import annotations
+
+import os
+import traceback
 
 SHOWN_CHARS = 60
 MAX_TEXT = 4096  # longest schedule or layer-list text read (a real one is a few dozen characters)
@@ -16,3 +19,28 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
+def oom_report(exc: BaseException, limit: int = 400) -> str:
+    """An out-of-memory error in one line for a log: the first line of its message (PyTorch's names the size it
+    tried to allocate and what was free), cut at ``limit`` characters, then where it was raised: the innermost frame
+    and, when that lies in torch itself, the innermost frame outside it (the model's or the pack's line that asked).
+    A string, so that the caller can let go of the exception, whose traceback keeps the failed attempt's tensors."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if not frames:
+        return text
+    where = [_frame(frames[-1])]
+    in_torch = [f"{os.sep}torch{os.sep}" in f.filename for f in frames]
+    if in_torch[-1]:
+        outside = [f for f, t in zip(frames, in_torch) if not t]
+        if outside:
+            where.append(f"called from {_frame(outside[-1])}")
+    return f"{text}; raised at {', '.join(where)}"

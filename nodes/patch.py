@@ -28,6 +28,7 @@ import threading
 import torch
 
 from ..engine import DeviceEngines, RunClock, SparseConfig
+from ..engine.messages import oom_report
 from ..engine.schedule import reuse_steps
 from .call import carries_mask, translate
 from .families import UNKNOWN, Family, family_of
@@ -456,9 +457,10 @@ class SparseAttentionPatch:
             run = self.run_of(to)
             try:
                 return self._forward(run, executor, x, t, args, kwargs, to)
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as exc:
                 # the model ran out of GPU memory: if our cache holds some, move it off the GPU and run the
                 # forward once more; a cache must never end a run (docs/decisions.md, small cards)
+                why = oom_report(exc)  # a string: the exception itself keeps the failed attempt's frames
                 run = self.run_of(to)
                 freed = run.engines.relieve()
                 if not freed:
@@ -466,10 +468,10 @@ class SparseAttentionPatch:
             # the retry runs here, after the except block: inside it the exception's traceback keeps the failed
             # attempt's frames, and with them its activations, on the GPU
             run.count("the model ran out of GPU memory: the cache moved to host memory")
-            self._log_once("model-oom", "sparse attention: the model ran out of GPU memory; freed %.0f MB of "
+            self._log_once("model-oom", "sparse attention: the model ran out of GPU memory (%s); freed %.0f MB of "
                            "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "
                            "ran the step again (a lower cache_budget_mb avoids this)",
-                           freed / 2**20, level=logging.WARNING)
+                           why, freed / 2**20, level=logging.WARNING)
             gc.collect()  # frames of the failed attempt caught in reference cycles
             torch.cuda.empty_cache()
             return self._forward(run, executor, x, t, args, kwargs, to)

@@ -201,7 +201,9 @@ def test_a_reuse_call_out_of_memory_while_unpacking_moves_the_cache_and_goes_on(
     assert eng.cache.prefetch_off  # a prefetched copy of the next layer's entry would crowd the next unpacking
     stats = eng.end_run().as_dict()["layers"]
     assert all(row["reuses"] == 1 and row["dense"] == 0 for row in stats.values())
-    assert [r.levelname for r in caplog.records if "out of memory at a reuse call" in r.message] == ["WARNING"]
+    warned = [r for r in caplog.records if "out of memory at a reuse call" in r.message]
+    assert [r.levelname for r in warned] == ["WARNING"]
+    assert "(CUDA out of memory (simulated); raised at test_residual_packing.py:" in warned[0].message
     for key, out in want.items():
         assert torch.equal(got[key], out)
 

@@ -190,7 +190,7 @@ def test_relieve_frees_prefetched_copies_and_the_whole_device_cache(monkeypatch)
     assert merged.cache["prefetch_off"] is True
 
 
-def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
+def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again(caplog):
     patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
                                               block_q=64, block_k=64))
     guider, failed, outs = Guider(), [], []
@@ -217,6 +217,10 @@ def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again():
     assert failed and len(outs) == 2 * 5  # step 2 ran twice
     assert patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory") == 1
     assert patch.last_stats.cache["spills"] >= 1
+    # the warning says what the error said and where the model raised it
+    warned = [r.getMessage() for r in caplog.records if "the model ran out of GPU memory" in r.getMessage()]
+    assert len(warned) == 1 and "(CUDA out of memory (test); raised at test_small_cards.py:" in warned[0]
+    assert " in model)" in warned[0]
     assert all(torch.isfinite(o).all() for o in outs)
 
 
