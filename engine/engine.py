@@ -228,6 +228,10 @@ class SparseEngine:
             if entry is None or not entry.fits(q):
                 entry = None
         if entry is None:
+            # the anchor replaces this key's entry (SelectionCache.put drops it first thing): let it go now, so that it
+            # does not sit beside the anchor's scratch and its new entry, nor does an out-of-memory spill copy it to
+            # host memory on its way out (the least recently used entry at an anchor step is the layer's own)
+            self.cache.drop(key)
             return self._anchor_with_room(q, k, v, ctx, key, scale, dense_fn)
         out, density, replayed = self._reuse(q, k, v, ctx, entry, resident, scale)
         self.stats.add(ctx.layer, REUSE, density, step=ctx.step, replayed=replayed)

@@ -534,6 +534,42 @@ def test_out_of_memory_at_an_anchor_spills_the_cache_and_retries(problem, monkey
     assert eng.cache.auto_limit is None  # the next run starts with the full auto budget
 
 
+def test_an_anchor_lets_its_keys_old_entry_go_before_it_runs(problem, monkeypatch):
+    """A later anchor replaces its layer's entry: the old one is dropped before the anchor computes (it would sit
+    beside the anchor's scratch), and an out-of-memory spill during that anchor moves another layer's entry, never
+    the one about to be replaced; the other layer's entry is still reused from host memory at the next step."""
+    eng = SparseEngine(SparseConfig(method="mc_sparse", **{**BASE, "warmup_steps": 0, "anchor_steps": "0,2"}))
+    eng.begin_run()
+    layers = (0, 1)
+    for step in (0, 1):
+        q, k, v = problem.qkv(step)
+        for layer in layers:
+            eng.attend(q, k, v, CallContext(layer=layer, step=step, layout=problem.layout))
+    q, k, v = problem.qkv(2)
+    key = lambda layer: (layer, True, (), q.shape[2])  # noqa: E731
+    old = {layer: eng.cache.on_device[key(layer)] for layer in layers}
+    real, stored_at_anchor = eng._anchor, []
+
+    def watched(q_, k_, v_, ctx, key_, *rest):
+        stored_at_anchor.append(key_ in eng.cache)
+        return real(q_, k_, v_, ctx, key_, *rest)
+    monkeypatch.setattr(eng, "_anchor", watched)
+    moved = []
+    to_host = eng.cache._to_host
+    monkeypatch.setattr(eng.cache, "_to_host", lambda entry: moved.append(entry) or to_host(entry))
+    calls = _oom_for(eng, monkeypatch, 1)  # layer 0's anchor at step 2 runs out of memory once
+    eng.attend(q, k, v, CallContext(layer=0, step=2, layout=problem.layout))
+    assert len(calls) == 2 and eng.cache.info()["spills"] == 1
+    assert stored_at_anchor == [False]  # the retried call: the first attempt failed before reaching it
+    # the spill moved layer 1's entry to host memory, never layer 0's old one (after the spill the cache may keep no
+    # more on the device than stayed there, so layer 0's new entry follows it)
+    assert moved[0] is old[1] and all(m is not old[0] for m in moved)
+    assert key(1) in eng.cache.on_cpu and key(0) in eng.cache and eng.cache.peek(key(0)) is not old[0]
+    eng.attend(q, k, v, CallContext(layer=1, step=2, layout=problem.layout))  # its host entry is dropped first too
+    assert stored_at_anchor == [False, False] and eng.cache.peek(key(1)) is not old[1]
+    eng.end_run()
+
+
 def test_out_of_memory_twice_spills_everything_then_reports(problem, monkeypatch):
     eng = SparseEngine(SparseConfig(method="mc_sparse", **BASE))
     eng.begin_run()
