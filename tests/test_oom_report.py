@@ -10,14 +10,22 @@ def _raise_here(exc):
     raise exc
 
 
-def test_the_first_line_and_the_raising_frame():
+def test_the_message_and_the_raising_frame():
     try:
-        _raise_here(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nsecond line"))
+        _raise_here(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."))
     except torch.OutOfMemoryError as exc:
         text = oom_report(exc)
     assert text.startswith("CUDA out of memory. Tried to allocate 2.00 GiB.; raised at test_oom_report.py:")
     assert text.endswith("in _raise_here")
-    assert "second line" not in text
+
+
+def test_a_message_over_several_lines_keeps_its_numbers():
+    """Under cudaMallocAsync PyTorch puts what was requested and what was free on lines of their own."""
+    msg = ("Allocation on device 0 would exceed allowed memory. (out of memory)\nCurrently allocated     : 88.10 GiB\n"
+           "Requested               : 2.00 GiB\n\nFree (according to CUDA): 1.20 GiB")
+    text = oom_report(torch.OutOfMemoryError(msg))
+    assert text == ("Allocation on device 0 would exceed allowed memory. (out of memory); Currently allocated     : "
+                    "88.10 GiB; Requested               : 2.00 GiB; Free (according to CUDA): 1.20 GiB")
 
 
 def test_a_frame_inside_torch_names_the_caller_outside_it():
@@ -37,3 +45,4 @@ def test_a_frame_inside_torch_names_the_caller_outside_it():
 def test_long_or_empty_messages_and_no_traceback():
     assert oom_report(torch.OutOfMemoryError("x" * 1000), limit=10) == "x" * 10 + "..."
     assert oom_report(torch.OutOfMemoryError("")) == "OutOfMemoryError"
+    assert oom_report(torch.OutOfMemoryError(" \n ")) == "OutOfMemoryError"
