@@ -152,7 +152,8 @@ def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64)):
 
 
 def kernel_paths(K, q):
-    """Which kernel each family ran on ``q``'s shape after the runs: "gluon", or why not (the pointer/TMA path)."""
+    """Whether each family's Gluon kernel takes ``q``'s shape with 128-blocks after the runs (the check the automatic
+    dispatch makes, so also that no failure marked it broken): "gluon", or why not (the pointer / TMA path)."""
     hop = importlib.import_module(K.__name__ + "._hopper")
     kinds = {"gluon_dense": {}, "gluon_sparse": {}, "gluon_token": {"block_q": 128}}
     return {kind: hop.gluon_problem(kind, q, q, q, **kw) or "gluon" for kind, kw in kinds.items()}
@@ -195,7 +196,7 @@ def render(meta, rows):
     lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, "
              f"{meta['date']}. bf16, B=1. ms = median of do_bench; TF/s = effective (work kept).", ""]
     if meta.get("paths"):
-        lines += [f"Kernels run (\"gluon\", or why not): {meta['paths']}", ""]
+        lines += [f"Gluon kernels eligible after the runs (\"gluon\", or why not): {meta['paths']}", ""]
     for name in dict.fromkeys(r["shape"] for r in rows):
         rs = [r for r in rows if r["shape"] == name]
         h, n, d = rs[0]["heads"], rs[0]["tokens"], rs[0]["head_dim"]
