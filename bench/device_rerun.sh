@@ -9,6 +9,9 @@
 #                  same pattern; dense from WAN14B_DENSE (default measured here)
 #                  (METHODS_S, 260)
 #   wan14b-quality Wan 2.1 14B with the wan21_t2v_14b_quality preset, the same pattern and dense (WAN14B_Q_S, 200)
+#   mc-memory      (named only) Wan 2.1 14B with mc_sparse 0.1 alone, the same pattern and dense, every self-attention
+#                  call's allocated memory and cache bytes logged (bench/e2e.py --trace-memory): what the second
+#                  anchor holds beyond the cache (docs/benchmarks.md, "Issue 14's re-runs on the H200") (MEM_S, 240)
 # Results under $OUT/rerun/<part>/, packed into $OUT/rerun.tar.gz.
 #   [PARTS="kernels hyv-quality"] bash bench/device_rerun.sh
 set -uo pipefail
@@ -27,6 +30,8 @@ for p in ${PARTS:-kernels hyv-quality wan14b-methods wan14b-quality}; do
       ${WAN14B_DENSE:+--reuse-dense "$WAN14B_DENSE"} ;;
     wan14b-quality) part wan14b-quality "${WAN14B_Q_S:-200}" "${e2e[@]}" --models wan14b --preset wan21_t2v_14b_quality \
       --modes block_topk@0.15 ${WAN14B_DENSE:+--reuse-dense "$WAN14B_DENSE"} ;;
+    mc-memory) part mc-memory "${MEM_S:-240}" "${e2e[@]}" --models wan14b --modes mc_sparse@0.1 --trace-memory \
+      ${WAN14B_DENSE:+--reuse-dense "$WAN14B_DENSE"} ;;
     *) echo "unknown part $p" >&2 ;;
   esac
 done

@@ -468,6 +468,25 @@ def log_triton_compiles() -> bool:
     return True
 
 
+def trace_memory(eng) -> None:
+    """--trace-memory: after every self-attention call the engine takes, log its step and layer, the device memory
+    allocated then (PyTorch's host-side counter: no device synchronisation) and the cache's own bytes on the device
+    and in host memory, so that memory held beyond the cache's accounting shows layer by layer (docs/benchmarks.md,
+    "Issue 14's re-runs on the H200 with the Gluon kernels": mc_sparse's second anchor ran out of memory)."""
+    real = eng.SparseEngine.attend
+    mib = 2 ** 20
+
+    def attend(self, q, k, v, ctx, **kw):
+        out = real(self, q, k, v, ctx, **kw)
+        if ctx.is_self:
+            alloc = torch.cuda.memory_allocated(q.device) if q.is_cuda else 0
+            log.info("memory: step %s layer %s: allocated %.3f MiB, cache %.3f MiB on the device / %.3f MiB in host "
+                     "memory", ctx.step, ctx.layer, alloc / mib, self.cache.device_bytes / mib,
+                     self.cache.cpu_bytes / mib)
+        return out
+    eng.SparseEngine.attend = attend
+
+
 def bench_model(name, args, patch_mod, presets, eng, device, clock, emit):
     # a simulated card: the weights start in host memory and ComfyUI loads them (partially where they do not fit)
     model, latent, pos, neg, cfg, preset_name, total = build(name, args.tiny, device, weights=args.weights,
@@ -690,6 +709,8 @@ def main():
                     "torch.profiler: OUT/profile-MODEL-METHOD_DENSITY.txt, operators by CUDA and by CPU time")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compilation (kernel, specialisation, "
                     "seconds): which step compiled what")
+    ap.add_argument("--trace-memory", action="store_true", help="log the device memory allocated and the cache's "
+                    "bytes after every self-attention call (which layer's call holds what)")
     ap.add_argument("--reuse-dense", default="", help="e2e.json of an earlier run: take its dense rows instead of "
                     "measuring them again (GPU time is scarce)")
     ap.add_argument("--tiny", action="store_true", help="shrunken models on the CPU (smoke test)")
@@ -726,6 +747,8 @@ def main():
             + (f", {args.weights} weights" if args.weights != "bf16" else ""))
     if args.log_compiles and not log_triton_compiles():
         log.warning("--log-compiles: this Triton has no compile hooks; nothing will be logged")
+    if args.trace_memory:
+        trace_memory(eng)
     rows, emit = row_writer(Path(args.out), "e2e", meta, render)
     for name in args.models.split(","):
         bench_model(name, args, patch_mod, presets, eng, device, clock, emit)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
     env = dict(os.environ, COMFYUI_PATH=str(comfyui_path()), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), "--out", str(tmp_path), "--tiny",
                            "--models", "wan13b", "--modes", "mc_sparse@0.25", "--pattern", "ArAr",
-                           "--profile-step", "3"],
+                           "--profile-step", "3", "--trace-memory"],
                           cwd=str(comfyui_path()), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _, row = json.loads((tmp_path / "e2e.json").read_text())["rows"]
@@ -66,6 +67,11 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
     assert row["step_probe"][-1]["cache"]["device_bytes"] > 0  # the run's cache, read while it is alive
     prof = (tmp_path / "profile-wan13b-mc_sparse_0.25.txt").read_text()
     assert prof.startswith("step 3,") and "aten::" in prof
+    # --trace-memory: one line per self-attention call of every timed step, with the cache's bytes
+    traced = re.findall(r"memory: step (\d+) layer (\d+): allocated [\d.]+ MiB, cache ([\d.]+) MiB on the device",
+                        proc.stderr)
+    assert {int(st) for st, _, _ in traced} >= {0, 1, 2, 3}
+    assert any(float(c) > 0 for st, _, c in traced if st == "2")
 
 
 def test_e2e_whole_run_times_every_step_of_the_presets_schedule(tmp_path):
