@@ -185,7 +185,7 @@ def main():
     meta["paths"] = {}
     for name in args.shapes.split(","):
         meta["paths"][name] = bench_shape(name, K, flex, densities, rows, block_sizes)
-        log.info("%s ran on: %s", name, meta["paths"][name])
+        log.info("%s: Gluon kernels eligible after the runs: %s", name, meta["paths"][name])
         torch.cuda.empty_cache()
         (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     (out_dir / "kernels.md").write_text(render(meta, rows))
