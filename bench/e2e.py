@@ -470,7 +470,8 @@ def log_triton_compiles() -> bool:
 
 def trace_memory(eng) -> None:
     """--trace-memory: after every self-attention call the engine takes, log its step and layer, the device memory
-    allocated then (PyTorch's host-side counter: no device synchronisation) and the cache's own bytes on the device
+    allocated and reserved then (PyTorch's host-side counters: no device synchronisation), the driver's free memory
+    (cudaMemGetInfo, which does not synchronise either) and the cache's own bytes on the device
     and in host memory, so that memory held beyond the cache's accounting shows layer by layer (docs/benchmarks.md,
     "Issue 14's re-runs on the H200 with the Gluon kernels": mc_sparse's second anchor ran out of memory)."""
     real = eng.SparseEngine.attend
@@ -480,9 +481,12 @@ def trace_memory(eng) -> None:
         out = real(self, q, k, v, ctx, **kw)
         if ctx.is_self:
             alloc = torch.cuda.memory_allocated(q.device) if q.is_cuda else 0
-            log.info("memory: step %s layer %s: allocated %.3f MiB, cache %.3f MiB on the device / %.3f MiB in host "
-                     "memory", ctx.step, ctx.layer, alloc / mib, self.cache.device_bytes / mib,
-                     self.cache.cpu_bytes / mib)
+            reserved = torch.cuda.memory_reserved(q.device) if q.is_cuda else 0
+            # the driver's free memory: memory freed by PyTorch but still held (a pool, a deferred free) shows here
+            free = torch.cuda.mem_get_info(q.device)[0] if q.is_cuda else 0
+            log.info("memory: step %s layer %s: allocated %.3f MiB, reserved %.3f MiB, driver free %.3f MiB, cache "
+                     "%.3f MiB on the device / %.3f MiB in host memory", ctx.step, ctx.layer, alloc / mib,
+                     reserved / mib, free / mib, self.cache.device_bytes / mib, self.cache.cpu_bytes / mib)
         return out
     eng.SparseEngine.attend = attend
 

@@ -68,8 +68,8 @@ def test_e2e_pattern_times_reuse_after_a_later_anchor(tmp_path):
     prof = (tmp_path / "profile-wan13b-mc_sparse_0.25.txt").read_text()
     assert prof.startswith("step 3,") and "aten::" in prof
     # --trace-memory: one line per self-attention call of every timed step, with the cache's bytes
-    traced = re.findall(r"memory: step (\d+) layer (\d+): allocated [\d.]+ MiB, cache ([\d.]+) MiB on the device",
-                        proc.stderr)
+    traced = re.findall(r"memory: step (\d+) layer (\d+): allocated [\d.]+ MiB, reserved [\d.]+ MiB, driver free "
+                        r"[\d.]+ MiB, cache ([\d.]+) MiB on the device", proc.stderr)
     assert {int(st) for st, _, _ in traced} >= {0, 1, 2, 3}
     assert any(float(c) > 0 for st, _, c in traced if st == "2")
 
