@@ -87,7 +87,7 @@ def flex_runner():
     return run
 
 
-def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64)):
+def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64), token_grids=False, token_only=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     h, n, d = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -104,6 +104,35 @@ def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64)):
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         cudnn_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v))
     rec("cudnn_sdpa_dense", cudnn_ms)
+    if not token_only:
+        dense_and_block_rows(q, k, v, K, flex, densities, block_sizes, gen, cudnn_ms, bench, rec)
+    perm = torch.randperm(n, device="cuda", generator=gen).to(torch.int32)
+    g = math.ceil(n / 128)
+    groups = torch.full((g * 128,), -1, dtype=torch.int32, device="cuda")
+    groups[:n] = perm
+    groups = groups.view(1, 1, g, 128).expand(1, h, g, 128).contiguous()
+    for dens in TOKEN_DENSITIES:
+        kk = int(dens * n)
+        toks = torch.topk(torch.rand(1, h, g, n, device="cuda", generator=gen), kk, dim=-1).indices
+        toks = torch.sort(toks, -1).values.to(torch.int32).contiguous()
+        tcnt = torch.full((1, h, g), kk, dtype=torch.int32, device="cuda")
+        ms = bench(lambda: K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", validate=False))
+        r = rec("token128", ms, kk / n)
+        r["speedup_vs_cudnn"] = cudnn_ms / ms
+        if token_grids:
+            token_grid_rows(K, q, k, v, groups, toks, tcnt, kk / n, bench, rec)
+    if not token_only:
+        _, lse = K.attention_dense(q, k, v, return_lse=True, backend="triton")
+        p2_tok = bench(lambda: K.group_kv_mass(q, k, lse, groups, backend="triton", validate=False))
+        p1 = min(r["ms"] for r in rows if r["shape"] == name and r["kind"] in ("ours_dense_lse", "auto_dense_lse"))
+        rec("pass2_token_mass", p2_tok, pass1_plus_pass2_vs_cudnn=(p1 + p2_tok) / cudnn_ms)
+    return kernel_paths(K, q)
+
+
+def dense_and_block_rows(q, k, v, K, flex, densities, block_sizes, gen, cudnn_ms, bench, rec):
+    """Our dense kernels, then block-sparse at each block size and density, balanced and skewed, against
+    FlexAttention on the same mask where it runs."""
+    h, n = q.shape[1], q.shape[2]
     rec("ours_dense", bench(lambda: K.attention_dense(q, k, v, backend="triton")))
     rec("ours_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True, backend="triton")))
     rec("auto_dense_lse", bench(lambda: K.attention_dense(q, k, v, return_lse=True)))  # cuDNN + LSE
@@ -130,25 +159,27 @@ def bench_shape(name, K, flex, densities, rows, block_sizes=(128, 64)):
                         fr["speedup_vs_cudnn"] = cudnn_ms / fms
                         r["vs_flex"] = fms / ms
                     except Exception as exc:  # compile failures are reported, not fatal
-                        log.warning("flex failed on %s: %s", name, str(exc)[:300])
-    perm = torch.randperm(n, device="cuda", generator=gen).to(torch.int32)
-    g = math.ceil(n / 128)
-    groups = torch.full((g * 128,), -1, dtype=torch.int32, device="cuda")
-    groups[:n] = perm
-    groups = groups.view(1, 1, g, 128).expand(1, h, g, 128).contiguous()
-    for dens in TOKEN_DENSITIES:
-        kk = int(dens * n)
-        toks = torch.topk(torch.rand(1, h, g, n, device="cuda", generator=gen), kk, dim=-1).indices
-        toks = torch.sort(toks, -1).values.to(torch.int32).contiguous()
-        tcnt = torch.full((1, h, g), kk, dtype=torch.int32, device="cuda")
-        ms = bench(lambda: K.token_sparse_attention(q, k, v, groups, toks, tcnt, backend="triton", validate=False))
-        r = rec("token128", ms, kk / n)
-        r["speedup_vs_cudnn"] = cudnn_ms / ms
-    _, lse = K.attention_dense(q, k, v, return_lse=True, backend="triton")
-    p2_tok = bench(lambda: K.group_kv_mass(q, k, lse, groups, backend="triton", validate=False))
-    p1 = min(r["ms"] for r in rows if r["shape"] == name and r["kind"] in ("ours_dense_lse", "auto_dense_lse"))
-    rec("pass2_token_mass", p2_tok, pass1_plus_pass2_vs_cudnn=(p1 + p2_tok) / cudnn_ms)
-    return kernel_paths(K, q)
+                        log.warning("flex failed on H=%d N=%d: %s", h, n, str(exc)[:300])
+
+
+def token_grid_rows(K, q, k, v, groups, toks, tcnt, density, bench, rec):
+    """--token-grids: the Gluon token kernel on its own grid (one program a query group) and on the persistent one
+    (one program per SM: kernels/token_sparse_gluon.py, ``_token_persistent``), with the int32 lists above and with
+    the engine's reuse call (compact int16 lists, fp8 residual in the epilogue), one after the other."""
+    tt = importlib.import_module(K.__name__ + ".token_sparse_triton")
+    ct = importlib.import_module(K.__name__ + ".compact_torch")
+    res_mod = importlib.import_module(K.__name__ + "._residual")
+    keep = torch.zeros(toks.shape[:3] + (k.shape[2],), dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, toks.long(), True)
+    low, ends, cnt = ct.compact_keep(keep)
+    del keep
+    res = res_mod.encode_residual(torch.randn_like(q) * 0.05, "fp8", q.dtype)
+    for path in ("gluon", "gluon_persistent"):
+        tag = "" if path == "gluon" else "_persistent"
+        rec("token128_int32" + tag, bench(lambda: tt.token_sparse_attention(
+            q, k, v, groups, toks, tcnt, validate=False, path=path)), density)
+        rec("token128_compact_fp8res" + tag, bench(lambda: tt.token_sparse_attention_compact(
+            q, k, v, groups, low, ends, cnt, validate=False, residual=res, fill_ungrouped=False, path=path)), density)
 
 
 def kernel_paths(K, q):
@@ -168,6 +199,10 @@ def main():
     ap.add_argument("--densities", default="", help="block-sparse target densities, comma-separated (default "
                     "1,0.5,0.25,0.1,0.05; --quick: 1,0.25,0.1)")
     ap.add_argument("--block-sizes", default="128,64", help="block sizes of the block-sparse masks, comma-separated")
+    ap.add_argument("--token-grids", action="store_true", help="also time the Gluon token kernel on its own and on "
+                    "the persistent grid, with int32 lists and with compact lists plus an fp8 residual")
+    ap.add_argument("--token-only", action="store_true", help="skip the dense, block-sparse and pass-2 rows but "
+                    "cuDNN's dense one (what the token rows are compared with)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     K = load("kernels")
@@ -184,7 +219,8 @@ def main():
     block_sizes = tuple(int(x) for x in args.block_sizes.split(","))
     meta["paths"] = {}
     for name in args.shapes.split(","):
-        meta["paths"][name] = bench_shape(name, K, flex, densities, rows, block_sizes)
+        meta["paths"][name] = bench_shape(name, K, flex, densities, rows, block_sizes, args.token_grids,
+                                          args.token_only)
         log.info("%s: Gluon kernels eligible after the runs: %s", name, meta["paths"][name])
         torch.cuda.empty_cache()
         (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

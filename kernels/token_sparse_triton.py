@@ -107,7 +107,7 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     store_rows(Out + b * sob + h * soh, qi, son, q_ok, d, out.to(Out.dtype.element_ty), HEAD_DIM, D_PAD)
 
 
-PATHS = ("auto", "pointer", "gluon")
+PATHS = ("auto", "pointer", "gluon", "gluon_persistent")
 
 
 def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=None, validate=True, residual=None,
@@ -118,7 +118,8 @@ def token_sparse_attention(q, k, v, q_groups, kv_tokens, kv_counts, *, scale=Non
     (B,H,G,max_k) sorted; kv_counts int32 (B,H,G); residual None or a (data, scale) pair. Returns out
     (B,H,Nq,D); queries in no group get 0, or exactly the residual when one is given.
     ``validate=False`` skips the index checks for trusted lists. ``path``: "auto" (the Gluon kernel where
-    ``_hopper.gluon_problem`` allows it, else the pointer kernel), "pointer", or "gluon" (ValueError where it cannot).
+    ``_hopper.gluon_problem`` allows it, else the pointer kernel), "pointer", "gluon" (ValueError where it cannot) or
+    "gluon_persistent" (the Gluon kernel on its one-program-per-SM grid).
     """
     b, h, nq, nk, d = check_qkv(q, k, v)
     scale = check_scale(scale, d)
@@ -142,8 +143,8 @@ def token_sparse_attention_compact(q, k, v, q_groups, kv_low, seg_ends, kv_count
 
 def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, residual, fill=True, path="auto"):
     """The kernel over int32 token lists (seg_ends None) or compact int16 lists with their segment ends; ``fill``:
-    rows in no group get the residual (or 0), else they are left unwritten. ``path``: "auto", "pointer" or
-    "gluon" (kernels/token_sparse_gluon.py)."""
+    rows in no group get the residual (or 0), else they are left unwritten. ``path``: "auto", "pointer", "gluon"
+    (kernels/token_sparse_gluon.py) or "gluon_persistent" (its one-program-per-SM grid; explicit only until timed)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     b, h, nq, d = q.shape
@@ -165,11 +166,12 @@ def _launch(q, k, v, q_groups, lists, seg_ends, kv_counts, g, c, max_k, scale, r
         out.zero_()
     elif fill:
         decode_into(out, res)
-    if g > 0 and _hopper.use_gluon("gluon_token", q, k, v, block_q=c, path=path):
+    persistent = path == "gluon_persistent"
+    if g > 0 and _hopper.use_gluon("gluon_token", q, k, v, block_q=c, path="gluon" if persistent else path):
         from . import token_sparse_gluon
         done = _hopper.attempt("gluon_token", path == "auto", lambda: token_sparse_gluon.attention(
             q, k, v, out, qg, tok, None if seg_ends is None else seg, cnt, scale=scale, segment=SEGMENT,
-            residual=res))
+            residual=res, persistent=persistent))
         if done is not None:
             return out
     if g > 0:

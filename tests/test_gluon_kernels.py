@@ -75,6 +75,11 @@ TOKEN_VARIANTS = {
     "64-wide tiles four deep (the benchmark's alternative)": dict(compact=True, residual=2, tiles=(64, 4)),
     "32-bit row offsets, int32 lists": dict(off32=True),
     "32-bit row offsets, compact lists, fp8 residual": dict(compact=True, residual=2, off32=True),
+    "persistent, int32 lists": dict(persistent=True),
+    "persistent, compact lists, fp8 residual": dict(persistent=True, compact=True, residual=2),
+    "persistent, compact lists, model-dtype residual, fp16": dict(persistent=True, compact=True, residual=1,
+                                                                 dtype="fp16"),
+    "persistent, D64, fp8 residual": dict(persistent=True, d=64, residual=2),
 }
 
 
@@ -256,10 +261,12 @@ def test_rows_layout_addresses_comfyuis_views_without_a_copy(request):
 
 
 @pytest.mark.parametrize("compact", [False, True])
-def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact):
+@pytest.mark.parametrize("path", ["auto", "gluon_persistent"])
+def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact, path):
     """token_sparse_triton's launch passes the Gluon token kernel the call's groups, lists (int32, or compact with
     their segment ends), counts, scale and contiguous residual in the order ``token_sparse_gluon.attention`` takes
-    them: a stand-in computing the twin from exactly what it is handed reproduces the twin (pure torch, no GPU)."""
+    them: a stand-in computing the twin from exactly what it is handed reproduces the twin (pure torch, no GPU).
+    The persistent grid is asked for by its path only."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.ampere")
     import torch
     from comfyui_sparse_attention.kernels import _hopper, compact_torch, token_sparse_gluon, token_sparse_torch
@@ -275,8 +282,9 @@ def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact)
     res = (torch.randn(b, h, n, d, generator=gen).to(torch.float8_e4m3fn), torch.rand(b, h, n, 1, generator=gen))
     seen = []
 
-    def stand_in(q_, k_, v_, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None):
-        seen.append(seg_ends is not None)
+    def stand_in(q_, k_, v_, out, q_groups, lists, seg_ends, kv_counts, *, scale, segment, residual=None, tiles=None,
+                 persistent=False):
+        seen.append((seg_ends is not None, persistent))
         ids = lists if seg_ends is None else compact_torch.decode_lists(lists, seg_ends, segment=segment)
         out.copy_(token_sparse_torch.token_sparse_attention(q_, k_, v_, q_groups, ids, kv_counts, scale=scale,
                                                             residual=residual))
@@ -284,11 +292,11 @@ def test_token_launch_hands_the_gluon_kernel_its_arguments(monkeypatch, compact)
     monkeypatch.setattr(_hopper, "use_gluon", lambda *a, **kw: True)
     monkeypatch.setattr(token_sparse_gluon, "attention", stand_in)
     if compact:
-        got = tt.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, scale=0.2, residual=res)
+        got = tt.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, scale=0.2, residual=res, path=path)
     else:
-        got = tt.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
+        got = tt.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res, path=path)
     want = token_sparse_torch.token_sparse_attention(q, k, v, groups, toks, cnt, scale=0.2, residual=res)
-    assert seen == [compact] and torch.allclose(got, want, atol=1e-5)
+    assert seen == [(compact, path == "gluon_persistent")] and torch.allclose(got, want, atol=1e-5)
 
 
 def test_a_failing_gluon_dense_call_falls_to_cudnn_at_once(monkeypatch):

@@ -1444,12 +1444,15 @@ def gluon_mass_reuse(q, k, v, idx, cnt, bq, path="gluon"):
     ("bnhd", torch.bfloat16, 128, "compact", "fp8", 2, 33001),  # the engine's own call: CFG batch, ComfyUI's views
 ])
 @pytest.mark.parametrize("off32", [False, True])
-def test_gluon_token_kernel_matches_twin(layout, dtype, d, lists, res_kind, b, n, off32, monkeypatch):
+@pytest.mark.parametrize("path", ["gluon", "gluon_persistent"])
+def test_gluon_token_kernel_matches_twin(layout, dtype, d, lists, res_kind, b, n, off32, path, monkeypatch):
     """kernels/token_sparse_gluon.py (cp.async gathers, the block kernel's consumers) against the twin and the pointer
     kernel: ragged N (the last group padded with -1), lists of every length (empty, one token, the whole sequence,
     129 = one tile and one slot, and random lengths), int32 and compact int16 lists (two segments past 32 768 tokens),
     each residual kind, ComfyUI's transposed (B, N, H, D) views, a batch of two, D 64 and 128, fp16 and bf16, the
-    loader's row offsets in 64 and in 32 bits (OFF32); rows of an empty list get exactly the residual (or 0)."""
+    loader's row offsets in 64 and in 32 bits (OFF32); rows of an empty list get exactly the residual (or 0). On its
+    own grid and on the persistent one, where each program takes several rows of these lengths in turn (one ring and
+    one query buffer carried across them)."""
     from comfyui_sparse_attention.kernels import token_sparse_gluon, token_sparse_triton
     monkeypatch.setattr(token_sparse_gluon, "OFF32", {"int32": off32, "compact": off32})
     from comfyui_sparse_attention.kernels.compact_torch import decode_lists
@@ -1473,11 +1476,11 @@ def test_gluon_token_kernel_matches_twin(layout, dtype, d, lists, res_kind, b, n
     res = make_residual(res_kind, q.shape, seed=n)
     kw = dict(residual=res, validate=False)
     if lists == "compact":
-        got = token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, path="gluon", **kw)
+        got = token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, path=path, **kw)
         ptr = token_sparse_triton.token_sparse_attention_compact(q, k, v, groups, low, ends, cnt, path="pointer", **kw)
     toks = decode_lists(low, ends).to(torch.int32).contiguous()
     if lists == "int32":
-        got = token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, cnt, path="gluon", **kw)
+        got = token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, cnt, path=path, **kw)
         ptr = token_sparse_triton.token_sparse_attention(q, k, v, groups, toks, cnt, path="pointer", **kw)
     twin = K.token_sparse_attention(q, k, v, groups, toks, cnt, backend="torch", residual=res)
     assert not torch.isnan(got).any()

@@ -116,11 +116,12 @@ def compile_gluon_anchor(*, d=128, block_k=128, dtype="bf16", fp8=True, mass=Tru
     return compile_one(mod._anchor_fwd, types, consts, pointers, conf, arch, source=GluonASTSource)
 
 
-def compile_gluon_token(*, d=128, residual=0, compact=False, dtype="bf16", tiles=None, off32=None, arch: int = 90):
+def compile_gluon_token(*, d=128, residual=0, compact=False, dtype="bf16", tiles=None, off32=None, persistent=False,
+                        arch: int = 90):
     """kernels/token_sparse_gluon.py's kernel compiled for one variant, as its ``attention`` launches it: head dim
     ``d``, residual 0 none / 1 model dtype / 2 fp8, int32 or compact int16 lists (two segments), bf16/fp16, ``tiles``
     (BLOCK_N, STAGES) or the module's for ``d``, ``off32`` the loader's 32-bit row offsets (None: the module's OFF32 for
-    the kind of list).
+    the kind of list), ``persistent`` the one-program-per-SM kernel (``_token_persistent``).
     Returns ``compile_one``'s dict (``tma`` is False: the loads are cp.async)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     mod = load("kernels.token_sparse_gluon")
@@ -128,14 +129,15 @@ def compile_gluon_token(*, d=128, residual=0, compact=False, dtype="bf16", tiles
     types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Out=f"*{dtype}",
                  R="*fp8e4nv" if residual == 2 else f"*{dtype}", RS="*fp32", QG="*i32",
                  TOK="*i16" if compact else "*i32", CNT="*i32", SEG="*i32", qk_scale="fp32")
-    warps, regs, consumer_regs = mod.LOADER
+    warps, regs, consumer_regs = mod.PERSISTENT_LOADER if persistent else mod.LOADER
     consts = dict(HEAD_D=d, BLOCK_N=bn, STAGES=stages, RESIDUAL=residual, N_SEG=2 if compact else 0,
                   SEGMENT=load("kernels.compact_torch").SEGMENT, LOADER_WARPS=warps, LOADER_REGS=regs,
                   CONSUMER_REGS=consumer_regs,
                   OFF32=mod.OFF32["compact" if compact else "int32"] if off32 is None else off32)
     conf = argparse.Namespace(num_warps=4, num_stages=1, maxnreg=None)
     divisible = ["Q", "K", "V", "Out", "R", "QG", "TOK", "CNT"] + [f"s{t}{a}" for t in "qkv" for a in "bhn"]
-    return compile_one(mod._token_fwd, types, consts, divisible, conf, arch, source=GluonASTSource)
+    kernel = mod._token_persistent if persistent else mod._token_fwd
+    return compile_one(kernel, types, consts, divisible, conf, arch, source=GluonASTSource)
 
 def jit_of(fn):
     """The JITFunction under autotune/heuristics wrappers."""
