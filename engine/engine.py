@@ -24,6 +24,7 @@ from ..kernels._checks import TRITON_HEAD_DIMS
 from .cache import Entry, SelectionCache, split_chunk
 from .config import SparseConfig
 from .context import CallContext
+from .device_pool import trim_pool
 from .layer_density import anchor_factor, head_densities, select_heads
 from .messages import oom_report
 from .policy import policy_for
@@ -330,29 +331,44 @@ class SparseEngine:
         return self._with_room(lambda: self._anchor(q, k, v, ctx, key, scale, dense_fn), "an anchor", q)
 
     def _with_room(self, fn, what: str, q: torch.Tensor, stop_prefetch: bool = False):
-        """``fn()``; when it runs out of memory, move half of the cache off the GPU and try again, then all of it (an
-        error after that, or with nothing to move, reaches the caller). ``what`` names the call in the warning
-        (logged once a run for each ``what``); ``stop_prefetch``: no more prefetched copies this run (for calls
-        that need room beside the cache's entry in use, which a prefetched copy of the next layer's would crowd)."""
-        for share in SPILL_SHARES:
+        """``fn()``; when it runs out of memory, hand cudaMallocAsync's idle pool memory back to the driver and try
+        again (once, where the pool holds enough: engine/device_pool.py), then move half of the cache off the GPU
+        and try again, then all of it (an error after that, or with nothing to move, reaches the caller). ``what``
+        names the call in the warning (logged once a run for each ``what``); ``stop_prefetch``: no more prefetched
+        copies this run (for calls that need room beside the cache's entry in use, which a prefetched copy of the
+        next layer's would crowd)."""
+        shares, trimmed = list(SPILL_SHARES), False
+        while shares or not trimmed:
             try:
                 return fn()
             except torch.OutOfMemoryError as exc:
                 # room is made after this block: inside it the traceback holds the failed attempt's tensors
                 why = oom_report(exc)
                 failed = exc.with_traceback(None)
+            if not trimmed:
+                trimmed = True
+                idle = trim_pool(q.device)
+                if idle:
+                    self._warn_room((what, "pool"), "out of memory at %s (%s) with %.0f MB idle in the allocator's "
+                                    "pool: handed it back to the driver and tried again", what, why, idle / 2**20)
+                    continue
             released = kernels.release_graphs()  # the grouping's graphs: their memory comes back first
-            freed = self.cache.spill(share, stop_prefetch=stop_prefetch)
+            freed = self.cache.spill(shares.pop(0), stop_prefetch=stop_prefetch)
             if not freed and not released:
                 failed.add_note(f"sparse attention: out of memory at {what}, with no cache left on the GPU to move")
                 raise failed
-            level = logging.DEBUG if what in self._spill_warned else logging.WARNING
-            self._spill_warned.add(what)
-            log.log(level, "sparse attention: out of memory at %s (%s); moved %.0f MB of cache off the GPU "
-                    "(a lower cache_budget_mb avoids this)", what, why, freed / 2**20)
+            self._warn_room(what, "out of memory at %s (%s); moved %.0f MB of cache off the GPU (a lower "
+                            "cache_budget_mb avoids this)", what, why, freed / 2**20)
             if q.is_cuda:
                 torch.cuda.empty_cache()
         return fn()
+
+    def _warn_room(self, key, msg: str, *args) -> None:
+        """A warning of ``_with_room``: once a run for each ``key`` (the call kind, and what was done), at debug
+        level after that."""
+        level = logging.DEBUG if key in self._spill_warned else logging.WARNING
+        self._spill_warned.add(key)
+        log.log(level, "sparse attention: " + msg, *args)
 
     def _dense(self, q, k, v, scale, dense_fn):
         if dense_fn is not None:

@@ -28,6 +28,7 @@ import threading
 import torch
 
 from ..engine import DeviceEngines, RunClock, SparseConfig
+from ..engine.device_pool import TRIM_MIN_BYTES, idle_pool_bytes, trim_pool
 from ..engine.messages import oom_report
 from ..engine.schedule import reuse_steps
 from .call import carries_mask, translate
@@ -455,18 +456,31 @@ class SparseAttentionPatch:
         to = args[3] if len(args) > 3 else kwargs.get("transformer_options")
         if isinstance(to, dict):
             run = self.run_of(to)
-            try:
-                return self._forward(run, executor, x, t, args, kwargs, to)
-            except torch.OutOfMemoryError as exc:
-                # the model ran out of GPU memory: if our cache holds some, move it off the GPU and run the
-                # forward once more; a cache must never end a run (docs/decisions.md, small cards)
-                why = oom_report(exc)  # a string: the exception itself keeps the failed attempt's frames
-                run = self.run_of(to)
-                freed = run.engines.relieve()
-                if not freed:
-                    raise
-            # the retry runs here, after the except block: inside it the exception's traceback keeps the failed
-            # attempt's frames, and with them its activations, on the GPU
+            trimmed = False
+            while True:
+                try:
+                    return self._forward(run, executor, x, t, args, kwargs, to)
+                except torch.OutOfMemoryError as exc:
+                    # the model ran out of GPU memory: where cudaMallocAsync's pool holds idle memory, hand it back
+                    # to the driver and run the forward again (once: engine/device_pool.py); else, if our cache holds
+                    # some, move it off the GPU and run the forward once more; a cache must never end a run
+                    # (docs/decisions.md, small cards)
+                    why = oom_report(exc)  # a string: the exception itself keeps the failed attempt's frames
+                    run = self.run_of(to)
+                    trim = not trimmed and idle_pool_bytes(x.device) >= TRIM_MIN_BYTES
+                    freed = 0 if trim else run.engines.relieve()
+                    if not trim and not freed:
+                        raise
+                # the retries run here, after the except block: inside it the exception's traceback keeps the
+                # failed attempt's frames, and with them its activations, on the GPU
+                if not trim:
+                    break
+                trimmed = True
+                idle = trim_pool(x.device)
+                run.count("the model ran out of GPU memory: the allocator's idle memory handed back")
+                self._log_once("model-oom-pool", "sparse attention: the model ran out of GPU memory (%s) with %.0f MB "
+                               "idle in the allocator's pool: handed it back to the driver and ran the step again",
+                               why, idle / 2**20, level=logging.WARNING)
             run.count("the model ran out of GPU memory: the cache moved to host memory")
             self._log_once("model-oom", "sparse attention: the model ran out of GPU memory (%s); freed %.0f MB of "
                            "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "

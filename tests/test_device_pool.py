@@ -1,0 +1,132 @@
+"""engine/device_pool.py (CPU, the CUDA allocator's counts simulated): cudaMallocAsync's idle pool memory is handed
+back to the driver before an out-of-memory error costs the cache, at an anchor (engine/engine.py ``_with_room``) and
+in the model's forward (nodes/patch.py ``apply_model``); the native allocator, which trims and retries itself, and
+other devices are left alone."""
+
+import logging
+
+import pytest
+import torch
+from test_engine import _oom_for, problem  # noqa: F401 - the fixture is used by name
+from test_patch_runs import SIGMAS, Executor, Guider, model_attention, qkv
+
+from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine
+from comfyui_sparse_attention.engine import device_pool
+from comfyui_sparse_attention.nodes import patch as patch_mod
+from comfyui_sparse_attention.nodes.patch import SparseAttentionPatch
+
+GIB = 1 << 30
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A pretend CUDA device whose allocator backend, reserved and used bytes the test sets; counts empty_cache and
+    garbage collections."""
+    state = dict(backend="cudaMallocAsync", reserved=10 * GIB, allocated=7 * GIB, trims=0, collections=0)
+
+    def empty_cache():
+        state["trims"] += 1
+        state["reserved"] = state["allocated"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: state["backend"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(device_pool.gc, "collect", lambda: state.__setitem__("collections", state["collections"] + 1))
+    return state
+
+
+def test_idle_pool_memory_is_handed_back_only_under_cudamallocasync(fake_cuda):
+    assert device_pool.idle_pool_bytes(CUDA) == 3 * GIB
+    assert device_pool.idle_pool_bytes(torch.device("cpu")) == 0  # another device: nothing to hand back
+    assert device_pool.trim_pool(CUDA) == 3 * GIB
+    assert fake_cuda["trims"] == 1 and fake_cuda["collections"] == 1 and device_pool.idle_pool_bytes(CUDA) == 0
+    # below the threshold a trim is not worth a device synchronisation
+    fake_cuda["reserved"] = fake_cuda["allocated"] + device_pool.TRIM_MIN_BYTES - 1
+    assert device_pool.trim_pool(CUDA) == 0 and fake_cuda["trims"] == 1
+    # the native allocator frees its cached blocks and retries by itself before it raises
+    fake_cuda.update(backend="native", reserved=20 * GIB)
+    assert device_pool.idle_pool_bytes(CUDA) == 0 and device_pool.trim_pool(CUDA) == 0 and fake_cuda["trims"] == 1
+
+
+def test_an_anchor_out_of_memory_hands_the_pool_back_before_it_spills_the_cache(problem, monkeypatch, caplog):  # noqa: F811
+    import comfyui_sparse_attention.engine.engine as engine_mod
+    handed = []
+    monkeypatch.setattr(engine_mod, "trim_pool", lambda device: handed.append(device) or 2 * GIB)
+    eng = SparseEngine(SparseConfig(method="mc_sparse", min_tokens=0, backend="torch", block_q=64, block_k=64,
+                                    warmup_steps=0, anchor_steps="0"))
+    eng.begin_run()
+    q, k, v = problem.qkv(0)
+    eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    calls = _oom_for(eng, monkeypatch, 1)
+    with caplog.at_level(logging.WARNING):
+        eng.attend(q, k, v, CallContext(layer=1, step=0, layout=problem.layout))
+    # the pool's idle memory went back and the anchor ran again: the cache kept everything on the device
+    assert len(calls) == 2 and len(handed) == 1 and eng.cache.info()["spills"] == 0
+    assert len(eng.cache.on_device) == 2
+    assert any("2048 MB idle in the allocator's pool" in r.getMessage() for r in caplog.records)
+    # a second failure at the same call spills as before (the pool is handed back once a call)
+    calls = _oom_for(eng, monkeypatch, 2)
+    eng.attend(q, k, v, CallContext(layer=2, step=0, layout=problem.layout))
+    assert len(calls) == 3 and len(handed) == 2 and eng.cache.info()["spills"] == 1
+    eng.end_run()
+
+
+def test_an_anchor_out_of_memory_without_idle_pool_memory_spills_at_once(problem, monkeypatch):  # noqa: F811
+    import comfyui_sparse_attention.engine.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "trim_pool", lambda device: 0)
+    eng = SparseEngine(SparseConfig(method="mc_sparse", min_tokens=0, backend="torch", block_q=64, block_k=64,
+                                    warmup_steps=0, anchor_steps="0"))
+    eng.begin_run()
+    q, k, v = problem.qkv(0)
+    eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    calls = _oom_for(eng, monkeypatch, 1)
+    eng.attend(q, k, v, CallContext(layer=1, step=0, layout=problem.layout))
+    assert len(calls) == 2 and eng.cache.info()["spills"] == 1
+    eng.end_run()
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_model_out_of_memory_hands_the_pool_back_then_moves_the_cache(monkeypatch, caplog, failures):
+    """The model's forward runs out of memory at step 2 ``failures`` times: the first retry follows handing the
+    pool's idle memory back (the cache stays on the device); a second failure moves the cache to host memory and
+    runs the step a third time."""
+    state = dict(idle=3 * GIB, trims=0)
+
+    def trim(device):
+        state["trims"] += 1
+        idle, state["idle"] = state["idle"], 0
+        return idle
+    monkeypatch.setattr(patch_mod, "idle_pool_bytes", lambda device: state["idle"])
+    monkeypatch.setattr(patch_mod, "trim_pool", trim)
+    patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
+                                              block_q=64, block_k=64))
+    guider, attempts, outs = Guider(), [], []
+
+    def model(x, t, transformer_options, step):
+        for layer in range(2):
+            q, k, v = qkv(layer, step)
+            outs.append(patch(model_attention, q, k, v, 2, transformer_options=transformer_options,
+                              skip_reshape=True, skip_output_reshape=True))
+        if step == 2:
+            attempts.append(1)
+            if len(attempts) <= failures:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    def run(noise, latent, sampler, sigmas):
+        for step in range(4):
+            to = dict(guider.model_options["transformer_options"])
+            to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
+            patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
+                              torch.zeros(1, 4, 16, 16), None, transformer_options=to)
+    with caplog.at_level(logging.WARNING):
+        patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+    assert len(attempts) == failures + 1 and state["trims"] == 1
+    assert patch.fallbacks.get("the model ran out of GPU memory: the allocator's idle memory handed back") == 1
+    moved = patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory")
+    assert moved == (1 if failures == 2 else None)
+    assert (patch.last_stats.cache["spills"] >= 1) == (failures == 2)
+    warned = [r.getMessage() for r in caplog.records if "3072 MB idle in the allocator's pool" in r.getMessage()]
+    assert len(warned) == 1 and "CUDA out of memory (test)" in warned[0]
+    assert all(torch.isfinite(o).all() for o in outs)
