@@ -4,11 +4,12 @@ ComfyUI runs PyTorch on its cudaMallocAsync backend. There, memory that tensors 
 driver's pool, and an allocation the pool and the driver cannot serve raises ``torch.OutOfMemoryError`` at once:
 unlike the native allocator, which frees its cached blocks and tries once more before raising, the async backend
 neither trims the pool nor retries (PyTorch's ``CUDAMallocAsyncAllocator``, ``mallocAsync``). Memory held idle in
-the pool, in pieces a large request does not fit, then ends a step that would fit once the pool hands it back.
+the pool, in pieces a large request does not fit, can then end a step that would fit once the pool hands it back.
 So both out-of-memory handlers (the model's forward, nodes/patch.py; an anchor, engine/engine.py ``_with_room``)
 first hand the pool's idle memory back (``torch.cuda.empty_cache``: a device synchronisation, then
 cudaMemPoolTrimTo(0)) and try again, and only when that fails move the cache to host memory, which costs every
-later step a host-to-device copy (docs/benchmarks.md, "The second anchor's out-of-memory error").
+later step a host-to-device copy (docs/decisions.md, "Out of memory under cudaMallocAsync: the pool's idle memory
+first, then the cache").
 """
 
 from __future__ import annotations
