@@ -470,7 +470,8 @@ def log_triton_compiles() -> bool:
 
 def trace_memory(eng) -> None:
     """--trace-memory: after every self-attention call the engine takes, log its step and layer, the device memory
-    allocated and reserved then (PyTorch's host-side counters: no device synchronisation), the driver's free memory
+    allocated and reserved then (PyTorch's counters; under cudaMallocAsync the pool's attributes as the driver keeps
+    them; no device synchronisation either way), the driver's free memory
     (cudaMemGetInfo, which does not synchronise either) and the cache's own bytes on the device
     and in host memory, so that memory held beyond the cache's accounting shows layer by layer (docs/benchmarks.md,
     "Issue 14's re-runs on the H200 with the Gluon kernels": mc_sparse's second anchor ran out of memory)."""

@@ -57,7 +57,7 @@ class SparseEngine:
         self._run_start: int | None = None  # the step of the run's first call (> 0: a later sampler of a split)
         self._first_sparse: int | None = None  # the run's first step with a sparse (anchor or reuse) call
         self._step: int | None = None
-        self._spill_warned: set = set()  # the kinds of call whose out-of-memory spill was logged this run
+        self._spill_warned: set = set()  # what _with_room logged this run: a kind of call, or (kind, "pool")
         self.last_stats: RunStats | None = None
         self.lock = threading.RLock()
         self._dense_layers: tuple = ((), frozenset())  # (cfg.dense_layers, the same as a set)

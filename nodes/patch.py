@@ -28,7 +28,7 @@ import threading
 import torch
 
 from ..engine import DeviceEngines, RunClock, SparseConfig
-from ..engine.device_pool import TRIM_MIN_BYTES, idle_pool_bytes, trim_pool
+from ..engine.device_pool import async_pool, trim_pool
 from ..engine.messages import oom_report
 from ..engine.schedule import reuse_steps
 from .call import carries_mask, translate
@@ -461,26 +461,33 @@ class SparseAttentionPatch:
                 try:
                     return self._forward(run, executor, x, t, args, kwargs, to)
                 except torch.OutOfMemoryError as exc:
-                    # the model ran out of GPU memory: where cudaMallocAsync's pool holds idle memory, hand it back
-                    # to the driver and run the forward again (once: engine/device_pool.py); else, if our cache holds
-                    # some, move it off the GPU and run the forward once more; a cache must never end a run
+                    # the model ran out of GPU memory: under cudaMallocAsync, first hand the pool's idle memory back
+                    # to the driver and run the forward again (once: engine/device_pool.py); then, if our cache
+                    # holds some, move it off the GPU and run the forward once more; a cache must never end a run
                     # (docs/decisions.md, small cards)
                     why = oom_report(exc)  # a string: the exception itself keeps the failed attempt's frames
                     run = self.run_of(to)
-                    trim = not trimmed and idle_pool_bytes(x.device) >= TRIM_MIN_BYTES
+                    trim = not trimmed and async_pool(x.device)
                     freed = 0 if trim else run.engines.relieve()
                     if not trim and not freed:
                         raise
+                    failed = exc.with_traceback(None)
                 # the retries run here, after the except block: inside it the exception's traceback keeps the
                 # failed attempt's frames, and with them its activations, on the GPU
                 if not trim:
                     break
                 trimmed = True
-                idle = trim_pool(x.device)
-                run.count("the model ran out of GPU memory: the allocator's idle memory handed back")
-                self._log_once("model-oom-pool", "sparse attention: the model ran out of GPU memory (%s) with %.0f MB "
-                               "idle in the allocator's pool: handed it back to the driver and ran the step again",
-                               why, idle / 2**20, level=logging.WARNING)
+                idle = trim_pool(x.device)  # measured after a collection, the failed attempt's tensors gone
+                if idle:
+                    run.count("the model ran out of GPU memory: the allocator's idle memory handed back")
+                    self._log_once("model-oom-pool", "sparse attention: the model ran out of GPU memory (%s) with "
+                                   "%.0f MB idle in the allocator's pool: handed it back to the driver and ran the "
+                                   "step again", why, idle / 2**20, level=logging.WARNING)
+                    continue
+                freed = run.engines.relieve()
+                if not freed:
+                    raise failed
+                break
             run.count("the model ran out of GPU memory: the cache moved to host memory")
             self._log_once("model-oom", "sparse attention: the model ran out of GPU memory (%s); freed %.0f MB of "
                            "cache on the GPU (moved to host memory; prefetching off for the rest of the run) and "

@@ -87,29 +87,31 @@ def test_an_anchor_out_of_memory_without_idle_pool_memory_spills_at_once(problem
     eng.end_run()
 
 
-@pytest.mark.parametrize("failures", [1, 2])
-def test_a_model_out_of_memory_hands_the_pool_back_then_moves_the_cache(monkeypatch, caplog, failures):
-    """The model's forward runs out of memory at step 2 ``failures`` times: the first retry follows handing the
-    pool's idle memory back (the cache stays on the device); a second failure moves the cache to host memory and
-    runs the step a third time."""
-    state = dict(idle=3 * GIB, trims=0)
+def model_run(monkeypatch, idle, failures, oom_step=2, first=False):
+    """A two-layer block_topk run of four steps whose forward at ``oom_step`` runs out of memory ``failures`` times
+    (after its attention calls; ``first``: before them), on a pretend cudaMallocAsync device whose pool holds
+    ``idle`` bytes (handed back once). Returns (patch, its counts: attempts at oom_step and trims, outputs); the
+    run's error, if any, propagates."""
+    state = dict(idle=idle, trims=0)
 
     def trim(device):
         state["trims"] += 1
-        idle, state["idle"] = state["idle"], 0
-        return idle
-    monkeypatch.setattr(patch_mod, "idle_pool_bytes", lambda device: state["idle"])
+        handed, state["idle"] = state["idle"], 0
+        return handed
+    monkeypatch.setattr(patch_mod, "async_pool", lambda device: True)
     monkeypatch.setattr(patch_mod, "trim_pool", trim)
     patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
                                               block_q=64, block_k=64))
     guider, attempts, outs = Guider(), [], []
 
     def model(x, t, transformer_options, step):
+        if first and step == oom_step:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
         for layer in range(2):
             q, k, v = qkv(layer, step)
             outs.append(patch(model_attention, q, k, v, 2, transformer_options=transformer_options,
                               skip_reshape=True, skip_output_reshape=True))
-        if step == 2:
+        if step == oom_step:
             attempts.append(1)
             if len(attempts) <= failures:
                 raise torch.OutOfMemoryError("CUDA out of memory (test)")
@@ -120,9 +122,21 @@ def test_a_model_out_of_memory_hands_the_pool_back_then_moves_the_cache(monkeypa
             to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
             patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
                               torch.zeros(1, 4, 16, 16), None, transformer_options=to)
-    with caplog.at_level(logging.WARNING):
+    try:
         patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
-    assert len(attempts) == failures + 1 and state["trims"] == 1
+    finally:
+        state["attempts"] = len(attempts)
+    return patch, state, outs
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_model_out_of_memory_hands_the_pool_back_then_moves_the_cache(monkeypatch, caplog, failures):
+    """The model's forward runs out of memory at step 2 ``failures`` times: the first retry follows handing the
+    pool's idle memory back (the cache stays on the device); a second failure moves the cache to host memory and
+    runs the step a third time."""
+    with caplog.at_level(logging.WARNING):
+        patch, state, outs = model_run(monkeypatch, 3 * GIB, failures)
+    assert state["attempts"] == failures + 1 and state["trims"] == 1
     assert patch.fallbacks.get("the model ran out of GPU memory: the allocator's idle memory handed back") == 1
     moved = patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory")
     assert moved == (1 if failures == 2 else None)
@@ -130,3 +144,18 @@ def test_a_model_out_of_memory_hands_the_pool_back_then_moves_the_cache(monkeypa
     warned = [r.getMessage() for r in caplog.records if "3072 MB idle in the allocator's pool" in r.getMessage()]
     assert len(warned) == 1 and "CUDA out of memory (test)" in warned[0]
     assert all(torch.isfinite(o).all() for o in outs)
+
+
+def test_a_model_out_of_memory_with_no_idle_pool_memory_moves_the_cache_at_once(monkeypatch):
+    """Nothing idle in the pool: the cache moves to host memory and the step runs once more (two attempts)."""
+    patch, state, _ = model_run(monkeypatch, 0, 1)
+    assert state["attempts"] == 2 and state["trims"] == 1
+    assert patch.fallbacks.get("the model ran out of GPU memory: the allocator's idle memory handed back") is None
+    assert patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory") == 1
+
+
+def test_a_model_out_of_memory_with_neither_idle_memory_nor_cache_reaches_the_caller(monkeypatch):
+    """The first step's forward fails before any attention call: nothing is cached and the pool holds nothing idle,
+    so the model's error reaches the sampler, with its message."""
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory \\(test\\)"):
+        model_run(monkeypatch, 0, 1, oom_step=0, first=True)
