@@ -15,7 +15,8 @@
 #                  PYTORCH_CUDA_ALLOC_CONF=backend:native runs it on the native allocator instead of cudaMallocAsync
 #   mc-hyv         (named only) HunyuanVideo with mc_sparse 0.1, the same pattern, dense from HYV_DENSE (MC_HYV_S, 200)
 #   mc-wan13b      (named only) Wan 2.1 1.3B with mc_sparse 0.1, the same pattern, dense from WAN13B_DENSE (MC13_S, 120)
-#   token-tests    (named only) the Gluon token kernel's GPU tests, its own grid and the persistent one (TOKEN_TESTS_S, 150)
+#   token-tests    (named only) the Gluon token kernel's GPU tests, its own grid and the persistent one (TOKEN_TESTS_S,
+#                  150; TOKEN_TESTS_K: another pytest -k)
 #   token-grids    (named only) bench/kernels.py --token-only --token-grids at Wan 1.3B, Wan 14B and HunyuanVideo: the
 #                  token kernel on both grids, int32 lists and the engine's compact lists with an fp8 residual (GRIDS_S, 150)
 # The dense steps default by card to this repository's runs on the same kind of card (dense_for); measured where none.
@@ -57,7 +58,7 @@ for p in ${PARTS:-kernels hyv-quality wan14b-methods wan14b-quality}; do
     mc-wan13b) part mc-wan13b "${MC13_S:-120}" "${e2e[@]}" --models wan13b --modes mc_sparse@0.1 \
       ${WAN13B_DENSE:+--reuse-dense "$WAN13B_DENSE"} ;;
     token-tests) part token-tests "${TOKEN_TESTS_S:-150}" python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py \
-      -p no:cacheprovider -k "gluon_token" ;;
+      -p no:cacheprovider -k "${TOKEN_TESTS_K:-gluon_token}" ;;
     token-grids) part token-grids "${GRIDS_S:-150}" python3 bench/kernels.py --out "$root/token-grids" \
       --shapes wan13b,wan14b,hyv --token-only --token-grids ;;
     *) echo "unknown part $p" >&2 ;;
