@@ -121,6 +121,30 @@ def _gather_tiles(k_base, v_base, skn, svn, k_bufs, v_bufs, k_ready, v_ready, k_
 
 
 @gluon.jit
+def _token_ring(Q, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
+    """Shared memory of both token kernels: the group's query buffer [GROUP, HEAD_D], the K and V rings [STAGES,
+    BLOCK_N, HEAD_D] (swizzled for wgmma) and the rings' barriers, initialised: "ready" completes with one cp.async
+    arrival per loader thread, "empty" once both consumers released the slot."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GROUP, HEAD_D], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [GROUP, HEAD_D], q_l)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(v_ready.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=2)
+    return q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
 def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
                sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, H, N_Q, G, MAX_K, qk_scale,
                HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESIDUAL: gl.constexpr,
@@ -139,23 +163,8 @@ def _token_fwd(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     tok_row = TOK + row * MAX_K
     seg_row = SEG + row * N_SEG
 
-    dtype: gl.constexpr = Q.dtype.element_ty
     half: gl.constexpr = GROUP // 2
-    smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GROUP, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [GROUP, HEAD_D], q_l)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
-        mbarrier.init(v_ready.index(s), count=LOADER_WARPS * 32)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(s), count=2)
+    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = _token_ring(Q, BLOCK_N, HEAD_D, STAGES, LOADER_WARPS)
 
     # the group's query rows (padding -1 reads zeros) into shared memory, by pointer: read once per program
     q_ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_D // 8), HEAD_D // 8], [4, 1], [1, 0])
@@ -263,25 +272,11 @@ def _token_persistent(Q, K, V, Out, R, RS, QG, TOK, CNT, SEG,
     row's gathers overlap this row's last tiles and epilogue, where ``_token_fwd`` pays a program's start (the query
     gather, the ring's first tiles) and its epilogue with the tensor cores idle once a row. Same arguments plus
     N_ROWS = B*H*G."""
-    dtype: gl.constexpr = Q.dtype.element_ty
     half: gl.constexpr = GROUP // 2
-    smem_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GROUP, HEAD_D], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [GROUP, HEAD_D], q_l)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], smem_l)
+    q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = _token_ring(Q, BLOCK_N, HEAD_D, STAGES, LOADER_WARPS)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(s), count=LOADER_WARPS * 32)  # one cp.async arrival per loader thread
-        mbarrier.init(v_ready.index(s), count=LOADER_WARPS * 32)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(s), count=2)
     mbarrier.init(q_ready, count=LOADER_WARPS * 32)
     mbarrier.init(q_empty, count=2)
     fence_async_shared()

@@ -50,15 +50,22 @@ def test_idle_pool_memory_is_handed_back_only_under_cudamallocasync(fake_cuda):
     assert device_pool.idle_pool_bytes(CUDA) == 0 and device_pool.trim_pool(CUDA) == 0 and fake_cuda["trims"] == 1
 
 
-def test_an_anchor_out_of_memory_hands_the_pool_back_before_it_spills_the_cache(problem, monkeypatch, caplog):  # noqa: F811
+def engine_with_one_entry(problem, monkeypatch, idle):  # noqa: F811
+    """An mc_sparse engine that anchored layer 0 at step 0, on a pretend device whose pool hands back ``idle`` bytes
+    each time it is asked (engine/engine.py's ``trim_pool``). Returns (engine, the devices trimmed, q, k, v)."""
     import comfyui_sparse_attention.engine.engine as engine_mod
     handed = []
-    monkeypatch.setattr(engine_mod, "trim_pool", lambda device: handed.append(device) or 2 * GIB)
+    monkeypatch.setattr(engine_mod, "trim_pool", lambda device: handed.append(device) or idle)
     eng = SparseEngine(SparseConfig(method="mc_sparse", min_tokens=0, backend="torch", block_q=64, block_k=64,
                                     warmup_steps=0, anchor_steps="0"))
     eng.begin_run()
     q, k, v = problem.qkv(0)
     eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    return eng, handed, q, k, v
+
+
+def test_an_anchor_out_of_memory_hands_the_pool_back_before_it_spills_the_cache(problem, monkeypatch, caplog):  # noqa: F811
+    eng, handed, q, k, v = engine_with_one_entry(problem, monkeypatch, 2 * GIB)
     calls = _oom_for(eng, monkeypatch, 1)
     with caplog.at_level(logging.WARNING):
         eng.attend(q, k, v, CallContext(layer=1, step=0, layout=problem.layout))
@@ -74,16 +81,10 @@ def test_an_anchor_out_of_memory_hands_the_pool_back_before_it_spills_the_cache(
 
 
 def test_an_anchor_out_of_memory_without_idle_pool_memory_spills_at_once(problem, monkeypatch):  # noqa: F811
-    import comfyui_sparse_attention.engine.engine as engine_mod
-    monkeypatch.setattr(engine_mod, "trim_pool", lambda device: 0)
-    eng = SparseEngine(SparseConfig(method="mc_sparse", min_tokens=0, backend="torch", block_q=64, block_k=64,
-                                    warmup_steps=0, anchor_steps="0"))
-    eng.begin_run()
-    q, k, v = problem.qkv(0)
-    eng.attend(q, k, v, CallContext(layer=0, step=0, layout=problem.layout))
+    eng, handed, q, k, v = engine_with_one_entry(problem, monkeypatch, 0)
     calls = _oom_for(eng, monkeypatch, 1)
     eng.attend(q, k, v, CallContext(layer=1, step=0, layout=problem.layout))
-    assert len(calls) == 2 and eng.cache.info()["spills"] == 1
+    assert len(calls) == 2 and len(handed) == 1 and eng.cache.info()["spills"] == 1
     eng.end_run()
 
 
