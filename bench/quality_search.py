@@ -71,8 +71,8 @@ def section(doc: dict) -> str:
              f"{m['method']} at average density {m['density']:g}; {m['steps']} steps, warm-up {m['warmup']}, anchors "
              f"{m['anchors']}" + (f" (anchor density factors {m['anchor_factors']}, in every row, uniform's too)"
                                    if m.get("anchor_factors") else "")
-             + f", blocks / groups of {m['size']}, residual on. Factors per head (mean 1: the computed "
-             f"density is the uniform one), moves of ±{m['step']:g} with the other heads rescaled"
+             + f", blocks / groups of {m['size']}, residual on. Factors per {m.get('scope') or 'head'} (mean 1: the "
+             f"computed density is the uniform one), moves of ±{m['step']:g} with the others rescaled"
              + (f", and each complete round also the optimum of the per-head quadratic model fitted to its moves "
                 f"(bench/search_model.py; every head changed by at most {m['radius']:g})"
                 if m.get("mode") == "quadratic" else "") + ", starting from "
@@ -132,6 +132,17 @@ def run(args) -> dict:
         raise SystemExit(f"--fit-seeds {fit_seeds} and --check-seeds {check_seeds} must not share a seed")
     anchors = ints(args.anchors)
     layers, heads = cfg.num_layers, cfg.num_heads
+    # the search's units: every head, or every layer (one factor for all its heads: 2 x layers sampling runs a round
+    # instead of 2 x layers x heads, the cost a large model can afford)
+    per_unit = heads if args.scope == "layer" else 1
+    units = layers * heads // per_unit
+
+    def expand(factors):  # per-unit factors -> per-head (layer-major); every unit has as many heads, so the mean stays
+        return [f for f in factors for _ in range(per_unit)]
+
+    def unit_name(i):
+        return f"{i}" if per_unit > 1 else f"{i // heads}.{i % heads}"
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -156,7 +167,8 @@ def run(args) -> dict:
     def score(factors, which="fit"):
         config = dict(base_fields)
         if factors is not None:
-            config["layer_densities"] = layer_density.layer_densities_dict(as_layer_densities(factors, heads))
+            config["layer_densities"] = layer_density.layer_densities_dict(
+                as_layer_densities(expand(factors), heads))
         attn = EngineAttention(config, args.steps, M.CONTEXT, dense_fn=M.sdpa_attention)
         with attn.run():
             video = sample(fit_seeds if which == "fit" else check_seeds, attn)
@@ -166,18 +178,19 @@ def run(args) -> dict:
                     density_sparse=attn.stats["density_sparse"])
 
     deadline = clock0 + args.budget_s
-    uniform = [1.0] * (layers * heads)
+    uniform = [1.0] * units
     uniform_fit = score(None)
     best, best_fit = uniform, uniform_fit
     say(f"uniform: fit PSNR {best_fit['psnr_mean']:.2f} dB (min {best_fit['psnr_min']:.2f})")
     if args.start:
         best = start_factors(args.start, layers, heads, layer_density.parse_layer_densities)
+        best = [sum(best[u * per_unit:(u + 1) * per_unit]) / per_unit for u in range(units)]  # a layer's mean
         outside = [f for f in best if not args.min_factor - 1e-6 <= f <= args.max_factor + 1e-6]
         if outside:
             raise SystemExit(f"--start: factors {outside} (after scaling to mean 1) lie outside [--min-factor "
                              f"{args.min_factor}, --max-factor {args.max_factor}]")
         best_fit = score(best)
-        say(f"start {layer_density.layer_densities_text(as_layer_densities(best, heads))}: fit PSNR "
+        say(f"start {layer_density.layer_densities_text(as_layer_densities(expand(best), heads))}: fit PSNR "
             f"{best_fit['psnr_mean']:.2f} dB")
     start_fit = best_fit if args.start else None  # what round 1's moves are measured against
     moves, rounds = [], []
@@ -188,7 +201,7 @@ def run(args) -> dict:
             for delta in (args.step, -args.step):
                 f = moved(best, i, delta, args.min_factor, args.max_factor)
                 if f is not None:
-                    cands.append((f"{i // heads}.{i % heads}{'+' if delta > 0 else '-'}", f))
+                    cands.append((f"{unit_name(i)}{'+' if delta > 0 else '-'}", f))
         scored = []
         for name, f in cands:
             if per_eval is not None and time.perf_counter() + per_eval > deadline:
@@ -203,7 +216,7 @@ def run(args) -> dict:
         complete = n_single == len(cands)
         predicted = None
         if args.mode == "quadratic" and complete and time.perf_counter() + (per_eval or 0) <= deadline:
-            names = [f"{i // heads}.{i % heads}" for i in range(len(best))]
+            names = [unit_name(i) for i in range(len(best))]
             model = fit({name: s["psnr_mean"] - best_fit["psnr_mean"] for _, name, _, s in scored}, args.step, names,
                         factors=best)
             deltas = solve(model, args.radius, dict(zip(names, best)), args.min_factor, args.max_factor)
@@ -234,8 +247,8 @@ def run(args) -> dict:
     result = {"uniform": {"fit": uniform_fit, "check": score(None, "check")},
               "searched": {"fit": best_fit, "check": score(best, "check")},
               **({"start_fit": start_fit} if start_fit is not None else {}),
-              "factors": [round(f, 4) for f in best],
-              "layer_densities": layer_density.layer_densities_text(as_layer_densities(best, heads))}
+              "factors": [round(f, 4) for f in expand(best)],
+              "layer_densities": layer_density.layer_densities_text(as_layer_densities(expand(best), heads))}
     u, s = result["uniform"]["check"], result["searched"]["check"]
     say(f"check videos: uniform {u['psnr_mean']:.2f} dB, searched {s['psnr_mean']:.2f} dB "
         f"({s['psnr_mean'] - u['psnr_mean']:+.2f}); factors {result['layer_densities']}")
@@ -245,7 +258,7 @@ def run(args) -> dict:
             "command": "python bench/quality_search.py " + " ".join(sys.argv[1:]), "method": args.method,
             "density": args.density, "steps": args.steps, "warmup": args.warmup, "anchors": anchors,
             "anchor_factors": args.anchor_factors,
-            "size": args.size, "step": args.step, "mode": args.mode,
+            "size": args.size, "step": args.step, "mode": args.mode, "scope": args.scope,
             "radius": args.radius if args.mode == "quadratic" else None,
             "fit_seeds": fit_seeds, "check_seeds": check_seeds,
             "start": args.start or None,
@@ -291,6 +304,8 @@ def main(argv=None):
                     "per-head quadratic model fitted to the round's moves (bench/search_model.py)")
     ap.add_argument("--radius", type=float, default=0.5,
                     help="--mode quadratic: the largest change of one head's factor in the model's allocation")
+    ap.add_argument("--scope", choices=("head", "layer"), default="head",
+                    help="what one move changes: one head's factor, or one layer's (all its heads alike)")
     ap.add_argument("--min-factor", type=float, default=0.25)
     ap.add_argument("--max-factor", type=float, default=4.0)
     ap.add_argument("--min-gain-db", type=float, default=0.05, help="a move must gain more than this on the fit set")

@@ -230,7 +230,7 @@ class SelectionCache:
         self.order_prev: list[tuple] = []
         self.order_now: list[tuple] = []
         self.counters = dict(offloaded=0, fetched=0, prefetched=0, fallbacks=0, residual_dropped=0, residual_packed=0,
-                             spills=0)
+                             spills=0, pool_trims=0)  # pool_trims: the engine's (engine/device_pool.py PoolWatch)
         self.peak_device = 0
         self.peak_cpu = 0
         self.auto_limit: int | None = None

@@ -24,7 +24,7 @@ from ..kernels._checks import TRITON_HEAD_DIMS
 from .cache import Entry, SelectionCache, split_chunk
 from .config import SparseConfig
 from .context import CallContext
-from .device_pool import trim_pool
+from .device_pool import PoolWatch, trim_pool
 from .layer_density import anchor_factor, head_densities, select_heads
 from .messages import oom_report
 from .policy import policy_for
@@ -58,6 +58,7 @@ class SparseEngine:
         self._first_sparse: int | None = None  # the run's first step with a sparse (anchor or reuse) call
         self._step: int | None = None
         self._spill_warned: set = set()  # what _with_room logged this run: a kind of call, or (kind, "pool")
+        self._pool_watch = PoolWatch()  # hands the allocator's idle pool back when the driver runs low (_attend)
         self.last_stats: RunStats | None = None
         self.lock = threading.RLock()
         self._dense_layers: tuple = ((), frozenset())  # (cfg.dense_layers, the same as a set)
@@ -103,6 +104,7 @@ class SparseEngine:
         self._run_start = self._first_sparse = None
         self._step = None
         self._spill_warned.clear()  # out-of-memory warnings, once a run for each kind of call (_with_room)
+        self._pool_watch.reset()
 
     # decisions
     def skip_reason(self, ctx: CallContext | None, n_q: int, n_k: int, head_dim: int) -> str | None:
@@ -196,6 +198,8 @@ class SparseEngine:
         n = q.shape[2]
         decision = self.decide(ctx, n) if k.shape[2] == n else DENSE
         dev = q.device
+        if dev.type == "cuda":
+            self._watch_pool(dev)
         if decision in (DENSE, FALLBACK):
             with self.stats.timed(ctx.layer, "attention", dev):
                 out = self._dense(q, k, v, scale, dense_fn)
@@ -363,10 +367,20 @@ class SparseEngine:
                 torch.cuda.empty_cache()
         return fn()
 
-    def _warn_room(self, key, msg: str, *args) -> None:
+    def _watch_pool(self, dev: torch.device) -> None:
+        """Hand cudaMallocAsync's idle pool memory back when the driver runs low (engine/device_pool.py
+        ``PoolWatch``), before an allocation of this call or of the model's next layer fails."""
+        idle = self._pool_watch.check(dev)
+        if idle:
+            self.cache.counters["pool_trims"] += 1
+            self._warn_room("pool watch", "the driver ran low on GPU memory while the allocator's pool held %.0f MB "
+                            "idle: handed it back (logged once a run; the run's summary counts them)", idle / 2**20,
+                            level=logging.INFO)
+
+    def _warn_room(self, key, msg: str, *args, level: int = logging.WARNING) -> None:
         """A warning of ``_with_room``: once a run for each ``key`` (the call kind, and what was done), at debug
         level after that."""
-        level = logging.DEBUG if key in self._spill_warned else logging.WARNING
+        level = logging.DEBUG if key in self._spill_warned else level
         self._spill_warned.add(key)
         log.log(level, "sparse attention: " + msg, *args)
 

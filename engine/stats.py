@@ -243,6 +243,8 @@ class RunStats:
         # "on the device": the model's device, which is the CPU itself on a run without a GPU
         cache = (f"cache peak {c.get('peak_device_bytes', 0) / 2**20:.0f} MiB on the device / "
                  f"{c.get('peak_cpu_bytes', 0) / 2**20:.0f} MiB in host memory" if c else "cache n/a")
+        if c.get("pool_trims"):
+            cache += f", allocator pool handed back {c['pool_trims']}x"  # engine/device_pool.py PoolWatch
         return (f"sparse attention: {t['calls']} calls ({t['dense']} dense, {t['anchors']} anchor, "
                 f"{t['reuses']} reuse ({t['replays']} replayed), {t['fallbacks']} fallback), "
                 f"density {t['density']:.3f}, anchor rel-L2 {fid}, "

@@ -21,9 +21,10 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """A pretend CUDA device whose allocator backend, reserved and used bytes the test sets; counts empty_cache and
-    garbage collections."""
-    state = dict(backend="cudaMallocAsync", reserved=10 * GIB, allocated=7 * GIB, trims=0, collections=0)
+    """A pretend CUDA device whose allocator backend, reserved and used bytes and the driver's free and total memory
+    the test sets; counts empty_cache and garbage collections."""
+    state = dict(backend="cudaMallocAsync", reserved=10 * GIB, allocated=7 * GIB, trims=0, collections=0,
+                 free=40 * GIB, total=80 * GIB)
 
     def empty_cache():
         state["trims"] += 1
@@ -33,6 +34,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
     monkeypatch.setattr(device_pool.gc, "collect", lambda: state.__setitem__("collections", state["collections"] + 1))
     return state
 
@@ -48,6 +50,73 @@ def test_idle_pool_memory_is_handed_back_only_under_cudamallocasync(fake_cuda):
     # the native allocator frees its cached blocks and retries by itself before it raises
     fake_cuda.update(backend="native", reserved=20 * GIB)
     assert device_pool.idle_pool_bytes(CUDA) == 0 and device_pool.trim_pool(CUDA) == 0 and fake_cuda["trims"] == 1
+
+
+class Clock:
+    """time.perf_counter for engine/device_pool.py, moved by the test."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_watch_hands_the_pool_back_only_when_the_driver_runs_low(fake_cuda, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(device_pool.time, "perf_counter", clock)
+    watch = device_pool.PoolWatch(interval_s=0.05, min_gap_s=1.0)
+    # plenty free on the driver: the pool's 3 GB idle stay (it serves the next calls without asking the driver)
+    assert watch.check(CUDA) == 0 and fake_cuda["trims"] == 0
+    # the driver runs low (below a tenth of the card): the idle memory goes back
+    fake_cuda["free"] = 6 * GIB
+    clock.now += 0.1
+    assert watch.check(CUDA) == 3 * GIB and fake_cuda["trims"] == 1 and watch.trims == 1
+    # the pool regrows at once, but the next trim waits min_gap_s (a trim synchronises the device) ...
+    fake_cuda["reserved"] = fake_cuda["allocated"] + 2 * GIB
+    clock.now += 0.5
+    assert watch.check(CUDA) == 0 and fake_cuda["trims"] == 1
+    clock.now += 0.6
+    assert watch.check(CUDA) == 2 * GIB and watch.trims == 2 and watch.trimmed_bytes == 5 * GIB
+    # ... and the driver is asked at most every interval_s
+    fake_cuda["reserved"] = fake_cuda["allocated"] + 4 * GIB
+    clock.now += 1.01
+    fake_cuda["free"] = 40 * GIB
+    assert watch.check(CUDA) == 0
+    fake_cuda["free"] = 1 * GIB
+    clock.now += 0.01
+    assert watch.check(CUDA) == 0  # inside interval_s of the last look
+    clock.now += 0.05
+    assert watch.check(CUDA) == 4 * GIB
+    # too little idle to be worth a synchronisation; the native allocator; another device
+    clock.now += 2
+    fake_cuda["reserved"] = fake_cuda["allocated"] + device_pool.TRIM_MIN_BYTES - 1
+    assert watch.check(CUDA) == 0
+    clock.now += 2
+    fake_cuda.update(backend="native", reserved=30 * GIB)
+    assert watch.check(CUDA) == 0 and watch.check(torch.device("cpu")) == 0 and fake_cuda["trims"] == 3
+    watch.reset()
+    assert watch.trims == 0 and watch.trimmed_bytes == 0
+
+
+def test_the_engine_watch_counts_its_trims_in_the_run_summary(problem, monkeypatch, fake_cuda, caplog):  # noqa: F811
+    clock = Clock()
+    monkeypatch.setattr(device_pool.time, "perf_counter", clock)
+    eng = SparseEngine(SparseConfig(method="block_topk", min_tokens=0, backend="torch", block_q=64, block_k=64))
+    eng.begin_run()
+    fake_cuda["free"] = 2 * GIB
+    with caplog.at_level(logging.DEBUG):
+        eng._watch_pool(CUDA)
+        clock.now += 5
+        fake_cuda["reserved"] = fake_cuda["allocated"] + 2 * GIB
+        eng._watch_pool(CUDA)
+    said = [r for r in caplog.records if "allocator's pool held" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO, logging.DEBUG]  # told once a run, then quietly
+    assert "3072 MB idle" in said[0].getMessage()
+    assert eng.cache.info()["pool_trims"] == 2
+    assert "allocator pool handed back 2x" in eng.end_run().summary_line()
+    eng.begin_run()  # a new run counts afresh
+    assert eng.cache.info()["pool_trims"] == 0
 
 
 def engine_with_one_entry(problem, monkeypatch, idle):  # noqa: F811

@@ -69,6 +69,29 @@ def test_search_end_to_end_on_the_fake_testbed(tmp_path):
     assert md.startswith("### A search on the output") and "| uniform |" in md and "| searched |" in md
 
 
+def test_layer_scope_moves_every_head_of_a_layer_together(tmp_path):
+    """--scope layer: a round samples two moves per layer (not per head), the model's allocation is fitted on layers,
+    and every head of a layer ends with its layer's factor."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
+           "--random-init-small", "--steps", "3", "--warmup", "0", "--anchors", "0", "--density", "0.25",
+           "--fit-seeds", "0", "--check-seeds", "2", "--rounds", "1", "--min-gain-db", "-1000", "--device", "cpu",
+           "--scope", "layer", "--mode", "quadratic", "--start", "{0: [0.5, 1.5]}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "search.json").read_text())
+    layers, heads = doc["meta"]["testbed"]["layers"], doc["meta"]["testbed"]["heads"]
+    singles = [m["move"] for m in doc["moves"] if m["move"][-1] in "+-"]
+    assert sorted(singles) == sorted(f"{layer}{sign}" for layer in range(layers) for sign in "+-")
+    assert any(m["move"].startswith("model") for m in doc["moves"])  # the quadratic model, fitted on layers
+    factors = doc["result"]["factors"]
+    assert len(factors) == layers * heads and abs(sum(factors) / len(factors) - 1.0) < 1e-3
+    per_layer = [factors[layer * heads:(layer + 1) * heads] for layer in range(layers)]
+    assert all(len(set(f)) == 1 for f in per_layer)  # --start's heads 0.5 / 1.5 became their layer's mean
+    assert doc["rounds"][0]["taken"] and doc["meta"]["scope"] == "layer"
+    assert "Factors per layer" in (out / "search.md").read_text()
+
+
 def test_search_starts_from_given_factors(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(BENCH / "quality_search.py"), "--testbed", str(FAKE_TESTBED), "--out", str(out),
