@@ -20,6 +20,8 @@
 #   token-grids    (named only) bench/kernels.py --token-only --token-grids at Wan 1.3B, Wan 14B and HunyuanVideo: the
 #                  token kernel on both grids, int32 lists and the engine's compact lists with an fp8 residual (GRIDS_S, 150)
 # The dense steps default by card to this repository's runs on the same kind of card (dense_for); measured where none.
+# BUNDLE names another bundle for the model runs (e.g. one without comfy-kitchen, where no part runs Sol-Attn, to
+# leave room in the carry for .carry/quality).
 # Results under $OUT/rerun/<part>/, packed into $OUT/rerun.tar.gz.
 #   [PARTS="kernels hyv-quality"] bash bench/device_rerun.sh
 set -uo pipefail
@@ -40,7 +42,7 @@ dense_for() {  # dense_for MODEL: an earlier e2e.json with MODEL's dense rows, t
 WAN14B_DENSE=${WAN14B_DENSE-$(dense_for wan14b)}
 HYV_DENSE=${HYV_DENSE-$(dense_for hyv)}
 WAN13B_DENSE=${WAN13B_DENSE-$(dense_for wan13b)}
-e2e=(env BUNDLE=.carry/bundle.tar.xz bash bench/device_e2e.sh --pattern ArAr --total-steps 30 --log-compiles)
+e2e=(env BUNDLE="${BUNDLE:-.carry/bundle.tar.xz}" bash bench/device_e2e.sh --pattern ArAr --total-steps 30 --log-compiles)
 for p in ${PARTS:-kernels hyv-quality wan14b-methods wan14b-quality}; do
   case $p in
     kernels) part kernels "${KERNELS_S:-200}" python3 bench/kernels.py --out "$root/kernels" \
