@@ -86,6 +86,8 @@ class PoolWatch:
         now = time.perf_counter()
         if now < self._next_look or now < self._next_trim or not async_pool(device):
             return 0
+        if torch.cuda.is_current_stream_capturing():  # a CUDA graph being recorded (a compiled model's): no sync
+            return 0
         self._next_look = now + self.interval_s
         free, total = torch.cuda.mem_get_info(device)
         if free >= LOW_FREE_SHARE * total:

@@ -24,7 +24,7 @@ def fake_cuda(monkeypatch):
     """A pretend CUDA device whose allocator backend, reserved and used bytes and the driver's free and total memory
     the test sets; counts empty_cache and garbage collections."""
     state = dict(backend="cudaMallocAsync", reserved=10 * GIB, allocated=7 * GIB, trims=0, collections=0,
-                 free=40 * GIB, total=80 * GIB)
+                 free=40 * GIB, total=80 * GIB, capturing=False)
 
     def empty_cache():
         state["trims"] += 1
@@ -35,6 +35,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(device_pool.gc, "collect", lambda: state.__setitem__("collections", state["collections"] + 1))
     return state
 
@@ -88,6 +89,11 @@ def test_the_watch_hands_the_pool_back_only_when_the_driver_runs_low(fake_cuda, 
     assert watch.check(CUDA) == 0  # inside interval_s of the last look
     clock.now += 0.05
     assert watch.check(CUDA) == 4 * GIB
+    # not while a CUDA graph is being recorded (a trim synchronises the device)
+    clock.now += 2
+    fake_cuda.update(capturing=True, reserved=fake_cuda["allocated"] + 4 * GIB)
+    assert watch.check(CUDA) == 0
+    fake_cuda["capturing"] = False
     # too little idle to be worth a synchronisation; the native allocator; another device
     clock.now += 2
     fake_cuda["reserved"] = fake_cuda["allocated"] + device_pool.TRIM_MIN_BYTES - 1
