@@ -65,12 +65,25 @@ def trim_pool(device: torch.device) -> int:
     return idle
 
 
+def room(device: torch.device) -> tuple[int, int]:
+    """(bytes the pool can still take from the driver, the bytes it may hold in all) on CUDA ``device``: the driver's
+    free memory and the card, or, under a per-process cap (``torch.cuda.set_per_process_memory_fraction``, the
+    simulated small cards of bench/e2e.py --vram-gb), what the cap leaves beyond the pool's reservation and the cap."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)(device)
+    if fraction < 1.0:
+        cap = int(fraction * total)
+        return min(free, max(0, cap - torch.cuda.memory_reserved(device))), cap
+    return free, total
+
+
 class PoolWatch:
     """Hands cudaMallocAsync's idle pool memory back to the driver before an allocation fails, not after (module
     docstring). ``check(device)`` is cheap enough for every attention call: it reads the driver's free memory at most
     every ``interval_s`` and trims at most every ``min_gap_s`` (a trim synchronises the device, and the pool regrows
-    what the next calls need from the driver), only when the driver's free memory is below LOW_FREE_SHARE of the card
-    and the pool holds at least TRIM_MIN_BYTES idle. ``trims``: how often it trimmed since ``reset``."""
+    what the next calls need from the driver), only when what the pool can still take (``room``: the driver's free
+    memory, or a per-process cap's) is below LOW_FREE_SHARE of the card (or of the cap) and the pool holds at least
+    TRIM_MIN_BYTES idle. ``trims``: how often it trimmed since ``reset``."""
 
     def __init__(self, interval_s: float = 0.05, min_gap_s: float = 1.0):
         self.interval_s, self.min_gap_s = interval_s, min_gap_s
@@ -89,7 +102,7 @@ class PoolWatch:
         if torch.cuda.is_current_stream_capturing():  # a CUDA graph being recorded (a compiled model's): no sync
             return 0
         self._next_look = now + self.interval_s
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = room(device)
         if free >= LOW_FREE_SHARE * total:
             return 0
         idle = idle_pool_bytes(device)

@@ -24,7 +24,8 @@ def fake_cuda(monkeypatch):
     """A pretend CUDA device whose allocator backend, reserved and used bytes and the driver's free and total memory
     the test sets; counts empty_cache and garbage collections."""
     state = dict(backend="cudaMallocAsync", reserved=10 * GIB, allocated=7 * GIB, trims=0, collections=0,
-                 free=40 * GIB, total=80 * GIB, capturing=False)
+                 free=40 * GIB, total=80 * GIB, capturing=False,
+                 fraction=1.0)
 
     def empty_cache():
         state["trims"] += 1
@@ -36,6 +37,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: state["fraction"])
     monkeypatch.setattr(device_pool.gc, "collect", lambda: state.__setitem__("collections", state["collections"] + 1))
     return state
 
@@ -103,6 +105,20 @@ def test_the_watch_hands_the_pool_back_only_when_the_driver_runs_low(fake_cuda, 
     assert watch.check(CUDA) == 0 and watch.check(torch.device("cpu")) == 0 and fake_cuda["trims"] == 3
     watch.reset()
     assert watch.trims == 0 and watch.trimmed_bytes == 0
+
+
+def test_under_a_per_process_cap_the_watch_counts_the_room_the_cap_leaves(fake_cuda, monkeypatch):
+    """A simulated 16 GB card on an 80 GB one (bench/e2e.py --vram-gb): the driver has plenty free, but the pool may
+    not grow past the cap, so what counts is the cap less the pool's reservation."""
+    clock = Clock()
+    monkeypatch.setattr(device_pool.time, "perf_counter", clock)
+    fake_cuda.update(fraction=0.2, free=60 * GIB, allocated=10 * GIB, reserved=15 * GIB)
+    assert device_pool.room(CUDA) == (1 * GIB, 16 * GIB)
+    watch = device_pool.PoolWatch()
+    assert watch.check(CUDA) == 5 * GIB and fake_cuda["trims"] == 1  # 1 GB left under the cap, 5 GB idle
+    clock.now += 2
+    fake_cuda["reserved"] = 13 * GIB  # 3 GB under the cap: above a tenth of 16 GB, nothing to do
+    assert device_pool.room(CUDA) == (3 * GIB, 16 * GIB) and watch.check(CUDA) == 0
 
 
 def test_the_engine_watch_counts_its_trims_in_the_run_summary(problem, monkeypatch, fake_cuda, caplog):  # noqa: F811
