@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from test_engine import _oom_for, problem  # noqa: F401 - the fixture is used by name
-from test_patch_runs import SIGMAS, Executor, Guider, model_attention, qkv
+from test_patch_runs import model_attention, qkv, sample_with
 
 from comfyui_sparse_attention.engine import CallContext, SparseConfig, SparseEngine
 from comfyui_sparse_attention.engine import device_pool
@@ -194,7 +194,7 @@ def model_run(monkeypatch, idle, failures, oom_step=2, first=False):
     monkeypatch.setattr(patch_mod, "trim_pool", trim)
     patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
                                               block_q=64, block_k=64))
-    guider, attempts, outs = Guider(), [], []
+    attempts, outs = [], []
 
     def model(x, t, transformer_options, step):
         if first and step == oom_step:
@@ -208,14 +208,8 @@ def model_run(monkeypatch, idle, failures, oom_step=2, first=False):
             if len(attempts) <= failures:
                 raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    def run(noise, latent, sampler, sigmas):
-        for step in range(4):
-            to = dict(guider.model_options["transformer_options"])
-            to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
-            patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
-                              torch.zeros(1, 4, 16, 16), None, transformer_options=to)
     try:
-        patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+        sample_with(patch, model)
     finally:
         state["attempts"] = len(attempts)
     return patch, state, outs

@@ -75,6 +75,20 @@ def sample(patch, seed, wait=None):
     return outs
 
 
+def sample_with(patch, model, steps=4):
+    """A sampling run of ``steps`` steps through the OUTER_SAMPLE and APPLY_MODEL wrappers whose forward is
+    ``model(x, t, transformer_options, step)`` (it makes its own attention calls, and may raise)."""
+    guider = Guider()
+
+    def run(noise, latent, sampler, sigmas):
+        for step in range(steps):
+            to = dict(guider.model_options["transformer_options"])
+            to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
+            patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
+                              torch.zeros(1, 4, 16, 16), None, transformer_options=to)
+    patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+
+
 def test_runs_overlapping_in_time_keep_their_own_caches():
     alone = {seed: sample(SparseAttentionPatch(CFG), seed) for seed in (1, 2)}
     shared = SparseAttentionPatch(CFG)  # both samplers use clones of one patched model: one patch object

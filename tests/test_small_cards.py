@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_patch_runs import SIGMAS, Executor, Guider, model_attention, qkv
+from test_patch_runs import model_attention, qkv, sample_with
 
 from comfyui_sparse_attention.engine import SparseConfig, TokenLayout, cache as cache_mod
 from comfyui_sparse_attention.engine.cache import Entry, SelectionCache
@@ -193,7 +193,7 @@ def test_relieve_frees_prefetched_copies_and_the_whole_device_cache(monkeypatch)
 def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again(caplog):
     patch = SparseAttentionPatch(SparseConfig(method="block_topk", density=0.25, min_tokens=0, backend="torch",
                                               block_q=64, block_k=64))
-    guider, failed, outs = Guider(), [], []
+    failed, outs = [], []
 
     def model(x, t, transformer_options, step):
         activation = torch.zeros(8)  # stands for the forward's activations on the GPU
@@ -207,13 +207,7 @@ def test_an_out_of_memory_model_step_moves_the_cache_and_runs_again(caplog):
             failed.append(weakref.ref(activation))
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    def run(noise, latent, sampler, sigmas):
-        for step in range(4):
-            to = dict(guider.model_options["transformer_options"])
-            to.update(sigmas=SIGMAS[step:step + 1], sample_sigmas=SIGMAS, cond_or_uncond=[0])
-            patch.apply_model(Executor(lambda x, t, transformer_options, s=step: model(x, t, transformer_options, s)),
-                              torch.zeros(1, 4, 16, 16), None, transformer_options=to)
-    patch.outer_sample(Executor(run, guider), None, None, None, SIGMAS)
+    sample_with(patch, model)
     assert failed and len(outs) == 2 * 5  # step 2 ran twice
     assert patch.fallbacks.get("the model ran out of GPU memory: the cache moved to host memory") == 1
     assert patch.last_stats.cache["spills"] >= 1
