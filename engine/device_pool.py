@@ -83,14 +83,14 @@ class PoolWatch:
     every ``interval_s`` and trims at most every ``min_gap_s`` (a trim synchronises the device, and the pool regrows
     what the next calls need from the driver), only when what the pool can still take (``room``: the driver's free
     memory, or a per-process cap's) is below LOW_FREE_SHARE of the card (or of the cap) and the pool holds at least
-    TRIM_MIN_BYTES idle. ``trims``: how often it trimmed since ``reset``."""
+    TRIM_MIN_BYTES idle (the engine counts the trims: engine/engine.py ``_watch_pool``)."""
 
     def __init__(self, interval_s: float = 0.05, min_gap_s: float = 1.0):
         self.interval_s, self.min_gap_s = interval_s, min_gap_s
         self.reset()
 
     def reset(self) -> None:
-        self.trims, self.trimmed_bytes = 0, 0
+        """A new run: look and trim at once, whatever the last run did."""
         self._next_look = self._next_trim = 0.0
 
     def check(self, device: torch.device) -> int:
@@ -110,6 +110,4 @@ class PoolWatch:
             return 0
         torch.cuda.empty_cache()
         self._next_trim = time.perf_counter() + self.min_gap_s
-        self.trims += 1
-        self.trimmed_bytes += idle
         return idle

@@ -378,8 +378,8 @@ class SparseEngine:
                             level=logging.INFO)
 
     def _warn_room(self, key, msg: str, *args, level: int = logging.WARNING) -> None:
-        """A warning of ``_with_room``: once a run for each ``key`` (the call kind, and what was done), at debug
-        level after that."""
+        """A message of the engine's memory handling (``_with_room``, ``_watch_pool``): at ``level`` once a run for each
+        ``key`` (the call kind and what was done, or the watch), at debug level after that."""
         level = logging.DEBUG if key in self._spill_warned else level
         self._spill_warned.add(key)
         log.log(level, "sparse attention: " + msg, *args)
